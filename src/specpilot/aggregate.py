@@ -1,0 +1,332 @@
+"""``specpilot table``: aggregate records into the study table (``results/{gpu}/table.csv``).
+
+One row per cell (deployment, benchmark, concurrency) plus summary rows. For each candidate engine
+(``stock``, ``specpilot``) in a cell:
+
+- per-request speedup = AR ``decode_s`` / engine ``decode_s`` for the same ``request_id`` (the two
+  must have the same ``new_tokens``, else the table fails: a greedy lossless engine cannot differ);
+  ``{engine}_speedup`` is the geometric mean of the per-request speedups;
+- ``{engine}_speedup_arith``: ratio of arithmetic means of time per output token
+  (mean AR ``decode_s/new_tokens`` over mean engine ``decode_s/new_tokens``; the z-lab convention);
+- ``{engine}_tau``: mean over all verify steps of the cell of tokens committed per step (bonus
+  included), i.e. sum of ``committed_per_step`` over total ``verify_steps``;
+  ``{engine}_tau_req``: mean over requests of each request's own mean (the z-lab convention);
+- ``{engine}_tok_s``: sum of new tokens / sum of decode seconds; ``ar_tok_s`` likewise for AR;
+- ``{engine}_forcing``: ``pass``/``FAIL``/``not run`` from the cell's ``.forcing.json``. A cell
+  whose forcing failed leaves that engine's speedup and tau empty: a lossy engine's speed is no
+  result.
+
+``forcing`` combines the engines of the cell (``FAIL`` if any failed, ``pass`` if all that ran
+passed, else ``not run``). Summary rows have ``benchmark = geomean``: the geometric mean over the
+benchmarks of each (deployment, concurrency), and over every cell of a concurrency with
+``deployment = all``. A summary value is empty when any cell it covers is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from .errors import SpecpilotError
+from .io import atomic_write_text, read_json
+from .records import Record, read_records
+
+BENCHMARK_ORDER = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+CANDIDATES = ["stock", "specpilot"]
+SUMMARY = "geomean"
+ALL = "all"
+
+COLUMNS = [
+    "deployment", "target", "drafter", "benchmark", "concurrency", "n_requests", "ar_tok_s",
+    "stock_speedup", "specpilot_speedup", "stock_tau", "specpilot_tau", "forcing", "note",
+    "synthetic",
+]
+_PER_ENGINE = ["speedup_arith", "tau_req", "tok_s", "forcing"]
+
+_FORCING_NAME = re.compile(r"^(?P<engine>[A-Za-z0-9_]+)-c(?P<concurrency>\d+)\.forcing\.json$")
+
+Cell = tuple[str, str, int]  # (deployment, benchmark, concurrency)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--records", nargs="+", required=True,
+                        help="records files (results/{gpu}/{deployment}/{benchmark}/{engine}-c{c}.jsonl)")
+    parser.add_argument("--forcing", nargs="*", default=[],
+                        help="forcing verdicts (.../{engine}-c{c}.forcing.json beside the records)")
+    parser.add_argument("--out", required=True, help="output CSV, e.g. results/{gpu}/table.csv")
+    parser.add_argument("--specpilot-note", default="specpilot not run",
+                        help="note for cells without specpilot records (why it was not run)")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def forcing_key(path: str | Path) -> tuple[Cell, str]:
+    """(cell, engine) of a forcing file from its path ``.../{deployment}/{benchmark}/{engine}-c{c}.forcing.json``."""
+    p = Path(path)
+    m = _FORCING_NAME.match(p.name)
+    if not m or len(p.parts) < 3:
+        raise SpecpilotError(
+            f"forcing file {path} is not named .../{{deployment}}/{{benchmark}}/{{engine}}-c{{concurrency}}.forcing.json")
+    return (p.parent.parent.name, p.parent.name, int(m["concurrency"])), m["engine"]
+
+
+def read_forcing(paths: Iterable[str | Path]) -> dict[tuple[Cell, str], dict]:
+    """Forcing verdicts keyed by (cell, engine); each value has ``passed`` and ``violations``."""
+    out = {}
+    for path in paths:
+        key = forcing_key(path)
+        doc = read_json(path)
+        if not isinstance(doc, dict) or "passed" not in doc:
+            raise SpecpilotError(f"{path} has no 'passed' field")
+        out[key] = doc
+    return out
+
+
+def group_records(records: Iterable[Record]) -> dict[Cell, dict[str, list[Record]]]:
+    """Records grouped by cell, then engine; a request id twice in one cell and engine is an error."""
+    cells: dict[Cell, dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+    seen = set()
+    for r in records:
+        key = (r.deployment, r.benchmark, int(r.concurrency), r.engine, r.request_id)
+        if key in seen:
+            raise SpecpilotError(f"request {r.request_id} appears twice for engine {r.engine} in cell "
+                                 f"{r.deployment}/{r.benchmark}/c{r.concurrency}")
+        seen.add(key)
+        cells[(r.deployment, r.benchmark, int(r.concurrency))][r.engine].append(r)
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def geomean(values: Iterable[float]) -> float:
+    """Geometric mean; NaN when empty or when any value is NaN or not positive."""
+    vals = list(values)
+    if not vals or any(not (v > 0) or math.isinf(v) for v in vals):  # NaN fails v > 0
+        return math.nan
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def tau_over_steps(records: list[Record]) -> float:
+    """Mean committed tokens per verify step over all steps of all records (bonus included)."""
+    steps = sum(len(r.committed_per_step) for r in records)
+    return sum(sum(r.committed_per_step) for r in records) / steps if steps else math.nan
+
+
+def tau_per_request(records: list[Record]) -> float:
+    """Mean over requests of each request's mean committed tokens per step."""
+    taus = [r.tau for r in records if r.committed_per_step]
+    return sum(taus) / len(taus) if taus else math.nan
+
+
+def tok_s(records: list[Record]) -> float:
+    secs = sum(r.decode_s for r in records)
+    return sum(r.new_tokens for r in records) / secs if secs > 0 else math.nan
+
+
+def paired_speedups(ar: list[Record], eng: list[Record], where: str) -> tuple[float, float, int]:
+    """(geometric-mean speedup, ratio-of-arithmetic-means speedup, requests left out).
+
+    Requests whose decode time is zero on either side (a single generated token) have no defined
+    speedup and are left out of both means.
+
+    Raises:
+        SpecpilotError: the two request sets differ, or a request's ``new_tokens`` differ.
+    """
+    a = {r.request_id: r for r in ar}
+    e = {r.request_id: r for r in eng}
+    if a.keys() != e.keys():
+        only_a = sorted(a.keys() - e.keys())[:5]
+        only_e = sorted(e.keys() - a.keys())[:5]
+        raise SpecpilotError(f"{where}: request ids differ from AR's (only in ar: {only_a}, "
+                             f"only in {eng[0].engine if eng else 'engine'}: {only_e})")
+    ratios, tpot_a, tpot_e, left_out = [], [], [], 0
+    for rid in sorted(a):
+        ra, re_ = a[rid], e[rid]
+        if ra.new_tokens != re_.new_tokens:
+            raise SpecpilotError(f"{where}: request {rid} has new_tokens {re_.new_tokens} for "
+                                 f"{re_.engine} but {ra.new_tokens} for ar; a lossless greedy engine "
+                                 f"must produce the same tokens")
+        if ra.decode_s <= 0 or re_.decode_s <= 0 or ra.new_tokens <= 0:
+            left_out += 1
+            continue
+        ratios.append(ra.decode_s / re_.decode_s)
+        tpot_a.append(ra.decode_s / ra.new_tokens)
+        tpot_e.append(re_.decode_s / re_.new_tokens)
+    arith = (sum(tpot_a) / sum(tpot_e)) if tpot_e else math.nan
+    return geomean(ratios), arith, left_out
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+def _forcing_word(doc: dict | None) -> str:
+    if doc is None:
+        return "not run"
+    return "pass" if doc.get("passed") else "FAIL"
+
+
+def combine_forcing(words: Iterable[str]) -> str:
+    words = list(words)
+    if "FAIL" in words:
+        return "FAIL"
+    if words and all(w == "pass" for w in words):
+        return "pass"
+    return "not run"
+
+
+def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[Cell, str], dict],
+             specpilot_note: str) -> dict:
+    """One table row for ``cell`` from its records by engine and the forcing verdicts."""
+    deployment, benchmark, concurrency = cell
+    where = f"cell {deployment}/{benchmark}/c{concurrency}"
+    if "ar" not in engines:
+        raise SpecpilotError(f"{where}: no AR records; every speedup is relative to AR")
+    ar = engines["ar"]
+    candidates = CANDIDATES + sorted(e for e in engines if e not in CANDIDATES and e != "ar")
+    named = next((engines[e][0] for e in candidates if engines.get(e)), ar[0])
+    row: dict = {
+        "deployment": deployment, "target": ar[0].target, "drafter": named.drafter,
+        "benchmark": benchmark, "concurrency": concurrency, "n_requests": len(ar),
+        "ar_tok_s": tok_s(ar),
+        "synthetic": any(r.synthetic for recs in engines.values() for r in recs),
+    }
+    notes, words = [], []
+    for eng in candidates:
+        recs = engines.get(eng)
+        for suffix in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]:
+            row[f"{eng}_{suffix}"] = math.nan
+        if not recs:
+            row[f"{eng}_forcing"] = "not run"
+            notes.append(specpilot_note if eng == "specpilot" else f"{eng} not run")
+            continue
+        doc = forcing.get((cell, eng))
+        word = _forcing_word(doc)
+        row[f"{eng}_forcing"] = word
+        words.append(word)
+        if word == "FAIL":
+            notes.append(f"{eng} forcing FAIL ({doc.get('violations', '?')} violations): "
+                         f"speedup withheld")
+            continue
+        geo, arith, left_out = paired_speedups(ar, recs, where)
+        row.update({f"{eng}_speedup": geo, f"{eng}_speedup_arith": arith,
+                    f"{eng}_tau": tau_over_steps(recs), f"{eng}_tau_req": tau_per_request(recs),
+                    f"{eng}_tok_s": tok_s(recs)})
+        if left_out:
+            notes.append(f"{eng}: {left_out} request(s) without decode time left out of speedups")
+        if word == "not run":
+            notes.append(f"{eng} forcing not run")
+    row["forcing"] = combine_forcing(words)
+    row["note"] = "; ".join(notes)
+    return row
+
+
+def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols: list[str],
+                specpilot_note: str = "") -> dict:
+    """The ``benchmark = geomean`` row over ``rows`` (cells of one concurrency)."""
+    def same_or_all(col):
+        vals = {r[col] for r in rows}
+        return vals.pop() if len(vals) == 1 else ALL
+
+    out = {"deployment": deployment, "target": same_or_all("target"),
+           "drafter": same_or_all("drafter"), "benchmark": SUMMARY, "concurrency": concurrency,
+           "n_requests": sum(r["n_requests"] for r in rows),
+           "synthetic": any(r["synthetic"] for r in rows)}
+    notes = []
+    for col in value_cols:
+        vals = [r[col] for r in rows]
+        out[col] = geomean(vals)
+        empty = sum(1 for v in vals if not (v == v))
+        if empty and empty < len(vals) and col.endswith("_speedup"):
+            notes.append(f"{col} empty: {empty} of {len(vals)} cells have none")
+    for col in [c for c in rows[0] if c.endswith("_forcing")]:
+        out[col] = combine_forcing(r[col] for r in rows)
+    out["forcing"] = combine_forcing(r["forcing"] for r in rows)
+    if out["forcing"] == "FAIL":
+        notes.append("forcing FAIL in " + ", ".join(
+            f"{r['deployment']}/{r['benchmark']}" for r in rows if r["forcing"] == "FAIL"))
+    if specpilot_note and all(r.get("specpilot_forcing") == "not run"
+                              and not (r.get("specpilot_speedup") == r.get("specpilot_speedup"))
+                              for r in rows) and any(specpilot_note in r["note"] for r in rows):
+        notes.append(specpilot_note)
+    out["note"] = "; ".join(notes)
+    return out
+
+
+def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict] | None = None,
+                specpilot_note: str = "specpilot not run") -> pd.DataFrame:
+    """The study table (cells and summary rows) as a DataFrame with :data:`COLUMNS` first."""
+    forcing = forcing or {}
+    cells = group_records(records)
+    if not cells:
+        raise SpecpilotError("no records to aggregate")
+    for key in forcing:
+        if key[0] not in cells:
+            raise SpecpilotError(f"forcing verdict for {key[1]} in cell {'/'.join(map(str, key[0]))} "
+                                 f"has no records")
+    dep_order: list[str] = []
+    for dep, _, _ in cells:
+        if dep not in dep_order:
+            dep_order.append(dep)
+
+    def bench_key(b):
+        return (BENCHMARK_ORDER.index(b), b) if b in BENCHMARK_ORDER else (len(BENCHMARK_ORDER), b)
+
+    rows_by_cell = {cell: cell_row(cell, engines, forcing, specpilot_note)
+                    for cell, engines in cells.items()}
+    candidates = sorted({c[: -len("_forcing")] for r in rows_by_cell.values() for c in r
+                         if c.endswith("_forcing")},
+                        key=lambda e: (CANDIDATES.index(e) if e in CANDIDATES else len(CANDIDATES), e))
+    value_cols = ["ar_tok_s"] + [f"{e}_{s}" for e in candidates
+                                 for s in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]]
+    # every row gets every candidate's columns (an engine may be absent from some cells)
+    for r in rows_by_cell.values():
+        for e in candidates:
+            for s in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]:
+                r.setdefault(f"{e}_{s}", math.nan)
+            r.setdefault(f"{e}_forcing", "not run")
+
+    table: list[dict] = []
+    concurrencies = sorted({c for _, _, c in cells})
+    for dep in dep_order:
+        for conc in concurrencies:
+            rows = [rows_by_cell[c] for c in sorted(
+                (c for c in cells if c[0] == dep and c[2] == conc), key=lambda c: bench_key(c[1]))]
+            if not rows:
+                continue
+            table.extend(rows)
+            table.append(summary_row(rows, dep, conc, value_cols, specpilot_note))
+    for conc in concurrencies:
+        rows = [r for c, r in rows_by_cell.items() if c[2] == conc]
+        table.append(summary_row(rows, ALL, conc, value_cols, specpilot_note))
+
+    extra = [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + \
+            [f"{e}_{s}" for e in candidates for s in ["speedup", "tau"] if f"{e}_{s}" not in COLUMNS]
+    cols = COLUMNS + [c for c in dict.fromkeys(extra) if c not in COLUMNS]
+    return pd.DataFrame(table, columns=cols)
+
+
+def write_table(df: pd.DataFrame, path: str | Path) -> None:
+    """Write the table as CSV atomically; empty cells (NaN) are written as empty fields."""
+    atomic_write_text(path, df.to_csv(index=False, float_format="%.6g", na_rep=""))
+
+
+def run(args: argparse.Namespace) -> int:
+    records: list[Record] = []
+    for path in args.records:
+        records.extend(read_records(path))
+    df = build_table(records, read_forcing(args.forcing), args.specpilot_note)
+    write_table(df, args.out)
+    n_cells = int((df["benchmark"] != SUMMARY).sum())
+    print(f"{n_cells} cells, {len(df) - n_cells} summary rows -> {args.out}")
+    return 0

@@ -1,0 +1,71 @@
+"""``specpilot run``: one engine over a prompt file into a records file (written atomically)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..errors import SpecpilotError
+from ..io import read_json
+from ..records import write_records
+from .serve import ENGINES, EngineSpec, pick_device, pick_dtype, read_prompts, serve
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, choices=ENGINES)
+    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--drafter", help="drafter checkpoint directory (stock, specpilot)")
+    p.add_argument("--prompts", required=True, help="prompt file from 'specpilot prompts'")
+    p.add_argument("--out", required=True, help="records file to write (JSON lines)")
+    p.add_argument("--deployment", default="custom")
+    p.add_argument("--target-name", help="target name for the records (default: --target)")
+    p.add_argument("--drafter-name", default="dflash")
+    p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16")
+    p.add_argument("--weight-format", default=None, help="bf16 or w12 (overrides the engine config)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop a request at EOS (the study ignores EOS)")
+    p.add_argument("--limit", type=int, help="serve only the first N prompts")
+    p.add_argument("--max-seq", type=int, help="KV-cache slots per request (default: what the prompts need, "
+                   "at most the target's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    from ..deployment import load_deployment
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.max_new_tokens < 1:
+        raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    config = dict(read_json(args.engine_config)) if args.engine_config else {}
+    if not isinstance(config, dict):
+        raise SpecpilotError(f"{args.engine_config} must hold a JSON object")
+    config = config.get("engine_config", config)
+    if args.weight_format:
+        config["weight_format"] = args.weight_format
+    block = int(config.pop("block_size", args.block_size))
+    spec = EngineSpec(engine=args.engine, block_size=block, config=config)
+    prompts = read_prompts(args.prompts, args.limit)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    dep = load_deployment(args.target, args.drafter if args.engine in ("stock", "specpilot") else None,
+                          device=device, dtype=dtype, config=config)
+    records = serve(spec, dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency,
+                    meta={"deployment": args.deployment, "target": args.target_name or args.target,
+                          "drafter": args.drafter_name if args.engine != "lookup" else "lookup", "gpu": args.gpu},
+                    eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq)
+    write_records(args.out, records)
+    taus = [t for r in records for t in r.committed_per_step]
+    print(json.dumps({"engine": args.engine, "requests": len(records),
+                      "tau": round(sum(taus) / max(len(taus), 1), 3),
+                      "decode_s": round(sum(r.decode_s for r in records), 3)}))
+    return 0

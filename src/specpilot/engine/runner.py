@@ -1,0 +1,110 @@
+"""Target runner: the static-cache target model plus per-row committed lengths.
+
+Operations (all shapes static per batch): prefill prompts, decode one token, verify a block or
+tree of candidates, commit/roll back to a committed length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import SpecpilotError
+from ..models.layers import chain_ancestors, tree_ancestors
+from ..models.qwen3 import Transformer
+
+
+def clock(device: torch.device) -> float:
+    """Seconds from a monotonic clock, after synchronizing ``device`` (CUDA) so time is real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class TargetRunner:
+    """Drives a :class:`Transformer` over a batch of rows with independent committed lengths.
+
+    ``length[b]`` is the number of positions of row b whose K/V are in the cache and committed.
+    """
+
+    def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = ()):
+        self.model = model
+        self.batch, self.max_seq, self.capture = batch, max_seq, tuple(capture)
+        self.device = model.lm_head.weight.device
+        model.setup_cache(batch, max_seq)
+        self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def _check_room(self, n: int) -> None:
+        need = int(self.length.max()) + n
+        if need > self.max_seq:
+            raise SpecpilotError(f"sequence needs {need} KV-cache slots but the cache holds {self.max_seq}")
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], pad_id: int = 0):
+        """Process prompts (right-padded into one block) from an empty cache.
+
+        Returns:
+            last_logits [B, vocab] at each prompt's last token, features [B, Tmax, F] (None
+            without capture), and lengths int64 [B]. Sets ``length`` to the prompt lengths.
+        """
+        B = len(prompts)
+        if B != self.batch:
+            raise SpecpilotError(f"prefill got {B} prompts for a batch of {self.batch}")
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        if int(lengths.min()) == 0:
+            raise SpecpilotError("empty prompt")
+        T = int(lengths.max())
+        if T > self.max_seq:
+            raise SpecpilotError(f"prompt of {T} tokens exceeds the KV cache of {self.max_seq} slots")
+        tokens = torch.full((B, T), pad_id, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        self.length.zero_()
+        logits, feats = self.model(tokens, self.length, chain_ancestors(B, T, self.device), capture=self.capture)
+        self.length.copy_(lengths)
+        return logits[torch.arange(B, device=self.device), lengths - 1], feats, lengths
+
+    @torch.inference_mode()
+    def verify(self, block: torch.Tensor, parents: torch.Tensor | None = None):
+        """Run candidates [B, N] (chain, or a tree given parents [B, N]) at the committed lengths.
+
+        The cache holds their K/V afterwards, but ``length`` does not move: call :meth:`commit`.
+        Returns logits [B, N, vocab] and captured features [B, N, F] (or None).
+        """
+        B, N = block.shape
+        self._check_room(N)
+        if parents is None:
+            anc, depth = chain_ancestors(B, N, self.device), None
+        else:
+            anc, depth = tree_ancestors(parents)
+        return self.model(block, self.length, anc, depth, capture=self.capture)
+
+    def decode(self, tokens: torch.Tensor):
+        """Decode one token per row (tokens int64 [B]); commits it. Returns logits [B, vocab]."""
+        logits, _ = self.verify(tokens[:, None])
+        self.length += 1
+        return logits[:, 0]
+
+    def commit(self, counts: torch.Tensor, path_slots: torch.Tensor | None = None) -> None:
+        """Keep ``counts[b]`` block entries of row b and roll back the rest.
+
+        For a tree, ``path_slots`` int64 [B, P] lists the accepted nodes' block indices in order;
+        their K/V are moved to contiguous slots so the cache stays chain-shaped.
+        """
+        if path_slots is not None:
+            rows, src, dst = [], [], []
+            for b in range(self.batch):
+                for j in range(int(counts[b])):
+                    s = int(path_slots[b, j])
+                    if s != j:
+                        rows.append(b), src.append(int(self.length[b]) + s), dst.append(int(self.length[b]) + j)
+            if rows:
+                dev = self.device
+                self.model.cache.move(torch.tensor(rows, device=dev), torch.tensor(src, device=dev),
+                                      torch.tensor(dst, device=dev))
+        self.length += counts.to(self.device)
+
+    def rollback(self, length: torch.Tensor) -> None:
+        """Set the committed length of every row (int64 [B]); later slots become invisible."""
+        self.length.copy_(length.to(self.device))

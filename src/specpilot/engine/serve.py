@@ -1,0 +1,137 @@
+"""Serve a prompt file with one engine and turn the results into per-request records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from ..errors import SpecpilotError
+from ..models.dflash import DFlashDrafter
+from ..models.qwen3 import Transformer
+from ..records import Record
+from .generate import RowResult, accept_greedy, generate_ar, generate_speculative
+from .proposers import DFlashProposer, LookupProposer
+from .runner import TargetRunner
+
+ENGINES = ("ar", "stock", "lookup", "specpilot")
+
+
+@dataclass
+class EngineSpec:
+    """Which loop to run and with what settings.
+
+    ``config`` is recorded verbatim as ``engine_config``: block size, mechanisms, parameters.
+    """
+
+    engine: str
+    block_size: int = 8
+    config: dict = field(default_factory=dict)
+    accept: Callable = accept_greedy
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise SpecpilotError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
+        if self.engine != "ar" and self.block_size < 2:
+            raise SpecpilotError(f"block size must be >= 2, got {self.block_size}")
+
+
+def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None,
+                   prompts: list[list[int]], max_new_tokens: int, max_seq: int,
+                   eos_id: int | None = None, profile: bool = True) -> list[RowResult]:
+    """Run one batch of prompts (decoded together) through the engine ``spec``."""
+    capture = tuple(drafter.config.target_layer_ids) if (drafter is not None and spec.engine != "ar") else ()
+    runner = TargetRunner(target, len(prompts), max_seq, capture)
+    if spec.engine == "ar":
+        return generate_ar(runner, prompts, max_new_tokens, eos_id)
+    if spec.engine == "lookup":
+        proposer = LookupProposer(int(spec.config.get("max_ngram", 3)))
+    else:
+        if drafter is None:
+            raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
+        proposer = DFlashProposer(drafter)
+    return generate_speculative(runner, proposer, prompts, max_new_tokens, spec.block_size, eos_id,
+                                accept=spec.accept, profile=profile)
+
+
+def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, prompts: list[dict],
+          max_new_tokens: int, concurrency: int, meta: dict, eos_id: int | None = None,
+          max_seq: int | None = None, warmup: bool = True, progress: bool = True) -> list[Record]:
+    """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) in batches of ``concurrency``.
+
+    Args:
+        meta: record fields fixed for the run: deployment, target, drafter, gpu.
+        max_seq: KV-cache slots; default = longest prompt + max_new_tokens + block size, capped at
+            the target's ``max_position_embeddings``.
+    Raises:
+        SpecpilotError: empty prompt list, a prompt that does not fit the KV cache, bad concurrency.
+    """
+    if not prompts:
+        raise SpecpilotError("the prompt file holds no prompts")
+    if concurrency < 1:
+        raise SpecpilotError(f"concurrency must be >= 1, got {concurrency}")
+    for p in prompts:
+        if not p.get("prompt_ids"):
+            raise SpecpilotError(f"request {p.get('request_id')!r} has an empty prompt")
+    room = max_new_tokens + spec.block_size + 1
+    longest = max(len(p["prompt_ids"]) for p in prompts)
+    max_seq = max_seq or min(longest + room, target.config.max_position_embeddings)
+    for p in prompts:
+        if len(p["prompt_ids"]) + room > max_seq:
+            raise SpecpilotError(
+                f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {room} decode slots "
+                f"exceeds the KV cache of {max_seq} slots")
+    if warmup:  # first forwards pay one-time allocation costs; keep them out of the timings
+        generate_batch(spec, target, drafter, [prompts[0]["prompt_ids"]], min(8, max_new_tokens), max_seq, eos_id)
+    records = []
+    batches = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    for batch in tqdm(batches, desc=f"{spec.engine} c{concurrency}", unit="batch", disable=not progress):
+        rows = generate_batch(spec, target, drafter, [p["prompt_ids"] for p in batch], max_new_tokens,
+                              max_seq, eos_id)
+        for p, r in zip(batch, rows):
+            records.append(Record(
+                request_id=p["request_id"], benchmark=p["benchmark"], engine=spec.engine,
+                concurrency=concurrency, prompt_tokens=len(p["prompt_ids"]), new_tokens=len(r.output_ids),
+                prefill_s=r.prefill_s, decode_s=r.decode_s, verify_steps=r.verify_steps,
+                committed_per_step=r.committed_per_step, output_ids=r.output_ids,
+                engine_config={"block_size": spec.block_size if spec.engine != "ar" else 1, **spec.config},
+                draft_s=r.draft_s, verify_s=r.verify_s, synthetic=bool(meta.get("synthetic", False)),
+                deployment=meta["deployment"], target=meta["target"],
+                drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"]))
+    return records
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu; errors on an unavailable explicit choice."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecpilotError(f"device {name!r} requested but CUDA is not available")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise SpecpilotError(f"unknown device {name!r}; use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> fp32 on CPU, bf16 on CUDA."""
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise SpecpilotError(f"unknown dtype {name!r}; use auto, fp32 or bf16")
+    return table[name]
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read a prompt file (JSON lines with request_id, benchmark, prompt_ids)."""
+    from ..io import read_jsonl
+
+    rows = read_jsonl(path)
+    for i, r in enumerate(rows):
+        for key in ("request_id", "benchmark", "prompt_ids"):
+            if key not in r:
+                raise SpecpilotError(f"{path}:{i + 1} lacks field {key!r}")
+    return rows[:limit] if limit else rows

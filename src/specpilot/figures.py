@@ -1,0 +1,192 @@
+"""``specpilot figures``: the study figures from ``table.csv``.
+
+Writes ``speedup.png`` (speedup over AR per benchmark, stock vs specpilot), ``tau.png``
+(acceptance length per benchmark) and ``concurrency.png`` (speedup vs concurrency) into the output
+folder. Readable in grayscale: engines differ by gray level and hatching (bars) or line style and
+marker (lines). A value the table leaves empty (engine not run, or token forcing failed) is drawn as
+absent, labelled ``n/a`` or ``FAIL``, never as zero. ``rounds.png`` in the same folder belongs to the
+agent rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from .errors import SpecpilotError
+
+ENGINE_STYLE = {
+    # engine: (face gray, hatch, line style, marker)
+    "stock": ("0.45", "//", "-", "o"),
+    "specpilot": ("0.85", "..", "--", "s"),
+}
+SUMMARY = "geomean"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--table", required=True, help="results/{gpu}/table.csv")
+    parser.add_argument("--out-dir", required=True, help="output folder, e.g. results/{gpu}/figures")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "hatch.linewidth": 0.6, "savefig.dpi": 150})
+    return plt
+
+
+def _isnum(v) -> bool:
+    return isinstance(v, (int, float)) and not math.isnan(v)
+
+
+def _save(fig, path: Path) -> None:
+    """Save via a temporary name in the same folder, then rename (no half-written PNG)."""
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, bbox_inches="tight")
+    tmp.replace(path)
+
+
+def _absent_label(row, engine: str) -> str:
+    return "FAIL" if row.get(f"{engine}_forcing") == "FAIL" else "n/a"
+
+
+def _notes(df: pd.DataFrame) -> list[str]:
+    notes = []
+    for engine in ENGINE_STYLE:
+        col = f"{engine}_speedup"
+        if col in df and df[col].isna().all():
+            why = sorted({n for n in df["note"].fillna("") if engine in n}) or [f"{engine} not run"]
+            notes.append(f"{engine}: no values ({why[0].split(';')[0].strip()})")
+    if (df.get("forcing") == "FAIL").any():
+        notes.append("FAIL: token forcing failed, speed withheld")
+    if df.get("synthetic", pd.Series(dtype=bool)).astype(str).str.lower().eq("true").any():
+        notes.append("some cells use a synthetic (replay) drafter")
+    return notes
+
+
+def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: Path,
+                  baseline: float | None) -> None:
+    """Grouped bars per benchmark (+ geomean), one panel per deployment, at the lowest concurrency."""
+    plt = _plt()
+    conc = int(df["concurrency"].min())
+    d = df[(df["concurrency"] == conc) & (df["deployment"] != "all")]
+    deployments = list(dict.fromkeys(d["deployment"]))
+    fig, axes = plt.subplots(len(deployments), 1, figsize=(7.5, 2.6 * len(deployments)),
+                             squeeze=False)
+    width = 0.38
+    for ax, dep in zip(axes[:, 0], deployments):
+        rows = d[d["deployment"] == dep].reset_index(drop=True)
+        labels = list(rows["benchmark"])
+        top = 0.0
+        for k, (engine, (gray, hatch, _, _)) in enumerate(ENGINE_STYLE.items()):
+            col = f"{engine}_{metric}"
+            labelled = False
+            for i, row in rows.iterrows():
+                x = i + (k - 0.5) * width
+                v = row.get(col, math.nan)
+                if _isnum(v):
+                    ax.bar(x, v, width, color=gray, hatch=hatch, edgecolor="black", linewidth=0.6,
+                           label=None if labelled else engine)
+                    labelled = True
+                    top = max(top, v)
+                else:
+                    ax.text(x, 0.02, _absent_label(row, engine), rotation=90, ha="center",
+                            va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
+        if baseline is not None:
+            ax.axhline(baseline, color="black", linewidth=0.8, linestyle=":")
+            ax.text(0.0, baseline, "AR ", transform=ax.get_yaxis_transform(), va="center", ha="right", fontsize=7)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylim(0, max(top, baseline or 0, 1.0) * 1.12)
+        target, drafter = rows.loc[0, "target"], rows.loc[0, "drafter"]
+        ax.set_title(f"{dep}  (target {target}, drafter {drafter}, concurrency {conc})", fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("benchmark")
+        handles, names = ax.get_legend_handles_labels()
+        seen = dict(zip(names, handles))
+        for engine, (gray, hatch, _, _) in ENGINE_STYLE.items():
+            if engine not in seen:
+                seen[engine + " (no values)"] = plt.Rectangle((0, 0), 1, 1, facecolor="white",
+                                                              edgecolor="0.6", linestyle="--")
+        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.04, 1.0))
+    notes = _notes(d)
+    fig.suptitle(title, fontsize=10)
+    if notes:
+        fig.text(0.01, -0.01, "\n".join(notes), fontsize=7, va="top")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def speedup_vs_concurrency(df: pd.DataFrame, path: Path) -> None:
+    """Geometric-mean speedup over AR against concurrency, one line per deployment and engine."""
+    plt = _plt()
+    s = df[df["benchmark"] == SUMMARY]
+    deployments = [d for d in dict.fromkeys(s["deployment"]) if d != "all"] or ["all"]
+    grays = [str(g) for g in ([0.0] if len(deployments) == 1 else
+                              [round(0.65 * i / (len(deployments) - 1), 2) for i in range(len(deployments))])]
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    drawn = 0
+    for dep, gray in zip(deployments, grays):
+        rows = s[s["deployment"] == dep].sort_values("concurrency")
+        for engine, (_, _, ls, marker) in ENGINE_STYLE.items():
+            col = f"{engine}_speedup"
+            if col not in rows:
+                continue
+            pts = [(c, v) for c, v in zip(rows["concurrency"], rows[col]) if _isnum(v)]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, linestyle=ls, marker=marker, color=gray, markerfacecolor="white"
+                    if engine == "specpilot" else gray, label=f"{dep} {engine}")
+            drawn += 1
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    concs = sorted(set(int(c) for c in s["concurrency"]))
+    ax.set_xticks(concs)
+    ax.set_xlabel("concurrency (requests decoded together)")
+    ax.set_ylabel("speedup over AR (×, geomean over benchmarks)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Speedup over AR vs concurrency", fontsize=10)
+    if drawn:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    notes = _notes(s)
+    if not drawn:
+        notes.insert(0, "no speedup values to draw")
+    if notes:
+        fig.text(0.01, -0.01, "\n".join(notes), fontsize=7, va="top")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def draw_all(table: str | Path, out_dir: str | Path) -> list[Path]:
+    """Draw the three figures from ``table`` into ``out_dir``; returns their paths."""
+    try:
+        df = pd.read_csv(table, keep_default_na=False, na_values=[""])
+    except FileNotFoundError:
+        raise SpecpilotError(f"file not found: {table}") from None
+    needed = {"deployment", "target", "drafter", "benchmark", "concurrency", "forcing", "note"}
+    if missing := needed - set(df.columns):
+        raise SpecpilotError(f"{table} lacks column(s) {sorted(missing)}")
+    if df.empty:
+        raise SpecpilotError(f"{table} has no rows")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "speedup.png", out / "tau.png", out / "concurrency.png"]
+    per_benchmark(df, "speedup", "speedup over AR (×, geomean)",
+                  "Speedup over autoregressive decoding (per-request geometric mean)", paths[0], 1.0)
+    per_benchmark(df, "tau", "τ (tokens / verify step)",
+                  "Acceptance length τ: committed tokens per verify step, bonus included", paths[1], 1.0)
+    speedup_vs_concurrency(df, paths[2])
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    for p in draw_all(args.table, args.out_dir):
+        print(p)
+    return 0

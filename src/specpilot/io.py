@@ -1,0 +1,77 @@
+"""Atomic file output and JSON-lines input.
+
+Every result file is written to a temporary file in the same directory and renamed into place,
+so a killed run never leaves a half-written result that a rerun would mistake for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import SpecpilotError
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file in the same directory + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write one JSON document atomically (indented, keys in insertion order)."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> None:
+    """Write JSON lines atomically: one compact JSON object per line."""
+    atomic_write_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read one JSON document; a missing or corrupt file raises SpecpilotError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SpecpilotError(f"file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise SpecpilotError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSON-lines file into a list of dicts.
+
+    Raises:
+        SpecpilotError: the file is missing, or a line is not a JSON object (line number given).
+    """
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SpecpilotError(f"{path}:{i} is not valid JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise SpecpilotError(f"{path}:{i} is not a JSON object")
+                rows.append(row)
+    except FileNotFoundError:
+        raise SpecpilotError(f"file not found: {path}") from None
+    return rows

@@ -1,0 +1,289 @@
+"""DFlash block drafter (Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv 2602.06036; public release github.com/z-lab/dflash, dflash/model.py).
+
+Design, as in the release:
+- a few Qwen3-style decoder layers; no embedding or LM head of its own: the block is embedded with
+  the target's ``embed_tokens`` and drafts are read with the target's ``lm_head`` after the
+  drafter's final ``norm``;
+- context: the target's hidden states at ``target_layer_ids`` (spread evenly from layer 1 to L-3,
+  :func:`build_target_layer_ids`) concatenated on the feature axis, projected by a bias-free
+  ``fc`` and ``hidden_norm`` (RMSNorm); in every drafter layer the context gives keys/values
+  through that layer's own ``k_proj``/``v_proj`` (KV injection), kept in a draft KV cache;
+- the block is the last committed token followed by ``mask_token_id``; attention is
+  bidirectional inside the block and sees all committed context; one forward drafts
+  ``block_size - 1`` tokens (slots 1..B-1, argmax).
+
+Checkpoint compatibility: config.json is a Qwen3 config (hidden_size, intermediate_size,
+num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta)
+plus ``dflash_config: {target_layer_ids, mask_token_id, block_size}`` (top-level ``block_size``
+and ``num_target_layers`` also read), ``architectures: ["DFlashDraftModel"]``; tensor names
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+``norm.weight``, ``fc.weight``, ``hidden_norm.weight``. Optional ``input_embedding_scale`` and
+``output_multiplier`` / ``final_logit_softcapping`` are honoured as in the release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import SpecpilotError
+from .layers import MLP, RMSNorm, apply_rope, rope_tables
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers the drafter reads: spread evenly from layer 1 to L-3 (DFlash rule).
+
+    Example: 36 target layers, 5 draft layers -> [1, 9, 17, 25, 33].
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise SpecpilotError(f"a target of {num_target_layers} layers is too shallow for a DFlash drafter")
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """Shape and DFlash fields of a block drafter."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    num_target_layers: int = 0
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, where: str = "drafter config.json") -> "DrafterConfig":
+        """Read a DFlash release config (``dflash_config`` sub-dict or top-level keys).
+
+        Raises:
+            SpecpilotError: a missing key, or no target_layer_ids / mask_token_id.
+        """
+        sub = d.get("dflash_config") or {}
+
+        def get(name, default=None):
+            return sub.get(name, d.get(name, default))
+
+        if get("target_layer_ids") is None:
+            raise SpecpilotError(f"{where}: drafter config must define dflash_config.target_layer_ids")
+        if get("mask_token_id") is None:
+            raise SpecpilotError(f"{where}: drafter config must define dflash_config.mask_token_id")
+        try:
+            heads = d["num_attention_heads"]
+            rope = d.get("rope_parameters") or {}
+            return cls(
+                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads", heads),
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                vocab_size=d["vocab_size"], target_layer_ids=list(get("target_layer_ids")),
+                mask_token_id=int(get("mask_token_id")), block_size=int(get("block_size", 16)),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
+                num_target_layers=int(get("num_target_layers", 0) or 0),
+                input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                output_multiplier=float(get("output_multiplier", 1.0)),
+                final_logit_softcapping=get("final_logit_softcapping"),
+            )
+        except KeyError as e:
+            raise SpecpilotError(f"{where}: missing key {e.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict:
+        """config.json content in the DFlash release layout."""
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "dflash_config": {"target_layer_ids": self.target_layer_ids,
+                              "mask_token_id": self.mask_token_id, "block_size": self.block_size},
+        }
+
+
+class DraftAttention(nn.Module):
+    """Block queries attend to injected context K/V plus the whole block (no causal mask)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [B, Hkv, T, D] of inputs x [B, T, hidden]."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter with a static draft KV cache of injected context.
+
+    Inference: :meth:`setup_cache`, then per step :meth:`add_context` (target features of newly
+    committed positions) and :meth:`draft`. Training: :meth:`train_logits`.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ctx_k = self.ctx_v = self.cos = self.sin = None
+
+    # -- cache ------------------------------------------------------------------------------
+    def setup_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate the context K/V cache: (layers, batch, kv_heads, max_seq, head_dim) each."""
+        cfg = self.config
+        device = self.fc.weight.device
+        dtype = dtype or self.fc.weight.dtype
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
+        cos, sin = rope_tables(cfg.head_dim, max_seq + cfg.block_size + 64, cfg.rope_theta)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Fuse target features [..., n_layers * hidden] into the context [..., hidden]."""
+        return self.hidden_norm(self.fc(features))
+
+    def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        """Write the injected K/V of newly committed positions into the draft cache.
+
+        Args:
+            features: [B, T, n_layers * hidden] target hidden states of positions start..start+T-1.
+            start: int64 [B] first position per row. Entries past a row's committed length are
+                harmless: :meth:`draft` only reads slots below its ``start``.
+        """
+        B, T, _ = features.shape
+        pos = start[:, None] + torch.arange(T, device=start.device)[None, :]
+        cos, sin = self.cos[pos], self.sin[pos]
+        ctx = self.context(features)
+        rows = torch.arange(B, device=start.device)[:, None].expand_as(pos)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            self.ctx_k[i][rows, :, pos] = k.transpose(1, 2)
+            self.ctx_v[i][rows, :, pos] = v.transpose(1, 2)
+
+    def block_hidden(self, block: torch.Tensor, start: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """Drafter output states [B, T, hidden] for a block [B, T] whose slot 0 sits at ``start``."""
+        B, T = block.shape
+        pos = start[:, None] + torch.arange(T, device=block.device)[None, :]
+        cos, sin = self.cos[pos], self.sin[pos]
+        S = self.ctx_k.shape[3]
+        visible_ctx = torch.arange(S, device=block.device)[None, :] < start[:, None]  # [B, S]
+        mask = torch.cat([visible_ctx, visible_ctx.new_ones(B, T)], 1)[:, None, None, :]
+        h = embed(block) * self.config.input_embedding_scale
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self.ctx_k[i], self.ctx_v[i], mask)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits through the target's LM head (with the release's optional scaling)."""
+        out = lm_head(hidden) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, embed: nn.Embedding, lm_head: nn.Module,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft ``block_size - 1`` tokens after ``anchor`` in one forward.
+
+        Args:
+            anchor: int64 [B] last committed token (not yet seen by the target), at position ``start``.
+            start: int64 [B] its position = number of context positions already in the draft cache.
+        Returns:
+            tokens int64 [B, block_size - 1] (argmax) and their logits [B, block_size - 1, vocab].
+        """
+        B = anchor.shape[0]
+        block = torch.full((B, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
+        block[:, 0] = anchor
+        logits = self.logits(self.block_hidden(block, start, embed)[:, 1:], lm_head)
+        return logits.argmax(-1), logits
+
+    # -- training ---------------------------------------------------------------------------
+    def train_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                     embed: nn.Embedding, lm_head: nn.Module, block_size: int) -> torch.Tensor:
+        """Draft logits for many blocks of each sequence in one pass (DFlash-style training).
+
+        Block a of row b starts at anchor position p = anchors[b, a]: slot 0 holds tokens[b, p],
+        the rest the mask token; it sees context positions < p and its own block.
+
+        Args:
+            features: [B, T, n_layers * hidden] target features of the whole sequence.
+            tokens: int64 [B, T]; anchors: int64 [B, A] with p + block_size <= T.
+        Returns:
+            logits [B, A, block_size - 1, vocab]; slot j predicts tokens[b, p + j].
+        """
+        B, T, _ = features.shape
+        A = anchors.shape[1]
+        dev = tokens.device
+        cos_t, sin_t = self.cos[:T][None].expand(B, T, -1), self.sin[:T][None].expand(B, T, -1)
+        ctx = self.context(features)
+        offs = torch.arange(block_size, device=dev)
+        pos = (anchors[:, :, None] + offs).reshape(B, A * block_size)
+        cos_b, sin_b = self.cos[pos], self.sin[pos]
+        block = torch.full((B, A, block_size), self.config.mask_token_id, dtype=torch.long, device=dev)
+        block[:, :, 0] = tokens.gather(1, anchors)
+        h = embed(block.view(B, A * block_size)) * self.config.input_embedding_scale
+        blk_id = torch.arange(A, device=dev).repeat_interleave(block_size)
+        ctx_vis = torch.arange(T, device=dev)[None, None, :] < pos[:, :, None].sub(
+            offs.repeat(A)[None, :, None])  # [B, A*bs, T]: context positions < anchor
+        own = (blk_id[:, None] == blk_id[None, :])[None].expand(B, -1, -1)
+        mask = torch.cat([ctx_vis, own], 2)[:, None]
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(ctx, cos_t, sin_t)
+            h = layer(h, cos_b, sin_b, ck, cv, mask)
+        h = self.norm(h).view(B, A, block_size, -1)[:, :, 1:]
+        return self.logits(h, lm_head)

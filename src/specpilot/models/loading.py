@@ -1,0 +1,114 @@
+"""Load and save checkpoints in the Hugging Face layout (config.json + *.safetensors).
+
+Real checkpoints and the locally built tiny deployment go through the same code path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import SpecpilotError
+from ..io import atomic_write_text
+from .config import TargetConfig, read_config
+from .dflash import DFlashDrafter, DrafterConfig
+from .qwen3 import Transformer
+
+
+def load_state(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (every ``*.safetensors`` file, sharded or not).
+
+    Raises:
+        SpecpilotError: no safetensors file, or a corrupt one (named).
+    """
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise SpecpilotError(f"no *.safetensors weights in {checkpoint_dir}")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise SpecpilotError(f"corrupt weights file {f}: {e}") from None
+    return state
+
+
+def _load_into(module: torch.nn.Module, state: dict, where: str, ignore_missing: tuple[str, ...] = ()) -> None:
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith(ignore_missing)]
+    unexpected = [k for k in state if k not in own]
+    if missing:
+        raise SpecpilotError(f"{where}: checkpoint lacks tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        raise SpecpilotError(f"{where}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise SpecpilotError(f"{where}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+    module.load_state_dict(state, strict=False)
+
+
+def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Transformer:
+    """Load a Qwen3/Llama checkpoint directory into our :class:`Transformer`.
+
+    Args:
+        checkpoint_dir: folder with config.json and *.safetensors.
+        dtype: parameter dtype (fp32 on CPU, bf16 on CUDA by convention).
+    Raises:
+        SpecpilotError: missing/corrupt checkpoint, unsupported architecture, tensor mismatch.
+    """
+    cfg = TargetConfig.from_hf_dict(read_config(checkpoint_dir), f"{checkpoint_dir}/config.json")
+    state = load_state(checkpoint_dir)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _load_into(model, {k: v.to(dtype) for k, v in state.items()}, str(checkpoint_dir),
+               ignore_missing=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    return model.eval()
+
+
+def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Load a DFlash drafter checkpoint (release layout, see :mod:`specpilot.models.dflash`).
+
+    Raises:
+        SpecpilotError: missing/corrupt checkpoint, unsupported drafter architecture.
+    """
+    d = read_config(checkpoint_dir)
+    arch = (d.get("architectures") or [""])[0]
+    if arch != "DFlashDraftModel":
+        raise SpecpilotError(f"{checkpoint_dir}: unsupported drafter architecture {arch!r}; supported: DFlashDraftModel")
+    cfg = DrafterConfig.from_hf_dict(d, f"{checkpoint_dir}/config.json")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    _load_into(model, {k: v.to(dtype) for k, v in load_state(checkpoint_dir).items()}, str(checkpoint_dir))
+    return model.eval()
+
+
+def save_checkpoint(module: torch.nn.Module, config: dict, out_dir: str | Path) -> None:
+    """Write config.json and model.safetensors (shared tensors stored once) atomically per file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, out / "model.safetensors")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,51 @@
+"""Shared fixtures: the local benchmark data, a seconds-long quick deployment, the full tiny one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("SPECPILOT_DATA_DIR") or REPO.parent / "shared" / "data" / "benchmarks")
+TINY = Path(os.environ.get("SPECPILOT_TINY_DIR") or REPO / "resources" / "deployments" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not (DATA / "MANIFEST.json").is_file():
+        pytest.skip(f"benchmark data not found at {DATA}")
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def quick_deployment(tmp_path_factory, data_dir) -> Path:
+    """A deployment built with the QUICK recipe (a few seconds; not a useful model)."""
+    from specpilot.tiny.build import QUICK, build_tiny
+
+    out = tmp_path_factory.mktemp("quick")
+    build_tiny(out, data_dir, seed=0, recipe=QUICK, log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment(data_dir) -> Path:
+    """The embedded default deployment: reused when already built (build.json present), else built."""
+    from specpilot.tiny.build import build_tiny
+
+    if not (TINY / "build.json").is_file():
+        build_tiny(TINY, data_dir, seed=0)
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def quick_prompts(tmp_path_factory, quick_deployment, data_dir) -> list[dict]:
+    """Two formatted prompts per benchmark for the quick deployment's tokenizer."""
+    from specpilot.benchmarks import BENCHMARKS, write_prompt_file
+
+    out = tmp_path_factory.mktemp("prompts")
+    rows = []
+    for b in BENCHMARKS:
+        rows += write_prompt_file(b, quick_deployment / "target", out / f"{b}.jsonl", 2, data_dir=data_dir)
+    return rows

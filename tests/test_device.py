@@ -1,0 +1,106 @@
+"""The {gpu} wildcard value: normalization of CUDA device names, and cpu without CUDA."""
+
+import pytest
+
+from specpilot.device import detect_gpu, normalize_gpu_name
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100"),
+    ("NVIDIA H100 NVL", "h100"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H200 NVL", "h200"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx_pro_6000"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "rtx_pro_6000"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA B200", "b200"),
+    ("NVIDIA L40S", "l40s"),
+    ("NVIDIA GeForce RTX 4090", "geforce_rtx_4090"),
+    ("Tesla V100-SXM2-16GB", "tesla_v100_sxm2_16gb"),
+    ("  NVIDIA   Some  New-GPU (rev 2) ", "some_new_gpu_rev_2"),
+])
+def test_normalize(name, expected):
+    assert normalize_gpu_name(name) == expected
+
+
+def test_normalized_names_are_wildcard_safe():
+    for name in ["NVIDIA H100 80GB HBM3", "AMD Instinct MI300X", "???", "NVIDIA"]:
+        out = normalize_gpu_name(name)
+        assert out and all(c.islower() or c.isdigit() or c == "_" for c in out), out
+        assert out != "cpu"
+
+
+def test_detect_without_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert detect_gpu() == "cpu"
+
+
+def test_detect_with_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert detect_gpu() == "h200"
+
+
+def _args(module, argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_ceilings_on_cpu(tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    from specpilot import ceilings
+
+    out = tmp_path / "ceilings.json"
+    args = _args(ceilings, ["--device", "cpu", "--out", str(out), "--expect-gpu", "cpu",
+                            "--copy-mib", "8", "--matmul-n", "128", "--repeats", "2"])
+    assert ceilings.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["gpu"] == "cpu" and doc["dtype"] == "float32"
+    assert doc["memory_bandwidth_bytes_per_s"] > 0 and doc["matmul_flop_per_s"] > 0
+    assert {"device_name", "torch", "timestamp", "threads"} <= doc.keys()
+
+
+def test_ceilings_refuses_wrong_device(tmp_path):
+    pytest.importorskip("torch")
+    from specpilot import ceilings
+    from specpilot.errors import SpecpilotError
+
+    args = _args(ceilings, ["--device", "cpu", "--out", str(tmp_path / "c.json"), "--expect-gpu", "h100"])
+    with pytest.raises(SpecpilotError, match="h100"):
+        ceilings.run(args)
+
+
+def test_kernels_manifest_and_registration(tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    from specpilot import kernels_build
+    from specpilot.errors import SpecpilotError
+
+    assert kernels_build.run(_args(kernels_build, ["--gpu", "cpu", "--out-dir", str(tmp_path)])) == 0
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    assert doc["gpu"] == "cpu" and doc["applies"] is False and doc["kernels"] == {}
+    kernels_build.register_kernel_results(tmp_path, "w12_gemm", {"configs": [1, 2]})
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    assert doc["kernels"]["w12_gemm"]["configs"] == [1, 2]
+    with pytest.raises(SpecpilotError):
+        kernels_build.register_kernel_results(tmp_path / "missing", "x", {})
+
+
+def test_kernels_refuses_gpu_without_cuda(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from specpilot import kernels_build
+    from specpilot.errors import SpecpilotError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SpecpilotError, match="h100"):
+        kernels_build.run(_args(kernels_build, ["--gpu", "h100", "--out-dir", str(tmp_path)]))

@@ -1,0 +1,236 @@
+"""Engine core: runner vs transformers, KV rollback, AR == stock, tree verify, records, token forcing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.engine.generate import accept_greedy, generate_ar, generate_speculative
+from specpilot.engine.proposers import DFlashProposer, LookupProposer
+from specpilot.engine.runner import TargetRunner
+from specpilot.engine.serve import EngineSpec, serve
+from specpilot.errors import SpecpilotError
+from specpilot.forcing import check
+from specpilot.models.layers import chain_ancestors
+from specpilot.models.loading import load_drafter, load_target
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_runner_matches_transformers_qwen3(quick_deployment, quick_prompts):
+    from transformers import AutoModelForCausalLM
+
+    tdir = quick_deployment / "target"
+    hf = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+    ours = load_target(tdir)
+    prompt = quick_prompts[0]["prompt_ids"]
+    ours.setup_cache(1, 256)
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf(x).logits
+        out, _ = ours(x, torch.zeros(1, dtype=torch.long), chain_ancestors(1, len(prompt), "cpu"))
+    assert _max_rel(out, ref) < 1e-4
+    # greedy tokens identical for 64 steps
+    with torch.no_grad():
+        hf_ids = hf.generate(x, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, len(prompt):].tolist()
+    rows = generate_ar(TargetRunner(ours, 1, len(prompt) + 70), [prompt], 64)
+    assert rows[0].output_ids == hf_ids
+
+
+def test_runner_matches_transformers_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_target(tmp_path)
+    ours.setup_cache(2, 64)
+    x = torch.randint(0, 97, (2, 30))
+    with torch.no_grad():
+        out, _ = ours(x, torch.zeros(2, dtype=torch.long), chain_ancestors(2, 30, "cpu"))
+        assert _max_rel(out, hf(x).logits) < 1e-4
+
+
+def test_rollback_then_decode_equals_never_drafted(quick_deployment, quick_prompts):
+    model = load_target(quick_deployment / "target")
+    prompt = quick_prompts[1]["prompt_ids"]
+    nxt = torch.tensor([7])
+    # never drafted: prefill, decode one token
+    r1 = TargetRunner(model, 1, len(prompt) + 20)
+    r1.prefill([prompt])
+    clean = r1.decode(nxt).clone()
+    # drafted a block of 6 junk tokens, rolled everything back, decoded the same token
+    r2 = TargetRunner(model, 1, len(prompt) + 20)
+    r2.prefill([prompt])
+    length = r2.length.clone()
+    r2.verify(torch.tensor([[5, 9, 11, 13, 17, 19]]))
+    r2.rollback(length)
+    assert torch.equal(r2.decode(nxt), clean)
+
+
+def test_tree_verify_matches_chain_on_each_path(quick_deployment, quick_prompts):
+    model = load_target(quick_deployment / "target")
+    prompt = quick_prompts[2]["prompt_ids"]
+    # tree: root 0 -> {1, 2}; 1 -> 3; 2 -> 4
+    tokens = torch.tensor([[4, 8, 9, 15, 16]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2]])
+    r = TargetRunner(model, 1, len(prompt) + 20)
+    r.prefill([prompt])
+    tree_logits, _ = r.verify(tokens, parents)
+    for path in ([0, 1, 3], [0, 2, 4]):
+        c = TargetRunner(model, 1, len(prompt) + 20)
+        c.prefill([prompt])
+        chain_logits, _ = c.verify(tokens[:, path])
+        assert _max_rel(tree_logits[:, path], chain_logits) < 1e-5
+    # accepting the second branch compacts its K/V: decoding after it equals the chain run
+    r.commit(torch.tensor([3]), path_slots=torch.tensor([[0, 2, 4]]))
+    c = TargetRunner(model, 1, len(prompt) + 20)
+    c.prefill([prompt])
+    c.verify(tokens[:, [0, 2, 4]])
+    c.commit(torch.tensor([3]))
+    assert _max_rel(r.decode(torch.tensor([3])), c.decode(torch.tensor([3]))) < 1e-5
+
+
+@pytest.mark.parametrize("block_size,concurrency", [(2, 1), (4, 3), (8, 2), (12, 1)])
+def test_stock_equals_ar_token_for_token(quick_deployment, quick_prompts, block_size, concurrency):
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 40, concurrency, meta, progress=False)
+    st = serve(EngineSpec("stock", block_size), target, drafter, quick_prompts, 40, concurrency, meta, progress=False)
+    lk = serve(EngineSpec("lookup", block_size), target, None, quick_prompts, 40, concurrency, meta, progress=False)
+    for a, s, l in zip(ar, st, lk):
+        assert a.request_id == s.request_id == l.request_id
+        assert s.output_ids == a.output_ids
+        assert l.output_ids == a.output_ids
+        for rec in (a, s, l):
+            assert rec.new_tokens == len(rec.output_ids) == 40
+            assert sum(rec.committed_per_step) == rec.new_tokens - 1
+            assert rec.verify_steps == len(rec.committed_per_step)
+            assert max(rec.committed_per_step) <= (1 if rec.engine == "ar" else block_size)
+        assert a.committed_per_step == [1] * 39
+    assert check(st, ar)["passed"] and check(lk, ar)["violations"] == 0
+
+
+def test_eos_option_stops_at_eos(quick_deployment, quick_prompts):
+    target = load_target(quick_deployment / "target")
+    prompt = quick_prompts[0]["prompt_ids"]
+    full = generate_ar(TargetRunner(target, 1, len(prompt) + 50), [prompt], 40)[0].output_ids
+    eos = full[5]  # pretend the sixth generated token is EOS
+    stopped = generate_ar(TargetRunner(target, 1, len(prompt) + 50), [prompt], 40, eos_id=eos)[0].output_ids
+    assert stopped == full[: full.index(eos) + 1]
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    spec = generate_speculative(TargetRunner(target, 1, len(prompt) + 60, drafter.config.target_layer_ids),
+                                DFlashProposer(drafter), [prompt], 40, 6, eos_id=eos)[0].output_ids
+    assert spec == stopped
+
+
+def cheating_accept(drafts, logits):
+    """Accepts one unverified draft token per step beyond the verified prefix."""
+    acc, bonus = accept_greedy(drafts, logits)
+    cheat = (acc < drafts.shape[1]).long()
+    acc2 = acc + cheat
+    bonus2 = torch.where(cheat.bool(), logits.argmax(-1).gather(1, acc2[:, None])[:, 0], bonus)
+    return acc2, bonus2
+
+
+def test_token_forcing_catches_a_cheating_engine(quick_deployment, quick_prompts):
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 32, 1, meta, progress=False)
+    cheat = serve(EngineSpec("stock", 6, accept=cheating_accept), target, drafter, quick_prompts, 32, 1, meta,
+                  progress=False)
+    prompts = {p["request_id"]: p["prompt_ids"] for p in quick_prompts}
+    verdict = check(cheat, ar, prompts, target, tolerance=1e-3)
+    assert not verdict["passed"] and verdict["violations"] >= 1
+    m = verdict["mismatches"][0]
+    assert m["kind"] == "violation" and m["margin"] >= 1e-3 and m["top1"] == m["reference_token"]
+
+
+def test_forcing_classifies_a_near_tie(quick_deployment, quick_prompts):
+    """A mismatch where the target's top-2 margin is under the tolerance is a near-tie, not a violation."""
+    target = load_target(quick_deployment / "target")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    ar = serve(EngineSpec("ar"), target, None, quick_prompts[:1], 16, 1, meta, progress=False)
+    p = quick_prompts[0]
+    from specpilot.forcing import top2_margin
+
+    margin, top1, top2 = top2_margin(target, p["prompt_ids"], ar[0].output_ids[:3])
+    assert top1 == ar[0].output_ids[3]
+    flipped = ar[0].to_dict()
+    flipped["output_ids"] = ar[0].output_ids[:3] + [top2] + ar[0].output_ids[4:]
+    from specpilot.records import record_from_dict
+
+    cand = [record_from_dict(flipped)]
+    prompts = {p["request_id"]: p["prompt_ids"]}
+    assert check(cand, ar, prompts, target, tolerance=margin * 2)["near_ties"] == 1
+    assert check(cand, ar, prompts, target, tolerance=margin / 2)["violations"] == 1
+
+
+def test_lookup_proposer_finds_the_latest_ngram():
+    lp = LookupProposer(max_ngram=2)
+    assert lp._lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]
+    assert lp._lookup([7, 8], 3) == [8, 8, 8]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specpilot.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_bad_inputs_give_one_line_and_no_records(quick_deployment, quick_prompts, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in quick_prompts[:2]))
+    out = tmp_path / "r.jsonl"
+    t, d = str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash")
+    base = ["run", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "8"]
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((quick_deployment / "target" / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = {
+        "checkpoint directory not found": ["--engine", "ar", "--target", str(tmp_path / "missing")],
+        "corrupt weights file": ["--engine", "ar", "--target", str(corrupt)],
+        "unsupported architecture 'GPT2LMHeadModel'": ["--engine", "ar", "--target", str(gpt2)],
+        "block size must be >= 2, got 1": ["--engine", "stock", "--target", t, "--drafter", d, "--block-size", "1"],
+    }
+    for needle, extra in cases.items():
+        res = _cli(*base, *extra)
+        assert res.returncode == 2, (needle, res.stderr)
+        assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not out.exists()
+    res = _cli("run", "--prompts", str(empty), "--out", str(out), "--engine", "ar", "--target", t)
+    assert res.returncode == 2 and "no prompts" in res.stderr and not out.exists()
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"request_id": "x/0001", "benchmark": "x", "prompt_ids": [5] * 5000}) + "\n")
+    res = _cli("run", "--prompts", str(long), "--out", str(out), "--engine", "ar", "--target", t)
+    assert res.returncode == 2 and "x/0001" in res.stderr and "KV cache" in res.stderr and not out.exists()
+
+
+def test_cli_run_and_force_roundtrip(quick_deployment, quick_prompts, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in quick_prompts[:3]))
+    t, d = str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash")
+    for eng in ("ar", "stock"):
+        res = _cli("run", "--engine", eng, "--target", t, "--drafter", d, "--prompts", str(prompts),
+                   "--out", str(tmp_path / f"{eng}.jsonl"), "--max-new-tokens", "16", "--block-size", "4")
+        assert res.returncode == 0, res.stderr
+    res = _cli("force", "--candidate", str(tmp_path / "stock.jsonl"), "--reference", str(tmp_path / "ar.jsonl"),
+               "--target", t, "--prompts", str(prompts), "--out", str(tmp_path / "f.json"))
+    assert res.returncode == 0, res.stderr
+    verdict = json.loads((tmp_path / "f.json").read_text())
+    assert verdict["passed"] and verdict["tokens_checked"] == 3 * 16
