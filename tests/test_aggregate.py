@@ -169,3 +169,17 @@ def test_cli_writes_empty_fields_for_missing_values(tmp_path):
     df = pd.read_csv(out)
     assert set(df.benchmark) == {"gsm8k", "geomean"}
     assert read_forcing([d / "stock-c1.forcing.json"])[(("tiny", "gsm8k", 1), "stock")]["violations"] == 2
+
+
+def test_figures_from_table_with_missing_and_failed_values(tmp_path):
+    from specpilot.aggregate import write_table
+    from specpilot.figures import draw_all
+
+    recs = cell_records("gsm8k") + cell_records("mbpp") + cell_records("gsm8k", concurrency=16)
+    df = build_table(recs, {(("tiny", "mbpp", 1), "stock"): {"passed": False, "violations": 1}},
+                     specpilot_note="specpilot not run: rounds missing")
+    write_table(df, tmp_path / "table.csv")
+    paths = draw_all(tmp_path / "table.csv", tmp_path / "figures")
+    assert [p.name for p in paths] == ["speedup.png", "tau.png", "concurrency.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -234,3 +234,19 @@ def test_cli_run_and_force_roundtrip(quick_deployment, quick_prompts, tmp_path):
     assert res.returncode == 0, res.stderr
     verdict = json.loads((tmp_path / "f.json").read_text())
     assert verdict["passed"] and verdict["tokens_checked"] == 3 * 16
+
+
+def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 40, 2, meta, progress=False)
+    chain = serve(EngineSpec("stock", 6), target, drafter, quick_prompts, 40, 2, meta, progress=False)
+    tree = serve(EngineSpec("specpilot", 6, {"tree_branch": 2, "tree_depth": 2}), target, drafter, quick_prompts,
+                 40, 2, meta, progress=False)
+    assert [t.output_ids for t in tree] == [a.output_ids for a in ar]
+    assert all(sum(t.committed_per_step) == 39 for t in tree)
+    steps_tree = sum(t.verify_steps for t in tree)
+    steps_chain = sum(c.verify_steps for c in chain)
+    assert steps_tree <= steps_chain  # side branches only ever add accepted tokens
+    assert tree[0].engine_config == {"block_size": 6, "tree_branch": 2, "tree_depth": 2}

@@ -73,7 +73,7 @@ def records_files(workdir: Path) -> list[Path]:
 def finished_outputs(log_text: str) -> set[str]:
     """Outputs of the jobs Snakemake reported as finished (jobid -> output from the job header)."""
     outputs: dict[str, str] = {}
-    for block in re.finditer(r"^rule \w+:\n(?P<body>(?:    .*\n)+)", log_text, re.M):
+    for block in re.finditer(r"^(?:local)?rule \w+:\n(?P<body>(?:    .*\n)+)", log_text, re.M):
         body = block["body"]
         out = re.search(r"^    output: (.*)$", body, re.M)
         jid = re.search(r"^    jobid: (\d+)$", body, re.M)
@@ -81,7 +81,7 @@ def finished_outputs(log_text: str) -> set[str]:
             outputs[jid[1]] = out[1]
     done = set()
     for jid in re.findall(r"Finished jobid: (\d+)", log_text):
-        done.update(p.strip() for p in outputs.get(jid, "").split(","))
+        done.update(p.strip() for p in outputs.get(jid, "").split(",") if p.strip())
     return done
 
 

@@ -27,7 +27,8 @@ SUMMARY = "geomean"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--table", required=True, help="results/{gpu}/table.csv")
+    parser.add_argument("--table", help="results/{gpu}/table.csv")
+    parser.add_argument("--rounds", nargs="+", help="integrated.json files of the agent rounds (draws rounds.png)")
     parser.add_argument("--out-dir", required=True, help="output folder, e.g. results/{gpu}/figures")
 
 
@@ -100,8 +101,9 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
                             va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
         if baseline is not None:
             ax.axhline(baseline, color="black", linewidth=0.8, linestyle=":")
-            ax.text(0.0, baseline, "AR ", transform=ax.get_yaxis_transform(), va="center", ha="right", fontsize=7)
+            ax.text(0.995, baseline, "AR", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7)
         ax.set_xticks(range(len(labels)), labels)
+        ax.set_xlim(-0.6, len(labels) - 0.4)
         ax.set_ylim(0, max(top, baseline or 0, 1.0) * 1.12)
         target, drafter = rows.loc[0, "target"], rows.loc[0, "drafter"]
         ax.set_title(f"{dep}  (target {target}, drafter {drafter}, concurrency {conc})", fontsize=9)
@@ -186,7 +188,49 @@ def draw_all(table: str | Path, out_dir: str | Path) -> list[Path]:
     return paths
 
 
+def rounds_figure(integrated: list[str | Path], path: str | Path) -> Path:
+    """Speedup over AR per agent round per deployment (stock = round 0), on calibration prompts.
+
+    ``integrated``: paths ``results/{gpu}/{deployment}/rounds/round-{k}/integrated.json``.
+    """
+    import json
+
+    series: dict[str, dict[int, float]] = {}
+    for f in integrated:
+        f = Path(f)
+        d = json.loads(f.read_text())
+        dep = f.parents[2].name
+        pts = series.setdefault(dep, {})
+        pts[0] = d["stock_speedup_vs_ar"]
+        pts[int(d["round"])] = d["speedup_vs_ar"]
+    if not series:
+        raise SpecpilotError("no agent rounds to draw")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    styles = ["o-", "s--", "^-.", "d:"]
+    for i, (dep, pts) in enumerate(sorted(series.items())):
+        ks = sorted(pts)
+        ax.plot(ks, [pts[k] for k in ks], styles[i % len(styles)], color=str(0.15 + 0.5 * (i % 3) / 2), label=dep)
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xlabel("agent round (0 = stock)")
+    ax.set_ylabel("speedup over AR (×, geomean)")
+    ax.set_title("Speedup over AR after each agent round (calibration prompts)")
+    ax.set_xticks(sorted({k for pts in series.values() for k in pts}))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rounds:
+        print(rounds_figure(args.rounds, Path(args.out_dir) / "rounds.png"))
+        return 0
+    if not args.table:
+        raise SpecpilotError("give --table (study figures) or --rounds (agent-rounds figure)")
     for p in draw_all(args.table, args.out_dir):
         print(p)
     return 0

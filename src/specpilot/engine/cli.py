@@ -36,6 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq", type=int, help="KV-cache slots per request (default: what the prompts need, "
                    "at most the target's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="CUDA graphs for decode/verify/draft steps (auto: on for CUDA devices)")
+    p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+                   help="step kernels under CUDA graphs (auto: triton with bf16 weights)")
+    p.add_argument("--kernel-configs", help="JSON file {role: config key} of tuned matmul blocks "
+                   "(from benchmarks/bench_engine.py)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="do not synchronize around the draft step (draft_s stays 0; one sync per verify step)")
+    p.add_argument("--replay-profile", help="system benchmarks on random weights: replay drafter with this "
+                   "acceptance profile (JSON path or name under config/profiles); records are synthetic")
+    p.add_argument("--replay-reference", help="AR records of the same prompts for the replay drafter "
+                   "(default: run AR first)")
 
 
 def run(args) -> int:
@@ -57,12 +69,32 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    replay = references = None
+    drafter_name = args.drafter_name if args.engine != "lookup" else "lookup"
+    if args.replay_profile:
+        from ..records import read_records
+        from .replay import load_profile
+
+        if args.engine != "stock":
+            raise SpecpilotError("--replay-profile goes with --engine stock")
+        replay = load_profile(args.replay_profile)
+        spec.config["replay_profile"] = replay.name
+        drafter_name = f"replay:{drafter_name}"
+        if args.replay_reference:
+            references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     dep = load_deployment(args.target, args.drafter if args.engine in ("stock", "specpilot") else None,
                           device=device, dtype=dtype, config=config)
+    if args.kernel_configs:
+        from .graphs import step_graphs
+
+        step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
     records = serve(spec, dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency,
                     meta={"deployment": args.deployment, "target": args.target_name or args.target,
-                          "drafter": args.drafter_name if args.engine != "lookup" else "lookup", "gpu": args.gpu},
-                    eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq)
+                          "drafter": drafter_name, "gpu": args.gpu},
+                    eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
+                    graphs=graphs, kernels=args.kernels, replay=replay, references=references,
+                    profile=not args.no_profile)
     write_records(args.out, records)
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),

@@ -58,6 +58,11 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Ten
     return acc, bonus
 
 
+# Verification rules by name (engine config key ``accept``). Only lossless rules belong here; tests
+# register deliberately broken ones to prove the token-forcing gate rejects them.
+ACCEPT_RULES: dict[str, Callable] = {"greedy": accept_greedy}
+
+
 def _take(row: RowResult, tokens: list[int], max_new: int, eos_id: int | None) -> bool:
     """Append committed tokens to a row, honouring the budget and EOS; return True when done."""
     tokens = tokens[: max_new - len(row.output_ids)]
@@ -90,6 +95,20 @@ def generate_ar(runner: TargetRunner, prompts: list[list[int]], max_new_tokens: 
     t1 = clock(runner.device)
     for r in rows:
         r.prefill_s = t1 - t0
+    if eos_id is None and not all(done):
+        # every row decodes exactly max_new_tokens: no host synchronization until the end, so
+        # the device never waits for the host between steps
+        steps = []
+        for _ in range(max_new_tokens - 1):
+            last = runner.decode(last).argmax(-1)
+            steps.append(last)
+        toks = torch.stack(steps, 1).tolist()
+        now = clock(runner.device)
+        for b, r in enumerate(rows):
+            r.output_ids.extend(toks[b])
+            r.committed_per_step.extend([1] * len(toks[b]))
+            r.decode_s = r.verify_s = now - t1
+        return rows
     while not all(done):
         logits = runner.decode(last)
         last = logits.argmax(-1)
@@ -139,7 +158,9 @@ def generate_speculative(runner: TargetRunner, proposer: Proposer, prompts: list
         block = torch.cat([last[:, None], drafts], 1)
         logits, feats = runner.verify(block)
         acc, bonus = accept(drafts, logits)
-        acc_l, bonus_l, drafts_l = acc.tolist(), bonus.tolist(), drafts.tolist()
+        # the one host synchronization of a step: the acceptance decision
+        host = torch.cat([acc[:, None], bonus[:, None], drafts], 1).tolist()
+        acc_l, bonus_l, drafts_l = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         tc = clock(dev)
         counts, committed = [], []
         for b, r in enumerate(rows):
@@ -158,4 +179,105 @@ def generate_speculative(runner: TargetRunner, proposer: Proposer, prompts: list
         proposer.observe(feats, runner.length, counts_t, committed)
         runner.commit(counts_t)
         last = bonus
+    return rows
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+                ) -> tuple[list[list[int]], list[int]]:
+    """Greedy tree verification (SGLang ``verify_tree_greedy``; DDTree/JetSpec at temperature 0).
+
+    From the root (block index 0, the anchor), repeatedly step to the child whose token equals
+    the target's argmax at the current node; stop when no child matches. The bonus token is the
+    target's argmax at the last node, so every committed token is the target's own choice.
+
+    Args:
+        tokens int64 [B, N], parents int64 [B, N] (-1 for the root), logits [B, N, vocab].
+    Returns:
+        per row the accepted path of block indices (root first) and the bonus token.
+    """
+    post = logits.argmax(-1).tolist()
+    toks, pars = tokens.tolist(), parents.tolist()
+    paths, bonus = [], []
+    for b in range(len(toks)):
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(pars[b]):
+            if p >= 0:
+                children.setdefault(p, []).append(i)
+        node, path = 0, [0]
+        while True:
+            nxt = next((c for c in children.get(node, []) if toks[b][c] == post[b][node]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        paths.append(path)
+        bonus.append(post[b][node])
+    return paths, bonus
+
+
+def generate_tree(runner: TargetRunner, proposer, prompts: list[list[int]], max_new_tokens: int,
+                  block_size: int, branch: int, depth: int, eos_id: int | None = None,
+                  profile: bool = True) -> list[RowResult]:
+    """Speculative decoding with tree verification of a block drafter's output.
+
+    The tree is the drafter's argmax chain (the spine, as in linear verification) plus, at the
+    first ``depth`` draft positions, the drafter's next ``branch`` most likely tokens as leaves
+    hanging off the previous spine node ("spine first, then side branches", so tree acceptance is
+    never below chain acceptance; cf. JetSpec's depth_first builder). One target forward verifies
+    it with an ancestor mask; the accepted path's K/V is compacted into contiguous cache slots.
+    Output equals greedy AR decoding token for token.
+    """
+    from ..errors import SpecpilotError
+
+    if block_size < 2:
+        raise SpecpilotError(f"block size must be >= 2, got {block_size}")
+    k = block_size - 1
+    depth = min(depth, k)
+    rows = [RowResult() for _ in prompts]
+    t0, feats, last = _prefill(runner, prompts, rows)
+    done = [False] * len(rows)
+    for b, tok in enumerate(last.tolist()):
+        rows[b].output_ids.append(tok)
+        done[b] = max_new_tokens <= 1 or tok == eos_id
+    proposer.start(runner, prompts, feats, last)
+    t1 = clock(runner.device)
+    for r in rows:
+        r.prefill_s = t1 - t0
+    dev = runner.device
+    B = len(prompts)
+    # static tree shape: root, spine 1..k, then `branch` leaves for each of the first `depth` positions
+    par = [-1] + list(range(k)) + [i for i in range(depth) for _ in range(branch)]
+    parents = torch.tensor([par] * B, dtype=torch.long, device=dev)
+    while not all(done):
+        ta = clock(dev) if profile else 0.0
+        spine, logits_d = proposer.propose_logits(last, runner.length, k)
+        alts = logits_d[:, :depth].topk(branch + 1, dim=-1).indices[:, :, 1:].reshape(B, -1)
+        tb = clock(dev) if profile else 0.0
+        tokens = torch.cat([last[:, None], spine, alts], 1)
+        logits, feats = runner.verify(tokens, parents)
+        paths, bonus = accept_tree(tokens, parents, logits)
+        toks_l = tokens.tolist()
+        tc = clock(dev)
+        counts, committed = [], []
+        for b, r in enumerate(rows):
+            if done[b]:
+                counts.append(0), committed.append([])
+                continue
+            toks = [toks_l[b][i] for i in paths[b][1:]] + [bonus[b]]
+            done[b] = _take(r, toks, max_new_tokens, eos_id)
+            counts.append(r.committed_per_step[-1])
+            committed.append(toks[: counts[-1]])
+            r.decode_s = tc - t1
+            if profile:
+                r.draft_s += tb - ta
+                r.verify_s += tc - tb
+        width = max(len(p) for p in paths)
+        path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
+        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+        path_feats = None
+        if feats is not None:
+            path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
+        proposer.observe(path_feats, runner.length, counts_t, committed)
+        runner.commit(counts_t, path_slots=path_slots)
+        last = torch.tensor(bonus, dtype=torch.long, device=dev)
     return rows

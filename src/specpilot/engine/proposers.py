@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..models.dflash import DFlashDrafter
-from .runner import TargetRunner
+from .runner import TargetRunner, use_graphs
 
 
 class DFlashProposer:
@@ -15,23 +15,39 @@ class DFlashProposer:
     (prompt at prefill, anchor + accepted drafts after each verify step), as in z-lab/dflash.
     """
 
-    def __init__(self, drafter: DFlashDrafter):
+    def __init__(self, drafter: DFlashDrafter, graphs: bool | None = None, kernels: str | None = None):
         self.drafter = drafter
+        self.use_graphs, self.kernels = graphs, kernels
+        self.graphs = None
 
     def start(self, runner: TargetRunner, prompts, features, first) -> None:
         self.embed = runner.model.model.embed_tokens
         self.lm_head = runner.model.lm_head
         self.drafter.setup_cache(len(prompts), runner.max_seq)
+        if use_graphs(self.use_graphs, first.device):
+            from .graphs import drafter_graphs
+
+            self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
         with torch.inference_mode():
             self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
     @torch.inference_mode()
     def propose(self, last, start, k):
+        if self.graphs is not None:
+            return self.graphs.draft(last, start, k + 1)
         tokens, _ = self.drafter.draft(last, start, self.embed, self.lm_head, k + 1)
         return tokens
 
     @torch.inference_mode()
+    def propose_logits(self, last, start, k):
+        """Draft tokens [B, k] and the drafter's logits [B, k, vocab] (for tree building)."""
+        return self.drafter.draft(last, start, self.embed, self.lm_head, k + 1)
+
+    @torch.inference_mode()
     def observe(self, features, start, counts, committed) -> None:
+        if self.graphs is not None:
+            self.graphs.add_context(features, start)
+            return
         self.drafter.add_context(features, start)
 
 

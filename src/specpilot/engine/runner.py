@@ -22,21 +22,47 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def use_graphs(graphs: bool | None, device: torch.device) -> bool:
+    """``None`` (auto) -> CUDA graphs on CUDA devices, eager elsewhere; True needs CUDA."""
+    if graphs is None:
+        return device.type == "cuda"
+    if graphs and device.type != "cuda":
+        raise SpecpilotError("CUDA graphs need a CUDA device (use graphs off on the CPU)")
+    return bool(graphs)
+
+
 class TargetRunner:
     """Drives a :class:`Transformer` over a batch of rows with independent committed lengths.
 
     ``length[b]`` is the number of positions of row b whose K/V are in the cache and committed.
+
+    On CUDA (``graphs`` None or True) chain verify and decode steps replay captured CUDA graphs
+    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); prefill and tree
+    verification stay eager. The runner never reads ``length`` on the host inside a step: a host
+    upper bound of it decides whether the cache has room, and only when that bound is too loose
+    is the exact length read (a synchronization).
     """
 
-    def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = ()):
+    def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
+                 graphs: bool | None = None, kernels: str | None = None):
         self.model = model
         self.batch, self.max_seq, self.capture = batch, max_seq, tuple(capture)
         self.device = model.lm_head.weight.device
         model.setup_cache(batch, max_seq)
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.graphs = None
+        if use_graphs(graphs, self.device):
+            from .graphs import step_graphs
+
+            self.graphs = step_graphs(model, kernels)
+        self._bound = 0  # host upper bound of max(length)
+        self._pending = 0  # entries written by the last verify, not yet committed
 
     def _check_room(self, n: int) -> None:
-        need = int(self.length.max()) + n
+        if self._bound + n <= self.max_seq:
+            return
+        self._bound = int(self.length.max())
+        need = self._bound + n
         if need > self.max_seq:
             raise SpecpilotError(f"sequence needs {need} KV-cache slots but the cache holds {self.max_seq}")
 
@@ -63,6 +89,7 @@ class TargetRunner:
         self.length.zero_()
         logits, feats = self.model(tokens, self.length, chain_ancestors(B, T, self.device), capture=self.capture)
         self.length.copy_(lengths)
+        self._bound, self._pending = T, 0
         return logits[torch.arange(B, device=self.device), lengths - 1], feats, lengths
 
     @torch.inference_mode()
@@ -74,6 +101,9 @@ class TargetRunner:
         """
         B, N = block.shape
         self._check_room(N)
+        self._pending = N
+        if parents is None and self.graphs is not None:
+            return self.graphs.run(block, self.length, self.capture)
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
         else:
@@ -84,6 +114,7 @@ class TargetRunner:
         """Decode one token per row (tokens int64 [B]); commits it. Returns logits [B, vocab]."""
         logits, _ = self.verify(tokens[:, None])
         self.length += 1
+        self._bound, self._pending = self._bound + 1, 0
         return logits[:, 0]
 
     def commit(self, counts: torch.Tensor, path_slots: torch.Tensor | None = None) -> None:
@@ -103,8 +134,16 @@ class TargetRunner:
                 dev = self.device
                 self.model.cache.move(torch.tensor(rows, device=dev), torch.tensor(src, device=dev),
                                       torch.tensor(dst, device=dev))
+        if isinstance(counts, torch.Tensor) and counts.device.type == "cpu":
+            self._bound += int(counts.max()) if counts.numel() else 0
+        elif self._pending:
+            self._bound += self._pending  # counts <= entries verified
+        else:
+            self._bound = int(self.length.max()) + int(counts.max())
+        self._pending = 0
         self.length += counts.to(self.device)
 
     def rollback(self, length: torch.Tensor) -> None:
         """Set the committed length of every row (int64 [B]); later slots become invisible."""
         self.length.copy_(length.to(self.device))
+        self._bound, self._pending = int(length.max()), 0

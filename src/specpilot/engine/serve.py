@@ -13,7 +13,7 @@ from ..errors import SpecpilotError
 from ..models.dflash import DFlashDrafter
 from ..models.qwen3 import Transformer
 from ..records import Record
-from .generate import RowResult, accept_greedy, generate_ar, generate_speculative
+from .generate import ACCEPT_RULES, RowResult, accept_greedy, generate_ar, generate_speculative, generate_tree
 from .proposers import DFlashProposer, LookupProposer
 from .runner import TargetRunner
 
@@ -32,38 +32,82 @@ class EngineSpec:
     config: dict = field(default_factory=dict)
     accept: Callable = accept_greedy
 
+    @property
+    def verify_width(self) -> int:
+        """Tokens per verify forward: the block plus any tree side branches."""
+        if self.engine == "ar":
+            return 1
+        depth = min(int(self.config.get("tree_depth", 1)), self.block_size - 1)
+        return self.block_size + int(self.config.get("tree_branch", 0)) * depth
+
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise SpecpilotError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
         if self.engine != "ar" and self.block_size < 2:
             raise SpecpilotError(f"block size must be >= 2, got {self.block_size}")
+        rule = self.config.get("accept")
+        if rule is not None:
+            if rule not in ACCEPT_RULES:
+                raise SpecpilotError(f"unknown verification rule accept={rule!r}; known: {', '.join(ACCEPT_RULES)}")
+            self.accept = ACCEPT_RULES[rule]
 
 
 def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None,
                    prompts: list[list[int]], max_new_tokens: int, max_seq: int,
-                   eos_id: int | None = None, profile: bool = True) -> list[RowResult]:
-    """Run one batch of prompts (decoded together) through the engine ``spec``."""
+                   eos_id: int | None = None, profile: bool = True, graphs: bool | None = None,
+                   kernels: str | None = None, replay=None, references: list[list[int]] | None = None
+                   ) -> list[RowResult]:
+    """Run one batch of prompts (decoded together) through the engine ``spec``.
+
+    graphs / kernels: CUDA-graph step path (default: on for CUDA) and its kernels (see
+    :class:`TargetRunner`). replay: an :class:`~specpilot.engine.replay.AcceptanceProfile`: the
+    stock loop then drafts with the replay drafter (``references`` = the AR outputs of these
+    prompts; computed here when None), running ``drafter`` for its cost only.
+    """
     capture = tuple(drafter.config.target_layer_ids) if (drafter is not None and spec.engine != "ar") else ()
-    runner = TargetRunner(target, len(prompts), max_seq, capture)
+    if replay is not None and references is None:
+        references = [r.output_ids for r in generate_batch(EngineSpec("ar"), target, None, prompts, max_new_tokens,
+                                                            max_seq, eos_id, graphs=graphs, kernels=kernels)]
+    runner = TargetRunner(target, len(prompts), max_seq, capture, graphs=graphs, kernels=kernels)
     if spec.engine == "ar":
         return generate_ar(runner, prompts, max_new_tokens, eos_id)
+    if replay is not None:
+        from .replay import ReplayProposer
+
+        net = DFlashProposer(drafter, graphs, kernels) if drafter is not None else None
+        proposer = ReplayProposer(references, replay, target.config.vocab_size, net,
+                                  seed=int(spec.config.get("replay_seed", 0)))
+        return generate_speculative(runner, proposer, prompts, max_new_tokens, spec.block_size, eos_id,
+                                    accept=spec.accept, profile=profile)
     if spec.engine == "lookup":
         proposer = LookupProposer(int(spec.config.get("max_ngram", 3)))
     else:
         if drafter is None:
             raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
-        proposer = DFlashProposer(drafter)
+        proposer = DFlashProposer(drafter, graphs, kernels)
+        branch = int(spec.config.get("tree_branch", 0))
+        if branch > 0:
+            return generate_tree(runner, proposer, prompts, max_new_tokens, spec.block_size, branch,
+                                 int(spec.config.get("tree_depth", 1)), eos_id, profile=profile)
     return generate_speculative(runner, proposer, prompts, max_new_tokens, spec.block_size, eos_id,
                                 accept=spec.accept, profile=profile)
 
 
 def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, prompts: list[dict],
           max_new_tokens: int, concurrency: int, meta: dict, eos_id: int | None = None,
-          max_seq: int | None = None, warmup: bool = True, progress: bool = True) -> list[Record]:
+          max_seq: int | None = None, warmup: bool = True, progress: bool = True,
+          graphs: bool | None = None, kernels: str | None = None, replay=None,
+          references: dict[str, list[int]] | None = None, profile: bool = True) -> list[Record]:
     """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) in batches of ``concurrency``.
 
     Args:
         meta: record fields fixed for the run: deployment, target, drafter, gpu.
+        graphs, kernels: the CUDA-graph step path (default on for CUDA), see :class:`TargetRunner`.
+        replay: acceptance profile of the replay drafter (system benchmarks on random weights;
+            records are marked ``synthetic``); ``references``: request_id -> AR output ids (else
+            the AR engine runs first on each batch).
+        profile: synchronize around the draft step to time it (``draft_s``); off = one
+            synchronization per verify step only.
         max_seq: KV-cache slots; default = longest prompt + max_new_tokens + block size, capped at
             the target's ``max_position_embeddings``.
     Raises:
@@ -76,7 +120,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     for p in prompts:
         if not p.get("prompt_ids"):
             raise SpecpilotError(f"request {p.get('request_id')!r} has an empty prompt")
-    room = max_new_tokens + spec.block_size + 1
+    room = max_new_tokens + spec.verify_width + 1
     longest = max(len(p["prompt_ids"]) for p in prompts)
     max_seq = max_seq or min(longest + room, target.config.max_position_embeddings)
     for p in prompts:
@@ -84,13 +128,21 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             raise SpecpilotError(
                 f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {room} decode slots "
                 f"exceeds the KV cache of {max_seq} slots")
-    if warmup:  # first forwards pay one-time allocation costs; keep them out of the timings
-        generate_batch(spec, target, drafter, [prompts[0]["prompt_ids"]], min(8, max_new_tokens), max_seq, eos_id)
+    opts = dict(graphs=graphs, kernels=kernels)
+    if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
+        first = [p["prompt_ids"] for p in prompts[:concurrency]]
+        generate_batch(spec, target, drafter, first, min(8, max_new_tokens), max_seq, eos_id, replay=replay, **opts)
     records = []
     batches = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
     for batch in tqdm(batches, desc=f"{spec.engine} c{concurrency}", unit="batch", disable=not progress):
+        refs = None
+        if replay is not None and references is not None:
+            missing = [p["request_id"] for p in batch if p["request_id"] not in references]
+            if missing:
+                raise SpecpilotError(f"replay reference records lack request(s) {missing[:5]}")
+            refs = [references[p["request_id"]] for p in batch]
         rows = generate_batch(spec, target, drafter, [p["prompt_ids"] for p in batch], max_new_tokens,
-                              max_seq, eos_id)
+                              max_seq, eos_id, profile=profile, replay=replay, references=refs, **opts)
         for p, r in zip(batch, rows):
             records.append(Record(
                 request_id=p["request_id"], benchmark=p["benchmark"], engine=spec.engine,
@@ -98,7 +150,8 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
                 prefill_s=r.prefill_s, decode_s=r.decode_s, verify_steps=r.verify_steps,
                 committed_per_step=r.committed_per_step, output_ids=r.output_ids,
                 engine_config={"block_size": spec.block_size if spec.engine != "ar" else 1, **spec.config},
-                draft_s=r.draft_s, verify_s=r.verify_s, synthetic=bool(meta.get("synthetic", False)),
+                draft_s=r.draft_s, verify_s=r.verify_s,
+                synthetic=bool(meta.get("synthetic", False)) or replay is not None,
                 deployment=meta["deployment"], target=meta["target"],
                 drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"]))
     return records

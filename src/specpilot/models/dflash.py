@@ -188,6 +188,9 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         dtype = dtype or self.fc.weight.dtype
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        if self.ctx_k is not None and tuple(self.ctx_k.shape) == shape and self.ctx_k.dtype == dtype \
+                and self.ctx_k.device == device:
+            return  # same shape: keep the buffers (and the CUDA graphs captured on them)
         self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
         cos, sin = rope_tables(cfg.head_dim, max_seq + cfg.block_size + 64, cfg.rope_theta)

@@ -131,10 +131,20 @@ class Transformer(nn.Module):
         self.cos = self.sin = None
 
     def setup_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate the static KV cache (batch, layers, kv_heads, max_seq, head_dim) and RoPE tables."""
+        """Allocate the static KV cache (batch, layers, kv_heads, max_seq, head_dim) and RoPE tables.
+
+        A cache of the same shape, dtype and device is kept rather than reallocated (its stale
+        slots are invisible, see :func:`layers.block_mask`), so its address stays fixed across
+        requests and captured CUDA graphs stay valid.
+        """
         cfg = self.config
         device = self.lm_head.weight.device
         dtype = dtype or self.lm_head.weight.dtype
+        shape = (batch, cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        old = self.cache
+        if old is not None and tuple(old.k.shape) == shape and old.k.dtype == dtype and old.k.device == device \
+                and self.cos is not None and self.cos.shape[0] == max_seq:
+            return
         self.cache = KVCache(batch, cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq,
                              cfg.head_dim, dtype, device)
         cos, sin = rope_tables(cfg.head_dim, max_seq, cfg.rope_theta)

@@ -1,0 +1,60 @@
+# specpilot: a reproducible speculative-decoding study (AR, stock block drafters, agent-tuned
+# engine). See README.md; contracts (paths, records, table columns, config keys) in DESIGN.md.
+#
+#   snakemake --cores all                         the embedded default (tiny deployment, CPU)
+#   snakemake results/h100/table.csv              one GPU's table
+#   snakemake --configfile config/paper.yaml ...  the study matrix
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+report: "report/workflow.rst"
+
+
+include: "rules/common.smk"
+
+
+wildcard_constraints:
+    gpu=r"(?!prompts/)[a-z0-9_]+",
+    deployment=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    benchmark=names_regex(BENCHMARK_NAMES),
+    engine=names_regex(ENGINE_NAMES),
+    concurrency=r"\d+",
+
+
+include: "rules/deployments.smk"
+include: "rules/prompts.smk"
+include: "rules/engines.smk"
+include: "rules/forcing.smk"
+include: "rules/report.smk"
+
+
+if HAS_ROUNDS:
+
+    include: "rules/rounds.smk"
+
+
+onstart:
+    logger.info(f"specpilot: deployments {', '.join(DEPLOYMENTS)}; engines {', '.join(RUN_ENGINES)}")
+
+
+onsuccess:
+    logger.info("specpilot: done; tables are results/<gpu>/table.csv")
+
+
+onerror:
+    logger.error("specpilot: a job failed; its log is named above (logs/...)")
+
+
+rule all:
+    default_target: True
+    input:
+        final_outputs,

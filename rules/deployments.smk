@@ -1,0 +1,49 @@
+# A deployment = target + drafter, found at resources/deployments/{deployment}/target and
+# .../drafter-{drafter}; build.json (written last) marks it ready.
+
+
+# The tiny deployment: tokenizer, target and drafter trained locally on CPU.
+rule build_tiny:
+    output:
+        "resources/deployments/{deployment}/build.json",
+    log:
+        "logs/deployments/{deployment}.log",
+    wildcard_constraints:
+        deployment=names_regex(TINY_DEPLOYMENTS),
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
+        data=data_dir_opt(),
+        seed=config.get("seed", 0),
+        quick=lambda wildcards: "--quick" if deployment(wildcards).get("quick") else "",
+    threads: TIMING_THREADS
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot build-tiny {params.data} --out {params.out_dir} --seed {params.seed}"
+        " {params.quick} --threads {threads} > {log} 2>&1"
+
+
+# Real deployments: link a local folder or a Hugging Face Hub download (run on the submitting
+# machine, which has network access on a cluster).
+localrules:
+    link_deployment,
+
+
+rule link_deployment:
+    output:
+        "resources/deployments/{deployment}/build.json",
+    log:
+        "logs/deployments/{deployment}.log",
+    wildcard_constraints:
+        deployment=names_regex(LINKED_DEPLOYMENTS),
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
+        target=lambda wildcards: deployment(wildcards)["target"],
+        drafter=lambda wildcards: deployment(wildcards)["drafter_id"],
+        drafter_name=lambda wildcards: deployment(wildcards)["drafter"],
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot.deployment_link --name {wildcards.deployment} --target {params.target:q}"
+        " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --out {params.out_dir}"
+        " > {log} 2>&1"

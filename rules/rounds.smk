@@ -1,0 +1,180 @@
+# Agent rounds (issue 4): per (gpu, deployment), round k = plan (cost model + directions, a
+# checkpoint: the directions chosen decide the agent jobs) -> one agent job per direction ->
+# integrate. Round k+1 plans from round k's integrated config; the last one becomes
+# results/{gpu}/{deployment}/specpilot.json, the specpilot engine's config. Finished agents are
+# files, so a killed round resumes without rerunning them. results/memory.jsonl (structured
+# memory) is shared by all deployments and written under a file lock by plan/integrate.
+
+ROUND_DIR = "results/{gpu}/{deployment}/rounds/round-{k}"
+MEMORY = "results/memory.jsonl"
+
+
+def round_common(wildcards):
+    """Options shared by every round step of one (gpu, deployment)."""
+    dep = deployment(wildcards)
+    rc = config["rounds"]
+    llm = rc.get("llm") or {}
+    opts = [
+        f"--target {target_dir(wildcards)} --drafter {drafter_dir(wildcards)}",
+        f"--target-name {shlex.quote(dep['target'])} --drafter-name {dep['drafter']}",
+        f"--deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {torch_device(wildcards)}",
+        dtype_opt(wildcards),
+        f"--block-size {dep['block_size']} --max-new-tokens {rc.get('max_new_tokens', config['max_new_tokens'])}",
+        f"--concurrency {rc.get('concurrency', 1)} --tolerance {config['forcing']['tolerance']}",
+        f"--memory {MEMORY} --agents {rc['agents_per_round']} --budget {rc['budget']}",
+    ]
+    if llm.get("base_url") and llm.get("model"):
+        opts.append("--llm " + shlex.quote(json.dumps(llm)))
+    return " ".join(opts)
+
+
+def previous_round(wildcards):
+    k = int(wildcards.k)
+    if k <= 1:
+        return []
+    return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
+
+
+def agent_files(wildcards):
+    """The agents the round's plan chose (re-evaluated after the plan checkpoint ran)."""
+    plan = checkpoints.round_plan.get(**wildcards).output.plan
+    with open(plan) as f:
+        chosen = json.load(f)["directions"]
+    return [ROUND_DIR.format(**wildcards) + f"/agent-{d}.json" for d in chosen]
+
+
+def last_round(wildcards):
+    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
+            f"round-{config['rounds']['count']}/integrated.json")
+
+
+def rounds_figure_inputs(wildcards):
+    return [f"results/{wildcards.gpu}/{d}/rounds/round-{k}/integrated.json"
+            for d in DEPLOYMENTS for k in range(1, config["rounds"]["count"] + 1)]
+
+
+rule calibration_prompts:
+    input:
+        build=build_marker,
+    output:
+        "results/prompts/{deployment}/calibration.jsonl",
+    log:
+        "logs/prompts/{deployment}/calibration.log",
+    params:
+        tokenizer=target_dir,
+        n=config["rounds"]["calibration_prompts"],
+        n_eval=config["n_prompts"],
+        seed=config.get("seed", 0),
+        data=data_dir_opt(),
+        benchmarks=" ".join(config["benchmarks"]),
+        tmp=lambda wildcards, output: output[0] + ".parts",
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "(mkdir -p {params.tmp} && for b in {params.benchmarks}; do"
+        " python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark $b --role calibration"
+        " --n-prompts {params.n} --n-eval {params.n_eval} --seed {params.seed} {params.data}"
+        " --out {params.tmp}/$b.jsonl || exit 1; done"
+        " && cat {params.tmp}/*.jsonl > {output}.tmp && mv {output}.tmp {output} && rm -r {params.tmp})"
+        " > {log} 2>&1"
+
+
+checkpoint round_plan:
+    input:
+        build=build_marker,
+        prompts="results/prompts/{deployment}/calibration.jsonl",
+        ceilings="results/{gpu}/ceilings.json",
+        previous=previous_round,
+    output:
+        plan=ROUND_DIR + "/plan.json",
+    log:
+        "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
+    params:
+        common=round_common,
+        previous=lambda wildcards, input: f"--previous {input.previous[0]}" if input.previous else "",
+    threads: TIMING_THREADS
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot round plan --round {wildcards.k} {params.common} --prompts {input.prompts}"
+        " --ceilings {input.ceilings} {params.previous} --threads {threads} --out {output.plan} > {log} 2>&1"
+
+
+rule round_agent:
+    input:
+        build=build_marker,
+        prompts="results/prompts/{deployment}/calibration.jsonl",
+        plan=ROUND_DIR + "/plan.json",
+    output:
+        ROUND_DIR + "/agent-{direction}.json",
+    log:
+        "logs/{gpu}/{deployment}/rounds/round-{k}/agent-{direction}.log",
+    wildcard_constraints:
+        direction=r"[a-z0-9_]+",
+    params:
+        common=round_common,
+    threads: TIMING_THREADS
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
+        " {params.common} --prompts {input.prompts} --plan {input.plan} --threads {threads}"
+        " --out {output} > {log} 2>&1"
+
+
+rule round_integrate:
+    input:
+        build=build_marker,
+        prompts="results/prompts/{deployment}/calibration.jsonl",
+        plan=ROUND_DIR + "/plan.json",
+        agents=agent_files,
+    output:
+        ROUND_DIR + "/integrated.json",
+    log:
+        "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
+    params:
+        common=round_common,
+    threads: TIMING_THREADS
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot round integrate --round {wildcards.k} {params.common} --prompts {input.prompts}"
+        " --plan {input.plan} --agent-files {input.agents} --threads {threads} --out {output} > {log} 2>&1"
+
+
+rule specpilot_config:
+    input:
+        last_round,
+    output:
+        "results/{gpu}/{deployment}/specpilot.json",
+    log:
+        "logs/{gpu}/{deployment}/specpilot-config.log",
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot round final --integrated {input} --out {output} > {log} 2>&1"
+
+
+rule rounds_figure:
+    input:
+        rounds_figure_inputs,
+    output:
+        report("results/{gpu}/figures/rounds.png", caption="../report/rounds.rst", category="Figures"),
+    log:
+        "logs/{gpu}/figures-rounds.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m specpilot figures --rounds {input} --out-dir results/{wildcards.gpu}/figures > {log} 2>&1"

@@ -1,0 +1,82 @@
+"""Directions registry: one mechanism each, with its parameter space and the cost term it attacks.
+
+A direction turns a point of its space into engine-config keys (:meth:`Direction.apply`). The
+round loop never names a mechanism: it ranks cost terms, takes the directions registered for the
+largest gaps, and asks each direction's agent for candidates. A later mechanism registers itself
+here (``register``) with no change to the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Cost terms the cost model reports (see costmodel.py).
+COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "kernels")
+
+
+@dataclass
+class Direction:
+    """One mechanism the agents may explore.
+
+    Attributes:
+        name: registry key, also the agent's file name (``agent-{name}.json``).
+        cost_term: the cost-model term it attacks (one of :data:`COST_TERMS`).
+        space: parameter -> allowed values (a finite grid the offline policy searches).
+        applies: predicate on the deployment context dict (gpu, dtype, concurrency, drafter...).
+        description: one line for reports and LLM prompts.
+    """
+
+    name: str
+    cost_term: str
+    space: dict[str, list[Any]]
+    description: str = ""
+    applies: Callable[[dict], bool] = field(default=lambda ctx: True)
+
+    def candidates(self) -> list[dict]:
+        """Every point of the grid, in a fixed order."""
+        keys = sorted(self.space)
+        return [dict(zip(keys, vals)) for vals in itertools.product(*(self.space[k] for k in keys))]
+
+    def schema(self) -> dict:
+        """JSON schema a proposal must validate against (one value per parameter, from the space)."""
+        return {"type": "object", "additionalProperties": False, "required": sorted(self.space),
+                "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
+
+    def apply(self, config: dict, params: dict) -> dict:
+        """A new engine config with ``params`` set (the input is not modified)."""
+        return {**config, **params}
+
+
+REGISTRY: dict[str, Direction] = {}
+
+
+def register(direction: Direction) -> Direction:
+    """Add (or replace) a direction in the registry; returns it."""
+    REGISTRY[direction.name] = direction
+    return direction
+
+
+def applicable(ctx: dict) -> list[Direction]:
+    """Registered directions that apply to a deployment context, in registration order."""
+    return [d for d in REGISTRY.values() if d.applies(ctx)]
+
+
+register(Direction(
+    "block_size", "acceptance", {"block_size": [3, 4, 5, 6, 8, 10, 12, 16]},
+    "verification length: tokens per verify step (anchor + drafts); trades verify cost for acceptance"))
+register(Direction(
+    "tree_verify", "acceptance", {"tree_branch": [0, 1, 2, 3], "tree_depth": [1, 2, 3]},
+    "tree verification: the drafter's next-best tokens at the first positions as side branches",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup")))
+
+
+def _w12_applies(ctx: dict) -> bool:
+    return ctx.get("dtype") == "bf16" and ctx.get("gpu", "cpu") != "cpu"
+
+
+register(Direction(
+    "w12_weights", "weight_bytes", {"weight_format": ["bf16", "w12"]},
+    "lossless 12-bit weights: 25% fewer weight bytes per verify step, bit-identical outputs",
+    applies=_w12_applies))

@@ -1,0 +1,468 @@
+"""CUDA graphs for the decode / verify / draft steps, and the Triton fast path of the target.
+
+On a CUDA device the runner and the DFlash proposer replay one captured CUDA graph per step
+shape instead of launching hundreds of kernels from Python (gpt-fast gets the same effect from
+``torch.compile(mode="reduce-overhead")``; capturing by hand costs well under a second per shape
+instead of minutes of compilation):
+
+- target step, one graph per (batch, block length T, captured layers): T = 1 for AR decode, the
+  block size for chain verification. Inputs: static token [B, T] and start [B] buffers; outputs:
+  static logits [B, T, vocab] and captured hidden states [B, T, F] (valid until the next replay
+  of the same shape). Prefill (variable length) and tree verification stay eager.
+- drafter steps, one graph per shape: ``draft`` (anchor [B], start [B]) and ``add_context``
+  (features [B, T, F], start [B]).
+
+Two step implementations (``kernels``):
+
+- ``"triton"`` (default on CUDA with bf16 weights): :class:`FastTarget`, 7 Triton kernels per
+  layer (:mod:`specpilot.engine.triton_step`): norms folded into the matmuls, fused q/k/v and
+  gate/up weights, split-KV attention that reads only the live context. Row-independent, so
+  verifying a block gives bit-identical logits to decoding its tokens one by one.
+- ``"torch"``: the eager :class:`~specpilot.models.qwen3.Transformer` forward (cuBLAS, SDPA)
+  captured as is.
+
+No step synchronizes the host: every input lives on the device and is copied into the static
+buffers by the stream. Graphs are keyed on the KV-cache storage, and :meth:`Transformer.setup_cache`
+reuses a cache of the same shape, so graphs survive from one batch of requests to the next.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import SpecpilotError
+from ..models.layers import chain_ancestors
+from ..models.qwen3 import Transformer
+
+KERNELS = ("auto", "triton", "torch")
+LINEAR_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+# Matmul block configs per role, tuned on an H200 for the Qwen3-8B shape (benchmarks/bench_engine.py,
+# 2026-11-30; kernels/tuned/engine_h200.json). Override with FastTarget(configs=...) or
+# ``specpilot run --kernel-configs FILE``.
+DEFAULT_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
+                   "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
+FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no Triton path
+        return False
+    return True
+
+
+def resolve_kernels(kernels: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> ``triton`` on CUDA with bf16 weights when Triton imports, else ``torch``."""
+    kernels = kernels or "auto"
+    if kernels not in KERNELS:
+        raise SpecpilotError(f"unknown kernels {kernels!r}; use {', '.join(KERNELS)}")
+    if kernels == "auto":
+        ok = device.type == "cuda" and dtype == torch.bfloat16 and triton_available()
+        return "triton" if ok else "torch"
+    if kernels == "triton" and not triton_available():
+        raise SpecpilotError("kernels 'triton' requested but triton is not installed")
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+
+
+def fast_path_supported(model: Transformer) -> bool:
+    """True when every projection is a plain ``nn.Linear`` (not e.g. a w12 module) and all layers are full attention."""
+    for layer in model.model.layers:
+        mods = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+        if any(type(m) is not nn.Linear for m in mods):
+            return False
+    return type(model.lm_head) is nn.Linear and set(model.config.layer_types) <= {"full_attention"}
+
+
+@torch.no_grad()
+def fuse_weights(model: Transformer) -> None:
+    """Store each layer's q/k/v weights in one tensor and gate/up in another (in place, once).
+
+    The HF-named parameters (``q_proj.weight``, ...) become views into the fused tensors, so the
+    eager forward and ``state_dict`` keep working unchanged and no memory is duplicated.
+    """
+    if getattr(model, "_fused_weights", False):
+        return
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+        nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+        a.q_proj.weight = nn.Parameter(w[:nq], requires_grad=False)
+        a.k_proj.weight = nn.Parameter(w[nq:nq + nk], requires_grad=False)
+        a.v_proj.weight = nn.Parameter(w[nq + nk:], requires_grad=False)
+        layer.fused_qkv = w
+        wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+        ni = mlp.gate_proj.weight.shape[0]
+        mlp.gate_proj.weight = nn.Parameter(wgu[:ni], requires_grad=False)
+        mlp.up_proj.weight = nn.Parameter(wgu[ni:], requires_grad=False)
+        layer.fused_gate_up = wgu
+    model._fused_weights = True
+
+
+def weight_bytes_per_step(model: Transformer, rows: int) -> int:
+    """Bytes of weights one step reads: every parameter except the embedding table (of which only
+    ``rows`` rows are gathered); a tied LM head is read in full as the LM head."""
+    seen, total = set(), 0
+    emb = model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if not model.config.tie_word_embeddings:
+        total -= emb.numel() * emb.element_size()
+    return total + rows * emb.shape[1] * emb.element_size()
+
+
+def kv_bytes_per_step(model: Transformer, rows: int, context: int, T: int = 1) -> int:
+    """KV-cache bytes one step reads: K and V of ``context + T`` slots per row and layer."""
+    c = model.config
+    return rows * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * (context + T) * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Workspace:
+    tok: torch.Tensor
+    qkv: torch.Tensor
+    q: torch.Tensor
+    attn: torch.Tensor
+    h: torch.Tensor
+    logits: torch.Tensor
+    feats: torch.Tensor | None
+    attn_ws: object
+    xn: torch.Tensor | None = None
+    gu: torch.Tensor | None = None
+
+
+CUBLAS = "cublas"
+
+
+class FastTarget:
+    """Decode / chain-verify forward of a :class:`Transformer` through the Triton kernels.
+
+    Same contract as ``Transformer.forward`` for a chain block (``depth=None``): writes K/V at
+    slots ``start .. start+T-1`` and returns logits [B, T, vocab] and captured features. Needs
+    CUDA (or ``TRITON_INTERPRET=1`` on the CPU for tests). Outputs live in per-shape workspace
+    buffers, overwritten by the next call of the same shape.
+
+    ``configs`` maps each matmul role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``) to a
+    Triton block config (:class:`~specpilot.engine.triton_step.LinearConfig` or its key) or to
+    ``"cublas"``: then that matmul runs through ``torch.mm`` (cuBLAS) with the norm, SwiGLU and
+    residual as separate kernels (residual through the GEMM's beta = 1). cuBLAS picks its
+    algorithm by shape, so with any cuBLAS role the rows are padded to a multiple of 16: a
+    1-token decode then runs the same GEMMs as a 16-token block (row independence between AR
+    decode and 16-token verification; not across other block sizes).
+    """
+
+    def __init__(self, model: Transformer, configs: dict | None = None):
+        from . import triton_step
+
+        self.k = triton_step
+        self.model = model
+        fuse_weights(model)
+        self.configs = {role: triton_step.LinearConfig.parse(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
+        self.set_configs(configs or {})
+        self._ws: dict[tuple, _Workspace] = {}
+
+    def set_configs(self, configs: dict) -> bool:
+        """Set block configs per role; returns True when something changed."""
+        changed = False
+        for role, c in configs.items():
+            if role not in LINEAR_ROLES:
+                raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
+            if not isinstance(c, self.k.LinearConfig) and c != CUBLAS:
+                c = self.k.LinearConfig.parse(c)
+            changed |= self.configs[role] != c
+            self.configs[role] = c
+        return changed
+
+    def config_keys(self) -> dict:
+        return {r: c if c == CUBLAS else c.key() for r, c in self.configs.items()}
+
+    @property
+    def pad(self) -> int:
+        return 16 if any(c == CUBLAS for c in self.configs.values()) else 1
+
+    def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
+        m, c = self.model, self.model.config
+        pad = self.pad
+        key = (B, T, n_capture, m.cache.max_seq, pad)
+        ws = self._ws.get(key)
+        if ws is None:
+            M = -(-B * T // pad) * pad
+            dev, dt = m.lm_head.weight.device, m.lm_head.weight.dtype
+            nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            z = dict(dtype=dt, device=dev)
+            ws = _Workspace(
+                tok=torch.zeros(M, dtype=torch.long, device=dev),
+                qkv=torch.zeros(M, nq + 2 * nkv, **z), q=torch.zeros(M, nq, **z), attn=torch.zeros(M, nq, **z),
+                h=torch.zeros(M, c.intermediate_size, **z), logits=torch.zeros(M, c.vocab_size, **z),
+                feats=torch.zeros(M, n_capture * c.hidden_size, **z) if n_capture else None,
+                attn_ws=self.k.AttnWorkspace(B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                             m.cache.max_seq, dev))
+            ws.xn = torch.zeros(M, c.hidden_size, **z)
+            if pad > 1:
+                ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
+            self._ws[key] = ws
+        return ws
+
+    def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
+        cfg = self.configs[role]
+        eps = self.model.config.rms_norm_eps
+        if cfg != CUBLAS:
+            if cfg.prenorm and norm is not None:
+                x, norm = self.k.rmsnorm(x, norm, ws.xn, eps), None
+            return self.k.linear(x, w, out, cfg=cfg, norm=norm, eps=eps, residual=residual, swiglu=swiglu)
+        if norm is not None:
+            x = self.k.rmsnorm(x, norm, ws.xn, eps)
+        if residual is not None:  # out is the residual: out += x @ w.T in the GEMM epilogue
+            return out.addmm_(x, w.t())
+        if swiglu:
+            torch.mm(x, w.t(), out=ws.gu)
+            return self.k.silu_mul(ws.gu, out)
+        return torch.mm(x, w.t(), out=out)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
+        K, m, c = self.k, self.model, self.model.config
+        if m.cache is None:
+            raise SpecpilotError("setup_cache() must be called before the forward")
+        B, T = tokens.shape
+        M, H = B * T, c.hidden_size
+        ws = self._workspace(B, T, len(capture))
+        eps = c.rms_norm_eps
+        if ws.tok.shape[0] == M:
+            x = F.embedding(tokens.reshape(M), m.model.embed_tokens.weight)
+        else:  # padded rows embed token 0 and are never read back
+            ws.tok[:M].copy_(tokens.reshape(M))
+            x = F.embedding(ws.tok, m.model.embed_tokens.weight)
+        for i, layer in enumerate(m.model.layers):
+            a = layer.self_attn
+            kc, vc = m.cache.k[:, i], m.cache.v[:, i]
+            self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
+            K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
+                            a.k_norm.weight if a.k_norm is not None else None, m.cos, m.sin, start, T,
+                            a.n_heads, a.n_kv, a.head_dim, eps)
+            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws)
+            self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
+            self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
+                         swiglu=True)
+            self._linear("down", ws.h, layer.mlp.down_proj.weight, x, ws, residual=x)
+            if i in capture:
+                j = capture.index(i)
+                ws.feats[:, j * H:(j + 1) * H].copy_(x)
+        self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=m.model.norm.weight)
+        feats = ws.feats[:M].view(B, T, -1) if capture else None
+        return ws.logits[:M].view(B, T, -1), feats
+
+
+FAST_LINEAR_CONFIG = {"key": "bn32-bk256-w4-s4"}  # block config of use_fast_linears / FastLinear
+
+
+def set_fast_linear_config(key: str) -> None:
+    """Block config (:class:`~specpilot.engine.triton_step.LinearConfig` key) of the drafter's Triton matmuls."""
+    FAST_LINEAR_CONFIG["key"] = key
+
+
+def _fast_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from . import triton_step
+
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16 and self.bias is None \
+            and 0 < rows <= FAST_LINEAR_MAX_M and self.weight.is_contiguous():
+        cfg = triton_step.LinearConfig.parse(FAST_LINEAR_CONFIG["key"])
+        y = triton_step.linear(x.reshape(rows, K), self.weight, cfg=cfg)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, self.weight, self.bias)
+
+
+def use_fast_linears(module: nn.Module, enable: bool = True) -> nn.Module:
+    """Route every ``nn.Linear`` of ``module`` with few rows (<= 64) through the Triton matmul
+    (``enable=False`` restores ``F.linear``)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            if enable:
+                m.forward = types.MethodType(_fast_linear_forward, m)
+            else:
+                m.__dict__.pop("forward", None)
+    return module
+
+
+class FastLinear(nn.Module):
+    """``x @ weight.T`` through the Triton matmul for few rows; shares (does not own) ``weight``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight_ref = [weight]
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_ref[0]
+
+    def forward(self, x):
+        return _fast_linear_forward(self, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# graph capture
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Captured:
+    graph: object
+    inputs: list
+    output: object
+
+
+@dataclass
+class GraphCache:
+    """One CUDA graph per key: ``run(key, fn, inputs)`` copies ``inputs`` into the static input
+    buffers of the key's graph (capturing ``fn(*static_inputs)`` on first use) and replays it.
+
+    Capture runs ``fn`` twice on a side stream first (Triton compilation, cuBLAS workspaces); those
+    warm-up runs see the real inputs, so side effects (KV-cache writes) are the ones the replay
+    repeats. ``token`` (e.g. the KV cache's address) invalidates every graph when it changes. Each
+    graph has its own memory pool, so graphs may be replayed in any order.
+    """
+
+    entries: dict = field(default_factory=dict)
+    token: object = None
+    captures: int = 0
+
+    def run(self, key, fn: Callable, inputs: tuple, token=None, prepare: Callable | None = None):
+        if token != self.token:
+            self.entries.clear()
+            self.token = token
+        e = self.entries.get(key)
+        if e is None:
+            if prepare is not None:
+                prepare()
+            e = self._capture(fn, inputs)
+            self.entries[key] = e
+        for s, x in zip(e.inputs, inputs):
+            s.copy_(x)
+        e.graph.replay()
+        return e.output
+
+    def _capture(self, fn, inputs) -> _Captured:
+        static = [x.detach().clone().contiguous() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn(*static)
+        self.captures += 1
+        return _Captured(g, static, out)
+
+
+class StepGraphs:
+    """Captured target steps of one model (see the module docstring); one per (model, kernels)."""
+
+    def __init__(self, model: Transformer, kernels: str = "triton", configs: dict | None = None):
+        self.model = model
+        self.kernels = kernels
+        self.fast = FastTarget(model, configs) if kernels == "triton" else None
+        self.cache = GraphCache()
+
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
+        """One chain step without a graph (the function that is captured)."""
+        if self.fast is not None:
+            return self.fast.forward(tokens, start, capture)
+        B, T = tokens.shape
+        with torch.inference_mode():
+            return self.model(tokens, start, chain_ancestors(B, T, tokens.device), capture=capture)
+
+    def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
+        """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B]."""
+        if self.model.cache is None:
+            raise SpecpilotError("setup_cache() must be called before the forward")
+        key = (tuple(tokens.shape), tuple(capture))
+        token = (self.model.cache.k.data_ptr(), tuple(self.model.cache.k.shape), self.model.cos.data_ptr())
+        with torch.inference_mode():
+            return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
+
+
+def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict | None = None) -> StepGraphs:
+    """The :class:`StepGraphs` of ``model`` for ``kernels`` (created once and kept on the model)."""
+    w = model.lm_head.weight
+    if w.device.type != "cuda":
+        raise SpecpilotError("CUDA graphs need the model on a CUDA device")
+    asked = kernels or "auto"
+    kernels = resolve_kernels(kernels, w.device, w.dtype)
+    if kernels == "triton" and not fast_path_supported(model):
+        if asked == "triton":
+            raise SpecpilotError("kernels 'triton' need plain linear layers (not another weight format)")
+        kernels = "torch"
+    store = model.__dict__.setdefault("_step_graphs", {})
+    if kernels not in store:
+        store[kernels] = StepGraphs(model, kernels, configs)
+    elif configs and store[kernels].fast is not None and store[kernels].fast.set_configs(configs):
+        store[kernels].cache.entries.clear()  # other kernels: recapture
+    return store[kernels]
+
+
+class DrafterGraphs:
+    """Captured DFlash drafter steps: ``draft`` and ``add_context`` per shape."""
+
+    def __init__(self, drafter, embed: nn.Embedding, lm_head: nn.Module, kernels: str = "triton"):
+        self.drafter = drafter
+        self.embed = embed
+        self.kernels = kernels
+        self.lm_head = FastLinear(lm_head.weight) if kernels == "triton" else lm_head
+        self.cache = GraphCache()
+
+    def _prepare(self):  # the drafter's linears as this graph set wants them, before a capture
+        use_fast_linears(self.drafter, self.kernels == "triton")
+
+    def _token(self):
+        return (self.drafter.ctx_k.data_ptr(), tuple(self.drafter.ctx_k.shape))
+
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Draft tokens [B, block_size - 1] (static buffer) after ``anchor`` [B] at ``start`` [B]."""
+        fn = lambda a, s: self.drafter.draft(a, s, self.embed, self.lm_head, block_size)[0]  # noqa: E731
+        with torch.inference_mode():
+            return self.cache.run(("draft", anchor.shape[0], block_size), fn, (anchor, start), self._token(),
+                                  self._prepare)
+
+    def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        """Inject target features [B, T, F] of positions start..start+T-1 into the draft cache."""
+        with torch.inference_mode():
+            self.cache.run(("ctx", tuple(features.shape)), self.drafter.add_context, (features, start),
+                           self._token(), self._prepare)
+
+
+def drafter_graphs(drafter, embed: nn.Embedding, lm_head: nn.Module, kernels: str | None = "auto") -> DrafterGraphs:
+    """The :class:`DrafterGraphs` of ``drafter`` (kept on the drafter; rebuilt for another target)."""
+    w = drafter.fc.weight
+    if w.device.type != "cuda":
+        raise SpecpilotError("CUDA graphs need the drafter on a CUDA device")
+    kernels = resolve_kernels(kernels, w.device, w.dtype)
+    store = drafter.__dict__.setdefault("_drafter_graphs", {})
+    key = (kernels, id(embed), id(lm_head))
+    if key not in store:
+        store[key] = DrafterGraphs(drafter, embed, lm_head, kernels)
+    return store[key]

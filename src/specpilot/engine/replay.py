@@ -1,0 +1,163 @@
+"""Replay drafter: realistic acceptance on random-weight targets, for system benchmarks only.
+
+A random-weight target writes meaningless text, so no trained drafter can be run against it.
+To measure the engine's speed at a published acceptance length anyway, :class:`ReplayProposer`
+drafts the AR reference continuation of the same prompt (computed by the AR engine first) and
+plants one wrong token per block at a position drawn from an *acceptance profile*, while running
+a drafter network of the real drafter's shape (e.g. a random DFlash drafter), so that the draft
+step costs what it would cost. The target still verifies every token with the unchanged rule
+and the output still goes through token forcing; every record is marked ``synthetic``.
+
+Acceptance profile: per-position conditional acceptance rates ``p_1 .. p_k`` (``p_j`` = chance
+that draft j is accepted given drafts 1..j-1 were). Each step draws the accepted count A:
+draft j is accepted with probability ``p_j`` while all before it were, and the first rejected
+position gets a wrong token (reference token + 1 mod vocab), so the target rejects exactly there
+(its argmax is the reference token). The expected acceptance length, bonus token included, is
+
+    tau = 1 + E[A] = 1 + sum_{j=1..k} prod_{i=1..j} p_i        (k = block_size - 1)
+
+(:func:`expected_tau`). Profiles are JSON files under ``config/profiles/``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecpilotError
+
+PROFILE_DIR = Path(__file__).resolve().parents[3] / "config" / "profiles"
+
+
+@dataclass
+class AcceptanceProfile:
+    """Conditional acceptance rates per draft position (``rates[j-1]`` = p_j)."""
+
+    name: str
+    rates: list[float]
+    block_size: int = 16
+    source: str = ""
+    target_tau: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.rates or any(not (0.0 <= p <= 1.0) for p in self.rates):
+            raise SpecpilotError(f"profile {self.name!r}: conditional acceptance rates must lie in [0, 1]")
+
+    def rate(self, j: int) -> float:
+        """p_j for draft position j >= 1 (the last rate repeats past the profile's length)."""
+        return self.rates[min(j, len(self.rates)) - 1]
+
+    def sample(self, k: int, rng: random.Random) -> int:
+        """Accepted count A in 0..k for a block of k drafts."""
+        a = 0
+        while a < k and rng.random() < self.rate(a + 1):
+            a += 1
+        return a
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "block_size": self.block_size, "source": self.source,
+                "target_tau": self.target_tau, "expected_tau": round(expected_tau(self, self.block_size), 4),
+                "conditional_acceptance": self.rates, **self.extra}
+
+
+def expected_tau(profile: AcceptanceProfile, block_size: int | None = None) -> float:
+    """tau = 1 + sum_{j=1..k} prod_{i<=j} p_i with k = block_size - 1 (the bonus token counts)."""
+    k = (block_size or profile.block_size) - 1
+    tau, run = 1.0, 1.0
+    for j in range(1, k + 1):
+        run *= profile.rate(j)
+        tau += run
+    return tau
+
+
+def load_profile(path_or_name: str | Path) -> AcceptanceProfile:
+    """Read a profile JSON (a path, or a name under ``config/profiles/``).
+
+    Raises:
+        SpecpilotError: missing file, bad JSON, or no ``conditional_acceptance`` list.
+    """
+    p = Path(path_or_name)
+    if not p.exists() and not p.suffix:
+        p = PROFILE_DIR / f"{path_or_name}.json"
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SpecpilotError(f"acceptance profile not found: {path_or_name}") from None
+    except json.JSONDecodeError as e:
+        raise SpecpilotError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(d.get("conditional_acceptance"), list):
+        raise SpecpilotError(f"{p}: a profile needs a 'conditional_acceptance' list")
+    known = {"name", "conditional_acceptance", "block_size", "source", "target_tau", "expected_tau"}
+    return AcceptanceProfile(name=d.get("name", p.stem), rates=[float(x) for x in d["conditional_acceptance"]],
+                             block_size=int(d.get("block_size", 16)), source=d.get("source", ""),
+                             target_tau=d.get("target_tau"), extra={k: v for k, v in d.items() if k not in known})
+
+
+def calibrate(target_tau: float, block_size: int = 16, slope: float = 0.006) -> list[float]:
+    """Rates ``p_j = c - slope * (j - 1)`` (a gentle decline with position) whose tau is ``target_tau``."""
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        c = (lo + hi) / 2
+        rates = [min(1.0, max(0.0, c - slope * j)) for j in range(block_size - 1)]
+        if expected_tau(AcceptanceProfile("x", rates), block_size) < target_tau:
+            lo = c
+        else:
+            hi = c
+    return [round(min(1.0, max(0.0, hi - slope * j)), 6) for j in range(block_size - 1)]
+
+
+class ReplayProposer:
+    """Drafts the reference continuation with profile-drawn wrong tokens (see the module docstring).
+
+    Args:
+        references: per row the AR output ids of the same prompt (first token included).
+        profile: the acceptance profile.
+        vocab_size: to build wrong tokens.
+        network: optional proposer whose forward runs each step for its cost only (a
+            :class:`~specpilot.engine.proposers.DFlashProposer` of the real drafter's shape).
+        seed: of the acceptance draws.
+    """
+
+    synthetic = True
+
+    def __init__(self, references: list[list[int]], profile: AcceptanceProfile, vocab_size: int,
+                 network=None, seed: int = 0):
+        self.refs = [list(r) for r in references]
+        self.profile = profile
+        self.vocab = vocab_size
+        self.network = network
+        self.rng = random.Random(seed)
+        self.planted: list[int] = []  # accepted count drawn per step and row (for tests)
+
+    def start(self, runner, prompts, features, first) -> None:
+        if len(prompts) != len(self.refs):
+            raise SpecpilotError(f"replay: {len(prompts)} prompts but {len(self.refs)} reference outputs")
+        self.device = first.device
+        self.pos = [1] * len(prompts)  # output tokens so far (the first came from prefill)
+        if self.network is not None:
+            self.network.start(runner, prompts, features, first)
+
+    def propose(self, last, start, k):
+        if self.network is not None:
+            self.network.propose(last, start, k)  # the real draft cost; its tokens are not used
+        rows = []
+        for ref, i in zip(self.refs, self.pos):
+            d = ref[i:i + k]
+            d = d + [ref[-1] if ref else 0] * (k - len(d))
+            a = self.profile.sample(k, self.rng)
+            self.planted.append(a)
+            if a < k:
+                d[a] = (d[a] + 1) % self.vocab
+            rows.append(d)
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def observe(self, features, start, counts, committed) -> None:
+        if self.network is not None:
+            self.network.observe(features, start, counts, committed)
+        for b, toks in enumerate(committed):
+            self.pos[b] += len(toks)

@@ -1,0 +1,392 @@
+"""Triton kernels of the CUDA fast path: one decode / verify step of a Qwen3 / Llama target.
+
+A step of T tokens per row (T = 1 for AR decode, the block size for verification) is memory-bound:
+it streams every weight once. Per layer it runs 7 kernels:
+
+1. ``linear`` with an RMSNorm prologue: ``qkv = norm(x) @ Wqkv.T`` (q, k, v weights fused);
+2. ``qk_rope_cache``: q/k RMSNorm (Qwen3), RoPE, K/V written into the static cache;
+3. ``attn_partial`` + ``attn_combine``: split-KV attention over the committed prefix plus the
+   block's own chain (flash-decoding style; chunks past ``start + T`` are skipped, so the KV bytes
+   read are those of the actual context, not of the static cache);
+4. ``linear`` with a residual epilogue: ``x = x + attn @ Wo.T``;
+5. ``linear`` with norm prologue and SwiGLU epilogue: ``h = silu(norm(x) @ Wg.T) * (norm(x) @ Wu.T)``;
+6. ``linear`` with residual epilogue: ``x = x + h @ Wd.T``.
+
+Row independence ("batch invariance"): every kernel computes each output row with the same
+arithmetic whatever the number of rows M (fixed 16-row tiles, the same block config for every M,
+no split-K, fixed KV chunks that depend on the cache size only). So the logits of a token are
+bit-identical whether it is decoded alone (AR) or verified inside a block, and the speculative
+engine reproduces the AR engine token for token on the GPU too.
+
+The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
+row's sum of squares accumulated from the same x loads, so the norm costs no extra kernel.
+
+``TRITON_INTERPRET=1`` runs the kernels on the CPU (tests); the interpreter of triton 3.6
+mis-multiplies bf16 ``tl.dot``, so the kernels take an exact fp32 dot when interpreting.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+BM = 16  # rows per tile of every matmul (tensor-core minimum); fixed for row independence
+BR = 16  # query rows per attention tile
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Block config of :func:`linear`: output columns per program, K step, warps, pipeline stages.
+
+    ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
+    (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
+    work in every program, which pays only when programs own many output columns).
+    """
+
+    bn: int = 16
+    bk: int = 512
+    warps: int = 4
+    stages: int = 3
+    prenorm: bool = False
+
+    def key(self) -> str:
+        return f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
+
+    @classmethod
+    def parse(cls, key: str) -> "LinearConfig":
+        """Inverse of :meth:`key`."""
+        import re
+
+        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?", key)
+        if m is None:
+            raise ValueError(f"bad linear config key {key!r}")
+        bn, bk, w, s = map(int, m.groups()[:4])
+        return cls(bn, bk, w, s, m.group(5) is not None)
+
+
+CANDIDATES = (
+    LinearConfig(16, 512, 4, 3),
+    LinearConfig(16, 256, 4, 4),
+    LinearConfig(32, 256, 4, 4),
+    LinearConfig(32, 256, 4, 3),
+    LinearConfig(32, 128, 4, 6),
+    LinearConfig(32, 512, 4, 3),
+    LinearConfig(64, 128, 4, 4),
+    LinearConfig(64, 256, 4, 3),
+    LinearConfig(64, 128, 8, 4),
+    LinearConfig(128, 64, 4, 4),
+)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
+                   M, N, K, stride_xm, stride_ym, stride_rm, eps,
+                   NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
+                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
+    pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM_ + tl.arange(0, BM_)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros((BN, BM_), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BM_), dtype=tl.float32)
+    ss = tl.zeros((BM_,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + offs_k
+        mask_k = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if INTERP:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        if SWIGLU:
+            w2 = tl.load(w_rows + N * K + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            if INTERP:
+                acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(w2, tl.trans(x), acc2)
+    dt = y_ptr.dtype.element_ty
+    if NORM:
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = acc * rstd[None, :]
+        acc2 = acc2 * rstd[None, :]
+    if SWIGLU:
+        g = acc.to(dt).to(tl.float32)
+        u = acc2.to(dt).to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+    else:
+        out = acc
+    mask = mask_n[:, None] & mask_m[None, :]
+    if RES:
+        r = tl.load(r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        out = r.to(tl.float32) + out.to(dt).to(tl.float32)
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(dt), mask=mask)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, cfg: LinearConfig = LinearConfig(),
+           norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+           swiglu: bool = False) -> torch.Tensor:
+    """``out = epilogue(prologue(x) @ w.T)`` for x [M, K] (row stride free, unit column stride).
+
+    norm: RMSNorm weight [K] applied to x first. residual: [M, N] added to the product (may be
+    ``out`` itself: each program reads its tile before writing it). swiglu: ``w`` is [2N, K]
+    (gate rows then up rows) and the result is ``silu(gate) * up``.
+    """
+    M, K = x.shape
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    assert w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, cfg.bn))
+    r = residual if residual is not None else out
+    _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
+                         M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
+                         NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
+                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET,
+                         num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr,
+                          T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps,
+                          QK_NORM: tl.constexpr, D: tl.constexpr):
+    """Per (row m = b*T + t, head h): q heads -> norm, RoPE -> q[m, h]; k heads -> norm, RoPE -> cache; v -> cache."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = m // T
+    t = m % T
+    pos = tl.load(start_ptr + b).to(tl.int32) + t  # RoPE position = cache slot (chain)
+    offs = tl.arange(0, D // 2)
+    row = qkv_ptr + m.to(tl.int64) * stride_qkv
+    dt = q_ptr.dtype.element_ty
+    x1 = tl.load(row + h * D + offs).to(tl.float32)
+    x2 = tl.load(row + h * D + D // 2 + offs).to(tl.float32)
+    is_q = h < HQ
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        w1 = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + offs), tl.load(kn_ptr + D // 2 + offs)).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos * D + offs)
+    s = tl.load(sin_ptr + pos * D + offs)
+    o1 = (x1 * c - x2 * s).to(dt)
+    o2 = (x2 * c + x1 * s).to(dt)
+    if is_q:
+        dst = q_ptr + (m.to(tl.int64) * HQ + h) * D
+        tl.store(dst + offs, o1)
+        tl.store(dst + D // 2 + offs, o2)
+    else:
+        kh = h - HQ
+        base = b.to(tl.int64) * stride_cb + kh * stride_ch + pos.to(tl.int64) * stride_cs
+        tl.store(kc_ptr + base + offs, o1)
+        tl.store(kc_ptr + base + D // 2 + offs, o2)
+        offs_d = tl.arange(0, D)
+        v = tl.load(row + (HQ + HKV) * D + kh * D + offs_d)
+        tl.store(vc_ptr + base + offs_d, v)
+
+
+def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
+    """Split ``qkv`` [B*T, (Hq + 2 Hkv) * D]: q -> ``q_out`` [B*T, Hq*D]; k, v -> cache slots start..start+T-1.
+
+    ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
+    """
+    M = qkv.shape[0]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and qkv.stride(1) == 1
+    qk = q_norm is not None
+    _qk_rope_cache_kernel[(M, n_heads + n_kv)](
+        qkv, q_out, k_cache, v_cache, q_norm if qk else qkv, k_norm if qk else qkv, cos, sin, start,
+        T, n_heads, n_kv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        QK_NORM=qk, D=head_dim, num_warps=1)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
+                         T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
+                         CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
+                         INTERP: tl.constexpr):
+    """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
+    against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
+    bh = tl.program_id(0)
+    rt = tl.program_id(1)
+    c = tl.program_id(2)
+    b = bh // HKV
+    kh = bh % HKV
+    start = tl.load(start_ptr + b).to(tl.int32)
+    r = rt * BR_ + tl.arange(0, BR_)
+    rmask = r < G * T
+    t = r // G
+    h = kh * G + r % G
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    last = start + t  # last visible slot of each row: the prefix and the block's chain up to itself
+    kbase = kc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
+    vbase = vc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
+    m_i = tl.full((BR_,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BR_,), dtype=tl.float32)
+    acc = tl.zeros((BR_, D), dtype=tl.float32)
+    s_lo = c * CHUNK
+    s_hi = tl.minimum(s_lo + CHUNK, start + T)
+    for s0 in range(s_lo, s_hi, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        smask = offs_s < s_hi
+        kv_off = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        k = tl.load(kbase + kv_off, mask=smask[:, None], other=0.0)
+        if INTERP:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = sc * scale
+        vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
+        sc = tl.where(vis, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + kv_off, mask=smask[:, None], other=0.0)
+        if INTERP:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
+    tl.store(o_ws + ws[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ws + ws, m_i, mask=rmask)
+    tl.store(l_ws + ws, l_i, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
+                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+    """Program (b*Hkv + kv head, row): merge the chunks' partial results into out[b*T + t, h]."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    b = bh // HKV
+    kh = bh % HKV
+    n_valid = (tl.load(start_ptr + b).to(tl.int32) + T + CHUNK - 1) // CHUNK
+    t = r // G
+    h = kh * G + r % G
+    cs = tl.arange(0, NC)
+    cmask = cs < n_valid
+    ws = (bh * n_chunks + cs).to(tl.int64) * R_pad + r
+    m = tl.load(m_ws + ws, mask=cmask, other=float("-inf"))
+    mx = tl.max(m, axis=0)
+    wgt = tl.where(cmask, tl.exp(m - mx), 0.0)
+    lsum = tl.sum(wgt * tl.load(l_ws + ws, mask=cmask, other=0.0), axis=0)
+    offs_d = tl.arange(0, D)
+    o = tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
+    out = tl.sum(wgt[:, None] * o, axis=0) / lsum
+    tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def attn_chunk(max_seq: int) -> int:
+    """KV slots per attention program; depends on the cache size only (row independence)."""
+    return 128
+
+
+class AttnWorkspace:
+    """fp32 partial results of :func:`attention` for one (batch, block length, cache size)."""
+
+    def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device):
+        G = n_heads // n_kv
+        self.chunk = attn_chunk(max_seq)
+        self.n_chunks = triton.cdiv(max_seq, self.chunk)
+        self.row_tiles = triton.cdiv(G * T, BR)
+        self.r_pad = self.row_tiles * BR
+        n = B * n_kv * self.n_chunks * self.r_pad
+        self.o = torch.empty(n * head_dim, dtype=torch.float32, device=device)
+        self.m = torch.empty(n, dtype=torch.float32, device=device)
+        self.l = torch.empty(n, dtype=torch.float32, device=device)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
+              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace) -> torch.Tensor:
+    """Causal block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
+
+    Row t of block b sees cache slots 0 .. start[b] + t (the committed prefix and the block's chain
+    up to itself, whose K/V were just written). Writes ``out`` [B*T, Hq*D].
+    """
+    B = start.shape[0]
+    G = n_heads // n_kv
+    scale = head_dim ** -0.5
+    _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
+        q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
+        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
+    _attn_combine_kernel[(B * n_kv, G * T)](
+        ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
+        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers of the cuBLAS variant (matmuls through torch.mm, norms and SwiGLU as separate kernels)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    """y[m] = bf16(x[m] * rstd) * w, as the eager RMSNorm rounds."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + m.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    dt = y_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd).to(dt).to(tl.float32) * w
+    tl.store(y_ptr + m.to(tl.int64) * stride_y + offs, y.to(dt), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row-wise RMSNorm of x [M, H] into ``out`` (one program per row)."""
+    M, H = x.shape
+    _rmsnorm_kernel[(M,)](x, w, out, H, x.stride(0), out.stride(0), eps, BLOCK=triton.next_power_of_2(H),
+                          num_warps=8)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK: tl.constexpr):
+    """h[m, n] = silu(gu[m, n]) * gu[m, N + n] (gate columns, then up columns), eager rounding."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    row = gu_ptr + m.to(tl.int64) * stride_gu
+    g = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row + N + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = h_ptr.dtype.element_ty
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(h_ptr + m.to(tl.int64) * stride_h + offs, (s * u).to(dt), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up product gu [M, 2N] into ``out`` [M, N]."""
+    M, N = out.shape
+    BLOCK = 1024
+    _silu_mul_kernel[(M, triton.cdiv(N, BLOCK))](gu, out, N, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out

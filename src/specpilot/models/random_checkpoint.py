@@ -1,0 +1,197 @@
+"""``specpilot random-checkpoint``: random-weight checkpoints of realistic shapes, no downloads.
+
+Writes a Hugging Face layout checkpoint (config.json + safetensors, sharded with an index when
+large) of a named shape, loadable by :func:`specpilot.models.loading.load_target` and by
+transformers like a real one, plus a random DFlash drafter of the matching shape. Weights are
+N(0, 0.02) (norms 1), drawn per tensor from a generator seeded by (seed, tensor name), so the
+same seed gives the same tensors in any model that uses the HF names (ours or transformers').
+
+Random weights give meaningless text: use them for system benchmarks (speed, memory) only, with
+the replay drafter (:mod:`specpilot.engine.replay`) standing in for acceptance.
+
+Shapes (``--shape``):
+
+- ``qwen3-8b``: Qwen3-8B (hidden 4096, intermediate 12288, 36 layers, 32 q / 8 kv heads of 128,
+  vocab 151936, rope_theta 1e6, untied), 8.2 B parameters, 16.4 GB in bf16; drafter: 5 DFlash
+  layers of the same width (target layers 1, 9, 17, 25, 33), block 16.
+- ``qwen3-27b-dense``: a 27B-class dense Qwen3 shape (hidden 5120, intermediate 17408, 64
+  layers, 40 q / 8 kv heads of 128, vocab 151936), 22.7 B parameters (45.4 GB in bf16: the
+  dense layout of that width and depth); drafter: 5 layers.
+- ``tiny``: 6 layers of width 128 and vocab 1024 (tests, CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import SpecpilotError
+from .config import TargetConfig
+from .dflash import DFlashDrafter, DrafterConfig, build_target_layer_ids
+from .qwen3 import Transformer
+
+SHAPES: dict[str, dict] = {
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                     max_position_embeddings=40960, draft_layers=5, mask_token_id=151669),
+    "qwen3-27b-dense": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                            max_position_embeddings=40960, draft_layers=5, mask_token_id=151669),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+                 max_position_embeddings=4096, draft_layers=2, mask_token_id=1023),
+}
+STD = 0.02
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16}
+
+
+def _shape(name: str) -> dict:
+    if name not in SHAPES:
+        raise SpecpilotError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def target_config(shape: str) -> TargetConfig:
+    """The :class:`TargetConfig` of a named shape (Qwen3 layout, untied embeddings)."""
+    d = {k: v for k, v in _shape(shape).items() if k not in ("draft_layers", "mask_token_id")}
+    return TargetConfig(**d, tie_word_embeddings=False)
+
+
+def drafter_config(shape: str, block_size: int = 16) -> DrafterConfig:
+    """A DFlash drafter config matching the target shape (same width, ``draft_layers`` layers)."""
+    s = _shape(shape)
+    t = target_config(shape)
+    n = s["draft_layers"]
+    return DrafterConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=n,
+                         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                         head_dim=t.head_dim, vocab_size=t.vocab_size,
+                         target_layer_ids=build_target_layer_ids(t.num_hidden_layers, n),
+                         mask_token_id=s["mask_token_id"], block_size=block_size, rms_norm_eps=t.rms_norm_eps,
+                         rope_theta=t.rope_theta, num_target_layers=t.num_hidden_layers)
+
+
+def hf_config(cfg: TargetConfig) -> dict:
+    """config.json of a random target (``TargetConfig.to_hf_dict`` plus the rope_parameters form)."""
+    d = cfg.to_hf_dict()
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d["bos_token_id"], d["eos_token_id"] = None, None
+    return d
+
+
+
+def random_tensor(name: str, shape, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The tensor ``name`` of a random checkpoint: ones for norms (1-D), else N(0, 0.02) seeded by (seed, name)."""
+    if len(shape) == 1 or "norm" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * STD).to(dtype)
+
+
+@torch.no_grad()
+def fill_random_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Overwrite every parameter of ``module`` (HF names) with its :func:`random_tensor`, in place."""
+    seen = set()
+    for name, p in module.named_parameters():
+        if p.data_ptr() in seen:  # tied weights: filled once
+            continue
+        seen.add(p.data_ptr())
+        p.copy_(random_tensor(name, tuple(p.shape), seed, p.dtype, p.device))
+    return module
+
+
+def build_target(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Transformer:
+    """A random target built directly on ``device`` (no checkpoint files), as loading would give."""
+    with torch.device("meta"):
+        model = Transformer(target_config(shape))
+    model = model.to(dtype).to_empty(device=device)
+    return fill_random_(model, seed).eval()
+
+
+def build_drafter(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                  block_size: int = 16) -> DFlashDrafter:
+    """A random DFlash drafter of the shape's drafter config, built directly on ``device``."""
+    with torch.device("meta"):
+        model = DFlashDrafter(drafter_config(shape, block_size))
+    model = model.to(dtype).to_empty(device=device)
+    return fill_random_(model, seed + 1).eval()
+
+
+def _write(module_factory, config: dict, out: Path, seed: int, dtype: torch.dtype, shard_bytes: int) -> list[str]:
+    """Write config.json and the random tensors of ``module_factory()`` (a meta-device module) in shards."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        meta = module_factory()
+    names = [(n, tuple(p.shape)) for n, p in meta.named_parameters()]
+    esize = torch.empty(0, dtype=dtype).element_size()
+    shards, cur, size = [], [], 0
+    for n, shp in names:
+        nbytes = esize * int(torch.Size(shp).numel())
+        if cur and size + nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((n, shp))
+        size += nbytes
+    if cur:
+        shards.append(cur)
+    files, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        state = {n: random_tensor(n, shp, seed, dtype, "cpu") for n, shp in shard}
+        total += sum(t.numel() * t.element_size() for t in state.values())
+        tmp = out / f".{fname}.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / fname)
+        files.append(fname)
+        weight_map.update({n: fname for n, _ in shard})
+        del state
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return files
+
+
+def write_random_checkpoint(shape: str, out: str | Path, drafter_out: str | Path | None = None,
+                            dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                            shard_bytes: int = 4 * 2 ** 30) -> tuple[Path, Path]:
+    """Write the random target of ``shape`` to ``out`` and its random DFlash drafter to ``drafter_out``
+    (default ``{out}-drafter``). Returns both directories."""
+    out = Path(out)
+    dout = Path(drafter_out) if drafter_out else out.with_name(out.name + "-drafter")
+    tcfg = target_config(shape)
+    dname = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[dtype]
+    config = hf_config(tcfg)
+    config["torch_dtype"] = dname
+    config["specpilot_random"] = {"shape": shape, "seed": seed, "std": STD}
+    _write(lambda: Transformer(tcfg), config, out, seed, dtype, shard_bytes)
+    dcfg = drafter_config(shape)
+    dconf = dcfg.to_hf_dict()
+    dconf["torch_dtype"] = dname
+    dconf["specpilot_random"] = {"shape": shape, "seed": seed + 1, "std": STD}
+    _write(lambda: DFlashDrafter(dcfg), dconf, dout, seed + 1, dtype, shard_bytes)
+    return out, dout
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--out", required=True, help="target checkpoint directory to write")
+    p.add_argument("--drafter-out", help="drafter checkpoint directory (default: OUT-drafter)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors shard [GiB]")
+
+
+def run(args) -> int:
+    t, d = write_random_checkpoint(args.shape, args.out, args.drafter_out, DTYPES[args.dtype], args.seed,
+                                   int(args.shard_gb * 2 ** 30))
+    print(json.dumps({"target": str(t), "drafter": str(d), "shape": args.shape, "dtype": args.dtype,
+                      "seed": args.seed}))
+    return 0

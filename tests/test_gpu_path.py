@@ -1,0 +1,323 @@
+"""The GPU path, as far as the CPU can test it: random checkpoints, the replay drafter, the Triton
+step kernels under Triton's interpreter, and (skipped without CUDA) CUDA graphs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.engine.generate import generate_ar, generate_speculative
+from specpilot.engine.proposers import DFlashProposer
+from specpilot.engine.replay import AcceptanceProfile, ReplayProposer, calibrate, expected_tau, load_profile
+from specpilot.engine.runner import TargetRunner, use_graphs
+from specpilot.engine.serve import EngineSpec, serve
+from specpilot.errors import SpecpilotError
+from specpilot.models.layers import chain_ancestors
+from specpilot.models.loading import load_drafter, load_target
+from specpilot.models.random_checkpoint import build_drafter, build_target, drafter_config, target_config
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs and the Triton step need a CUDA device")
+
+
+# ---------------------------------------------------------------------------------------------
+# random checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_named_shapes():
+    q = target_config("qwen3-8b")
+    assert (q.hidden_size, q.intermediate_size, q.num_hidden_layers, q.num_attention_heads,
+            q.num_key_value_heads, q.head_dim, q.vocab_size, q.rope_theta, q.tie_word_embeddings) == \
+        (4096, 12288, 36, 32, 8, 128, 151936, 1e6, False)
+    d = drafter_config("qwen3-8b")
+    assert d.num_hidden_layers == 5 and d.target_layer_ids == [1, 9, 17, 25, 33] and d.block_size == 16
+    b = target_config("qwen3-27b-dense")
+    assert (b.hidden_size, b.intermediate_size, b.num_hidden_layers, b.num_attention_heads,
+            b.num_key_value_heads) == (5120, 17408, 64, 40, 8)
+    with torch.device("meta"):
+        from specpilot.models.qwen3 import Transformer
+
+        n = sum(p.numel() for p in Transformer(q).parameters())
+    assert 8.1e9 < n < 8.3e9  # Qwen3-8B: 8.19 B parameters
+
+
+def test_random_checkpoint_roundtrip(tmp_path):
+    from specpilot.cli import main
+
+    out = tmp_path / "t"
+    assert main(["random-checkpoint", "--shape", "tiny", "--out", str(out), "--dtype", "fp32",
+                 "--shard-gb", "0.001"]) == 0
+    assert (out / "model.safetensors.index.json").exists()  # sharded
+    assert len(list(out.glob("*.safetensors"))) > 1
+    target = load_target(out)
+    ref = build_target("tiny", dtype=torch.float32)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(target.state_dict()[k], v), k
+    drafter = load_drafter(tmp_path / "t-drafter")
+    dref = build_drafter("tiny", dtype=torch.float32)
+    for k, v in dref.state_dict().items():
+        assert torch.equal(drafter.state_dict()[k], v), k
+    assert drafter.config.target_layer_ids == drafter_config("tiny").target_layer_ids
+    w = target.model.layers[0].mlp.up_proj.weight
+    assert abs(float(w.detach().std()) - 0.02) < 0.002 and torch.equal(target.model.norm.weight, torch.ones(128))
+    # loadable by transformers like a real checkpoint, same logits
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(0, 1024, (1, 24))
+    target.setup_cache(1, 32)
+    with torch.no_grad():
+        ours, _ = target(x, torch.zeros(1, dtype=torch.long), chain_ancestors(1, 24, "cpu"))
+        theirs = hf(x).logits
+    assert ((ours - theirs).abs().max() / theirs.abs().max()) < 1e-4
+
+
+def test_random_checkpoint_bad_shape():
+    from specpilot.models.random_checkpoint import target_config as tc
+
+    with pytest.raises(SpecpilotError, match="unknown shape"):
+        tc("qwen9-1t")
+
+
+# ---------------------------------------------------------------------------------------------
+# replay drafter
+# ---------------------------------------------------------------------------------------------
+
+
+def test_expected_tau_formula():
+    p = 0.8
+    prof = AcceptanceProfile("const", [p] * 15)
+    # constant p: tau = 1 + p + ... + p^k = (1 - p^(k+1)) / (1 - p)
+    assert expected_tau(prof, 16) == pytest.approx((1 - p ** 16) / (1 - p))
+    assert expected_tau(prof, 2) == pytest.approx(1 + p)
+    assert expected_tau(AcceptanceProfile("none", [0.0]), 16) == 1.0
+    assert expected_tau(AcceptanceProfile("all", [1.0]), 16) == 16.0
+    assert expected_tau(AcceptanceProfile("x", calibrate(5.5, 16)), 16) == pytest.approx(5.5, abs=1e-3)
+
+
+def test_checked_in_profiles_match_their_published_tau():
+    for name, tau in (("dflash_qwen3_8b_gsm8k", 6.55), ("study_stock", 4.8)):
+        prof = load_profile(name)
+        assert prof.block_size == 16 and prof.target_tau == tau
+        assert expected_tau(prof, 16) == pytest.approx(tau, abs=0.01)
+        assert all(a >= b for a, b in zip(prof.rates, prof.rates[1:]))  # declining with position
+    with pytest.raises(SpecpilotError, match="not found"):
+        load_profile("no_such_profile")
+
+
+def test_sampled_acceptance_matches_expected_tau():
+    prof = load_profile("dflash_qwen3_8b_gsm8k")
+    rng = random.Random(0)
+    n = 20000
+    mean = 1 + sum(prof.sample(15, rng) for _ in range(n)) / n
+    # std of 1 + A is about 4.5 here: 3 standard errors is about 0.1
+    assert mean == pytest.approx(6.55, abs=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    torch.manual_seed(0)
+    return build_target("tiny", dtype=torch.float32, seed=1), build_drafter("tiny", dtype=torch.float32, seed=1)
+
+
+def test_replay_equals_ar_and_hits_its_tau(tiny_pair):
+    target, drafter = tiny_pair
+    prompts = [torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    n_new, block = 400, 16
+    runner = TargetRunner(target, 2, 20 + n_new + 32)
+    ar = [r.output_ids for r in generate_ar(runner, prompts, n_new)]
+    prof = load_profile("study_stock")
+    cap = tuple(drafter.config.target_layer_ids)
+    prop = ReplayProposer(ar, prof, 1024, DFlashProposer(drafter), seed=3)
+    rows = generate_speculative(TargetRunner(target, 2, 20 + n_new + 32, cap), prop, prompts, n_new, block)
+    for r, a in zip(rows, ar):
+        assert r.output_ids == a  # the target decided every token
+        assert sum(r.committed_per_step) == n_new - 1
+    # every step committed exactly the planted accepted count + the bonus, except budget-truncated ends
+    steps = [c for r in rows for c in r.committed_per_step[:-1]]
+    tau = sum(steps) / len(steps)
+    assert tau == pytest.approx(expected_tau(prof, block), abs=0.6)  # ~160 steps: 3 standard errors
+    planted = prop.planted
+    assert 1 + sum(planted) / len(planted) == pytest.approx(tau, abs=0.5)
+    assert rows[0].draft_s > 0  # the drafter network ran
+
+
+def test_serve_with_replay_marks_records_synthetic(tiny_pair):
+    target, drafter = tiny_pair
+    prompts = [{"request_id": f"gsm8k/{i:04d}", "benchmark": "gsm8k",
+                "prompt_ids": torch.randint(0, 1024, (12,)).tolist()} for i in range(3)]
+    meta = {"deployment": "random-tiny", "target": "t", "drafter": "replay:dflash", "gpu": "cpu"}
+    ar = serve(EngineSpec("ar"), target, None, prompts, 24, 2, meta, progress=False)
+    prof = load_profile("dflash_qwen3_8b_gsm8k")
+    refs = {r.request_id: r.output_ids for r in ar}
+    st = serve(EngineSpec("stock", 8, {"replay_profile": prof.name}), target, drafter, prompts, 24, 2, meta,
+               progress=False, replay=prof, references=refs)
+    for a, s in zip(ar, st):
+        assert s.output_ids == a.output_ids and s.synthetic and not a.synthetic
+        assert s.engine_config["replay_profile"] == "dflash_qwen3_8b_gsm8k"
+    # without references the AR engine runs first, with the same outputs
+    st2 = serve(EngineSpec("stock", 8), target, drafter, prompts, 24, 2, meta, progress=False, replay=prof)
+    assert [s.output_ids for s in st2] == [a.output_ids for a in ar]
+    with pytest.raises(SpecpilotError, match="lack request"):
+        serve(EngineSpec("stock", 8), target, drafter, prompts, 24, 2, meta, progress=False, replay=prof,
+              references={})
+
+
+def test_cli_replay_run(tmp_path, tiny_pair):
+    from specpilot.cli import main
+    from specpilot.records import read_records
+
+    out = tmp_path / "t"
+    assert main(["random-checkpoint", "--shape", "tiny", "--out", str(out), "--dtype", "fp32"]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"request_id": f"x/{i:04d}", "benchmark": "x",
+                                           "prompt_ids": list(range(5 + i, 25 + i))}) + "\n" for i in range(2)))
+    base = ["run", "--target", str(out), "--prompts", str(prompts), "--max-new-tokens", "16", "--gpu", "cpu"]
+    assert main(base + ["--engine", "ar", "--out", str(tmp_path / "ar.jsonl")]) == 0
+    assert main(base + ["--engine", "stock", "--drafter", str(tmp_path / "t-drafter"), "--block-size", "8",
+                        "--replay-profile", "study_stock", "--replay-reference", str(tmp_path / "ar.jsonl"),
+                        "--out", str(tmp_path / "st.jsonl"), "--no-profile"]) == 0
+    ar, st = read_records(tmp_path / "ar.jsonl"), read_records(tmp_path / "st.jsonl")
+    assert [r.output_ids for r in st] == [r.output_ids for r in ar]
+    assert all(r.synthetic and r.drafter == "replay:dflash" for r in st)
+
+
+# ---------------------------------------------------------------------------------------------
+# runner options on the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def test_graphs_are_cuda_only(tiny_pair):
+    target, _ = tiny_pair
+    assert use_graphs(None, torch.device("cpu")) is False
+    with pytest.raises(SpecpilotError, match="CUDA"):
+        TargetRunner(target, 1, 32, graphs=True)
+    r = TargetRunner(target, 1, 32)
+    assert r.graphs is None
+
+
+def test_cache_is_reused_for_the_same_shape(tiny_pair):
+    target, _ = tiny_pair
+    TargetRunner(target, 2, 48)
+    k = target.cache.k
+    TargetRunner(target, 2, 48)
+    assert target.cache.k is k  # same storage: captured graphs stay valid
+    TargetRunner(target, 1, 48)
+    assert target.cache.k is not k
+
+
+def test_room_check_without_per_step_sync(tiny_pair):
+    target, _ = tiny_pair
+    r = TargetRunner(target, 1, 30)
+    r.prefill([[1, 2, 3, 4, 5]])
+    for _ in range(20):
+        r.verify(torch.tensor([[1, 2, 3, 4]]))
+        r.commit(torch.tensor([1], dtype=torch.long))
+    assert int(r.length) == 25
+    r.verify(torch.tensor([[1, 2, 3, 4, 5]]))  # 25 + 5 == 30 fits exactly
+    with pytest.raises(SpecpilotError, match="KV-cache slots"):
+        r.verify(torch.tensor([[1, 2, 3, 4, 5, 6]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton step kernels, interpreted on the CPU
+# ---------------------------------------------------------------------------------------------
+
+INTERP_CHECK = r'''
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path[:0] = [os.path.join(sys.argv[1], "src")]
+import torch
+import triton.runtime.interpreter as interp
+if hasattr(interp, "_patch_lang_tensor"):  # triton 3.6 + numpy >= 2.3: int() of a 1-element array
+    _orig = interp._patch_lang_tensor
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interp._patch_lang_tensor = _patched
+from specpilot.engine.graphs import FastTarget
+from specpilot.models.config import TargetConfig
+from specpilot.models.layers import chain_ancestors
+from specpilot.models.qwen3 import Transformer
+from specpilot.models.random_checkpoint import fill_random_
+
+cfg = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+m, ref = fill_random_(Transformer(cfg), 5).eval(), fill_random_(Transformer(cfg), 5).eval()
+B, S, P = 2, 160, 140
+m.setup_cache(B, S); ref.setup_cache(B, S)
+fast = FastTarget(m)
+g = torch.Generator().manual_seed(0)
+prompt = torch.randint(0, 256, (B, P), generator=g)
+res = {}
+with torch.inference_mode():
+    for model in (m, ref):
+        model(prompt, torch.zeros(B, dtype=torch.long), chain_ancestors(B, P, "cpu"))
+    start = torch.tensor([130, 137])  # rows at different lengths (>1 KV chunk); stale slots past start
+    tok = torch.randint(0, 256, (B, 3), generator=g)
+    lf, hf = fast.forward(tok, start, capture=(0, 1))
+    lf, hf = lf.clone(), hf.clone()
+    lr, hr = ref(tok, start, chain_ancestors(B, 3, "cpu"), capture=(0, 1))
+    res["logits"] = ((lf - lr).abs().max() / lr.abs().max()).item()
+    res["hidden"] = ((hf - hr).abs().max() / hr.abs().max()).item()
+    res["kv"] = max((m.cache.k[b, :, :, s:s + 3] - ref.cache.k[b, :, :, s:s + 3]).abs().max().item()
+                    + (m.cache.v[b, :, :, s:s + 3] - ref.cache.v[b, :, :, s:s + 3]).abs().max().item()
+                    for b, s in enumerate(start.tolist()))
+    l1 = fast.forward(tok[:, :1], start)[0]
+    res["row_independent"] = bool(torch.equal(l1[:, 0], lf[:, 0]))
+    # the cuBLAS variant (torch.mm + separate norm / SwiGLU kernels; rows padded to 16), and a mix
+    for name, cfgs in (("cublas", {r: "cublas" for r in ("qkv", "o", "gate_up", "down", "lm_head")}),
+                       ("mixed", {"qkv": "cublas", "down": "cublas"}),
+                       ("prenorm", {r: "bn16-bk512-w4-s3-p" for r in ("qkv", "gate_up", "lm_head")})):
+        fast.set_configs(cfgs)
+        lc, hc = fast.forward(tok, start, capture=(0, 1))
+        res[name] = max(((lc - lr).abs().max() / lr.abs().max()).item(), ((hc - hr).abs().max() / hr.abs().max()).item())
+        fast.set_configs({r: "bn16-bk512-w4-s3" for r in ("qkv", "o", "gate_up", "down", "lm_head")})
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_step_matches_eager_forward_interpreted(tmp_path):
+    """FastTarget (7 Triton kernels per layer) vs the eager forward: logits, features, KV writes."""
+    script = tmp_path / "check.py"
+    script.write_text(INTERP_CHECK)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert res["logits"] < 1e-5 and res["hidden"] < 1e-5 and res["kv"] < 1e-5, res
+    assert res["cublas"] < 1e-5 and res["mixed"] < 1e-5 and res["prenorm"] < 1e-5, res
+    assert res["row_independent"]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs (skipped without a GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_graph_path_equals_eager_on_cuda(kernels):
+    target = build_target("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
+    drafter = build_drafter("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    eager = generate_ar(TargetRunner(target, 2, 128, graphs=False), prompts, 32)
+    graph = generate_ar(TargetRunner(target, 2, 128, kernels=kernels), prompts, 32)
+    if kernels == "torch":
+        assert [r.output_ids for r in graph] == [r.output_ids for r in eager]
+    cap = tuple(drafter.config.target_layer_ids)
+    spec = generate_speculative(TargetRunner(target, 2, 128, cap, kernels=kernels),
+                                DFlashProposer(drafter, kernels=kernels), prompts, 32, 8)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in graph]
