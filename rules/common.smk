@@ -226,4 +226,57 @@ def final_outputs(wildcards):
     for gpu in target_gpus():
         out += [f"results/{gpu}/table.csv", f"results/{gpu}/ceilings.json",
                 f"results/{gpu}/kernels/manifest.json"] + figure_paths(gpu)
+        if HAS_ROUNDS:
+            out += [f"results/{gpu}/kernels/{d}/kernel-agent.json" for d in DEPLOYMENTS]
     return out
+
+
+# ---- agent rounds (rules/rounds.smk) ----
+
+ROUND_DIR = "results/{gpu}/{deployment}/rounds/round-{k}"
+MEMORY = "results/memory.jsonl"
+
+
+def round_common(wildcards):
+    """Options shared by every round step of one (gpu, deployment)."""
+    dep = deployment(wildcards)
+    rc = config["rounds"]
+    llm = rc.get("llm") or {}
+    opts = [
+        f"--target {target_dir(wildcards)} --drafter {drafter_dir(wildcards)}",
+        f"--target-name {shlex.quote(dep['target'])} --drafter-name {dep['drafter']}",
+        f"--deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {torch_device(wildcards)}",
+        dtype_opt(wildcards),
+        f"--block-size {dep['block_size']} --max-new-tokens {rc.get('max_new_tokens', config['max_new_tokens'])}",
+        f"--concurrency {rc.get('concurrency', 1)} --tolerance {config['forcing']['tolerance']}",
+        f"--memory {MEMORY} --agents {rc['agents_per_round']} --budget {rc['budget']}",
+    ]
+    if llm.get("base_url") and llm.get("model"):
+        opts.append(f"--llm {shlex.quote(json.dumps(llm))}")
+    return " ".join(opts)
+
+
+def previous_round(wildcards):
+    k = int(wildcards.k)
+    if k <= 1:
+        return []
+    return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
+
+
+def agent_files(wildcards):
+    """The agents the round's plan chose (re-evaluated after the plan checkpoint ran)."""
+    plan = checkpoints.round_plan.get(**wildcards).output.plan
+    with open(plan) as f:
+        chosen = json.load(f)["directions"]
+    round_dir = ROUND_DIR.format(**wildcards)
+    return [f"{round_dir}/agent-{d}.json" for d in chosen]
+
+
+def last_round(wildcards):
+    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
+            f"round-{config['rounds']['count']}/integrated.json")
+
+
+def rounds_figure_inputs(wildcards):
+    return [f"results/{wildcards.gpu}/{d}/rounds/round-{k}/integrated.json"
+            for d in DEPLOYMENTS for k in range(1, config["rounds"]["count"] + 1)]

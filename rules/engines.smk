@@ -57,6 +57,7 @@ rule run_engine:
         engine_config=engine_config_opt,
         device=torch_device,
         weights=weight_opts,
+        multi_turn="--multi-turn" if config.get("multi_turn") else "",
     threads: TIMING_THREADS
     resources:
         timing_slots=1,
@@ -70,5 +71,6 @@ rule run_engine:
         " --deployment {wildcards.deployment} --drafter-name {params.drafter_name}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
-        " {params.engine_config} --device {params.device} {params.weights} --threads {threads}"
+        " {params.engine_config} --device {params.device} {params.weights} {params.multi_turn}"
+        " --threads {threads}"
         " > {log} 2>&1"

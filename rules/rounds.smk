@@ -5,54 +5,6 @@
 # files, so a killed round resumes without rerunning them. results/memory.jsonl (structured
 # memory) is shared by all deployments and written under a file lock by plan/integrate.
 
-ROUND_DIR = "results/{gpu}/{deployment}/rounds/round-{k}"
-MEMORY = "results/memory.jsonl"
-
-
-def round_common(wildcards):
-    """Options shared by every round step of one (gpu, deployment)."""
-    dep = deployment(wildcards)
-    rc = config["rounds"]
-    llm = rc.get("llm") or {}
-    opts = [
-        f"--target {target_dir(wildcards)} --drafter {drafter_dir(wildcards)}",
-        f"--target-name {shlex.quote(dep['target'])} --drafter-name {dep['drafter']}",
-        f"--deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {torch_device(wildcards)}",
-        dtype_opt(wildcards),
-        f"--block-size {dep['block_size']} --max-new-tokens {rc.get('max_new_tokens', config['max_new_tokens'])}",
-        f"--concurrency {rc.get('concurrency', 1)} --tolerance {config['forcing']['tolerance']}",
-        f"--memory {MEMORY} --agents {rc['agents_per_round']} --budget {rc['budget']}",
-    ]
-    if llm.get("base_url") and llm.get("model"):
-        opts.append("--llm " + shlex.quote(json.dumps(llm)))
-    return " ".join(opts)
-
-
-def previous_round(wildcards):
-    k = int(wildcards.k)
-    if k <= 1:
-        return []
-    return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
-
-
-def agent_files(wildcards):
-    """The agents the round's plan chose (re-evaluated after the plan checkpoint ran)."""
-    plan = checkpoints.round_plan.get(**wildcards).output.plan
-    with open(plan) as f:
-        chosen = json.load(f)["directions"]
-    return [ROUND_DIR.format(**wildcards) + f"/agent-{d}.json" for d in chosen]
-
-
-def last_round(wildcards):
-    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
-            f"round-{config['rounds']['count']}/integrated.json")
-
-
-def rounds_figure_inputs(wildcards):
-    return [f"results/{wildcards.gpu}/{d}/rounds/round-{k}/integrated.json"
-            for d in DEPLOYMENTS for k in range(1, config["rounds"]["count"] + 1)]
-
-
 rule calibration_prompts:
     input:
         build=build_marker,
@@ -86,7 +38,7 @@ checkpoint round_plan:
         ceilings="results/{gpu}/ceilings.json",
         previous=previous_round,
     output:
-        plan=ROUND_DIR + "/plan.json",
+        plan=f"{ROUND_DIR}/plan.json",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
     params:
@@ -108,9 +60,9 @@ rule round_agent:
     input:
         build=build_marker,
         prompts="results/prompts/{deployment}/calibration.jsonl",
-        plan=ROUND_DIR + "/plan.json",
+        plan=f"{ROUND_DIR}/plan.json",
     output:
-        ROUND_DIR + "/agent-{direction}.json",
+        f"{ROUND_DIR}/agent-{{direction}}.json",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/agent-{direction}.log",
     wildcard_constraints:
@@ -134,10 +86,10 @@ rule round_integrate:
     input:
         build=build_marker,
         prompts="results/prompts/{deployment}/calibration.jsonl",
-        plan=ROUND_DIR + "/plan.json",
+        plan=f"{ROUND_DIR}/plan.json",
         agents=agent_files,
     output:
-        ROUND_DIR + "/integrated.json",
+        f"{ROUND_DIR}/integrated.json",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
     params:
@@ -178,3 +130,27 @@ rule rounds_figure:
         "../envs/report.yaml"
     shell:
         "python -m specpilot figures --rounds {input} --out-dir results/{wildcards.gpu}/figures > {log} 2>&1"
+
+
+# The kernel sub-agent: tunes the kernels furthest from the bandwidth limit on this GPU (on CPU it
+# records that nothing applies); winners go to the per-GPU kernel build output.
+rule kernel_agent:
+    input:
+        build=build_marker,
+        ceilings="results/{gpu}/ceilings.json",
+        manifest="results/{gpu}/kernels/manifest.json",
+    output:
+        "results/{gpu}/kernels/{deployment}/kernel-agent.json",
+    log:
+        "logs/{gpu}/{deployment}/kernel-agent.log",
+    params:
+        target=target_dir,
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
+        " --ceilings {input.ceilings} --out {output} > {log} 2>&1"

@@ -250,3 +250,28 @@ def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
     steps_chain = sum(c.verify_steps for c in chain)
     assert steps_tree <= steps_chain  # side branches only ever add accepted tokens
     assert tree[0].engine_config == {"block_size": 6, "tree_branch": 2, "tree_depth": 2}
+
+
+def test_multi_turn_chaining_equal_across_engines(quick_deployment, data_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from specpilot.benchmarks import write_prompt_file
+    from specpilot.engine.serve import serve_turns
+
+    prompts = write_prompt_file("mt-bench", quick_deployment / "target", tmp_path / "mt.jsonl", 2, data_dir=data_dir)
+    tok = AutoTokenizer.from_pretrained(quick_deployment / "target")
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    out = {}
+    for eng, d in (("ar", None), ("stock", drafter)):
+        out[eng] = serve_turns(lambda rows, e=eng, d=d: serve(EngineSpec(e, 4), target, d, rows, 16, 1, meta,
+                                                             progress=False), prompts, tok)
+    ids = [r.request_id for r in out["ar"]]
+    assert ids == [p["request_id"] for p in prompts] + [f"{p['request_id']}/turn2" for p in prompts]
+    for a, s in zip(out["ar"], out["stock"]):
+        assert a.output_ids == s.output_ids and a.prompt_ids == s.prompt_ids
+    turn2 = out["ar"][2]
+    assert turn2.prompt_ids is not None and turn2.prompt_tokens == len(turn2.prompt_ids)
+    assert tok.decode(turn2.prompt_ids).count("<|im_start|>user") == 2
+    assert check(out["stock"], out["ar"], {p["request_id"]: p["prompt_ids"] for p in prompts}, target)["passed"]

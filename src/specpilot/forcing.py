@@ -69,9 +69,11 @@ def check(candidate: list[Record], reference: list[Record], prompts: dict[str, l
                  "candidate_token": c.output_ids[i] if i < len(c.output_ids) else None,
                  "reference_token": r.output_ids[i] if i < len(r.output_ids) else None}
         kind = "violation"
-        if target is not None and prompts is not None and entry["candidate_token"] is not None \
+        if target is not None and (prompts is not None or r.prompt_ids is not None) \
+                and entry["candidate_token"] is not None \
                 and entry["reference_token"] is not None:
-            margin, top1, top2 = top2_margin(target, prompts[c.request_id], r.output_ids[:i])
+            prompt = r.prompt_ids if r.prompt_ids is not None else prompts[c.request_id]
+            margin, top1, top2 = top2_margin(target, prompt, r.output_ids[:i])
             entry.update(margin=margin, top1=top1, top2=top2)
             if margin < tolerance and {top1, top2} == {entry["candidate_token"], entry["reference_token"]}:
                 kind = "near_tie"

@@ -42,6 +42,8 @@ class Record:
         draft_s: seconds spent in the drafter during decode (0 for AR); instrumentation for the
             cost model.
         verify_s: seconds spent in target verify/decode forwards during decode.
+        prompt_ids: the prompt's token ids, kept only where no prompt file holds them (later turns
+            of multi-turn chaining); None otherwise.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Record:
     engine_config: dict[str, Any] = field(default_factory=dict)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prompt_ids: list[int] | None = None
 
     @property
     def tau(self) -> float:

@@ -45,8 +45,20 @@ class Direction:
                 "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
 
     def apply(self, config: dict, params: dict) -> dict:
-        """A new engine config with ``params`` set (the input is not modified)."""
-        return {**config, **params}
+        """A new engine config with ``params`` set (the input is not modified), normalized."""
+        return normalize({**config, **params})
+
+
+# Engine-config values that mean "mechanism off": a config holding them equals one without them.
+DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",)}
+
+
+def normalize(config: dict) -> dict:
+    """Drop keys at their "off" value (and tree_depth without a tree), so equal engines compare equal."""
+    out = {k: v for k, v in config.items() if v not in DEFAULTS.get(k, ())}
+    if "tree_branch" not in out:
+        out.pop("tree_depth", None)
+    return out
 
 
 REGISTRY: dict[str, Direction] = {}

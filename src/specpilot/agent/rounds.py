@@ -50,8 +50,11 @@ def _evaluator(args) -> tuple[Evaluator, dict]:
     prompts = read_prompts(args.prompts)
     meta = {"deployment": args.deployment, "target": args.target_name or args.target,
             "drafter": args.drafter_name, "gpu": args.gpu}
+    from ..models.loading import load_target
+
     ev = Evaluator(dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency, meta,
-                   args.block_size, args.tolerance, repeats=args.repeats)
+                   args.block_size, args.tolerance, repeats=args.repeats,
+                   reload_target=lambda: load_target(args.target, dtype=dtype, device=device))
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
     return ev, ctx
 
@@ -181,6 +184,12 @@ def integrate(args) -> int:
             res = ev.trial(single, base, out.parent / "integrated.jsonl")
             if res["gate"]["passed"] and res["gain"] >= MIN_GAIN:
                 chosen, result = single, res
+    if result is not None:  # confirm on a fresh, longer measurement before it counts
+        ev.repeats = args.repeats + 1
+        result = ev.trial(chosen, base, out.parent / "integrated.jsonl")
+        if not (result["gate"]["passed"] and result["gain"] >= MIN_GAIN):
+            log.info("integrated config %s not confirmed (gain %s): the base stays", chosen, result["gain"])
+            chosen, result = base, None
     if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
         result = ev.trial(base, base, out.parent / "integrated.jsonl")
     if not result["gate"]["passed"]:
@@ -209,8 +218,18 @@ def final(args) -> int:
     return 0
 
 
+def kernels(args) -> int:
+    """The kernel sub-agent (see :mod:`specpilot.agent.kernel_agent`)."""
+    from .kernel_agent import tune
+
+    res = tune(args.target, args.gpu, args.ceilings, str(Path(args.out).parent))
+    print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
+                                                  else f"{len(res['configs'])} shapes tuned"))
+    return 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("step", choices=("plan", "agent", "integrate", "final"))
+    p.add_argument("step", choices=("plan", "agent", "integrate", "final", "kernels"))
     p.add_argument("--out", required=True)
     p.add_argument("--round", type=int, default=1)
     p.add_argument("--plan", help="plan.json of this round (agent, integrate)")
@@ -242,4 +261,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return {"plan": plan, "agent": agent, "integrate": integrate, "final": final}[args.step](args)
+    return {"plan": plan, "agent": agent, "integrate": integrate, "final": final,
+            "kernels": kernels}[args.step](args)

@@ -27,13 +27,29 @@ class Evaluator:
     """Holds the loaded deployment, the calibration prompts and the AR / stock references."""
 
     def __init__(self, target, drafter, prompts: list[dict], max_new_tokens: int, concurrency: int,
-                 meta: dict, stock_block: int, tolerance: float, repeats: int = 2):
+                 meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None):
         self.target, self.drafter, self.prompts = target, drafter, prompts
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
         self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
+        self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
+        self._w12_target = None
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         self.ar = self.best_of("ar", {})
         self.stock = self.best_of("stock", {"block_size": stock_block})
+
+    def target_for(self, config: dict):
+        """The target in the config's weight format (a 12-bit copy is made once and kept)."""
+        if config.get("weight_format") != "w12":
+            return self.target
+        if self._w12_target is None:
+            from ..errors import SpecpilotError
+            from ..w12 import apply_w12
+
+            if self.reload_target is None:
+                raise SpecpilotError("weight_format w12 needs a way to reload the target (reload_target)")
+            self._w12_target = self.reload_target()
+            apply_w12(self._w12_target)
+        return self._w12_target
 
     def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:
         """Serve the calibration prompts once with ``engine`` and ``config`` (profiled)."""
@@ -41,7 +57,7 @@ class Evaluator:
         block = int(cfg.pop("block_size", self.stock_block))
         spec = EngineSpec(engine, block, cfg)
         with torch.inference_mode():
-            return serve(spec, self.target, self.drafter, prompts or self.prompts, self.max_new,
+            return serve(spec, self.target_for(config), self.drafter, prompts or self.prompts, self.max_new,
                          self.concurrency, self.meta, progress=False, warmup=True)
 
     def best_of(self, engine: str, config: dict) -> list[Record]:

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop a request at EOS (the study ignores EOS)")
     p.add_argument("--limit", type=int, help="serve only the first N prompts")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="chain every user turn of multi-turn prompts (mt-bench): turn k+1's prompt is the chat "
+                        "so far with the engine's own answers; its records get the request id '<id>/turn<k+1>'")
     p.add_argument("--max-seq", type=int, help="KV-cache slots per request (default: what the prompts need, "
                    "at most the target's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=0)
@@ -89,12 +92,22 @@ def run(args) -> int:
         from .graphs import step_graphs
 
         step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
-    records = serve(spec, dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency,
-                    meta={"deployment": args.deployment, "target": args.target_name or args.target,
-                          "drafter": drafter_name, "gpu": args.gpu},
-                    eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
-                    graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                    profile=not args.no_profile)
+    def serve_turn(rows):
+        return serve(spec, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
+                     meta={"deployment": args.deployment, "target": args.target_name or args.target,
+                           "drafter": drafter_name, "gpu": args.gpu},
+                     eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
+                     graphs=graphs, kernels=args.kernels, replay=replay, references=references,
+                     profile=not args.no_profile)
+
+    if args.multi_turn:
+        from transformers import AutoTokenizer
+
+        from .serve import serve_turns
+
+        records = serve_turns(serve_turn, prompts, AutoTokenizer.from_pretrained(args.target))
+    else:
+        records = serve_turn(prompts)
     write_records(args.out, records)
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),

@@ -77,7 +77,11 @@ def resolve_kernels(kernels: str | None, device: torch.device, dtype: torch.dtyp
 
 
 def fast_path_supported(model: Transformer) -> bool:
-    """True when every projection is a plain ``nn.Linear`` (not e.g. a w12 module) and all layers are full attention."""
+    """True when every projection is a plain ``nn.Linear`` (not e.g. a w12 module), all layers are full
+    attention, and head_dim is a power of two (the Triton attention and RoPE kernels tile by it)."""
+    hd = model.config.head_dim
+    if hd & (hd - 1):
+        return False
     for layer in model.model.layers:
         mods = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                 layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -415,7 +419,7 @@ def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict 
     kernels = resolve_kernels(kernels, w.device, w.dtype)
     if kernels == "triton" and not fast_path_supported(model):
         if asked == "triton":
-            raise SpecpilotError("kernels 'triton' need plain linear layers (not another weight format)")
+            raise SpecpilotError("kernels 'triton' need plain linear layers (not another weight format) and a power-of-two head_dim")
         kernels = "torch"
     store = model.__dict__.setdefault("_step_graphs", {})
     if kernels not in store:

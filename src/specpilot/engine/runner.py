@@ -106,8 +106,11 @@ class TargetRunner:
             return self.graphs.run(block, self.length, self.capture)
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
-        else:
-            anc, depth = tree_ancestors(parents)
+        else:  # the tree shape is static within a generation: build its mask once
+            key = (parents.data_ptr(), tuple(parents.shape))
+            if getattr(self, "_tree_key", None) != key:
+                self._tree_key, self._tree = key, tree_ancestors(parents)
+            anc, depth = self._tree
         return self.model(block, self.length, anc, depth, capture=self.capture)
 
     def decode(self, tokens: torch.Tensor):
@@ -125,11 +128,11 @@ class TargetRunner:
         """
         if path_slots is not None:
             rows, src, dst = [], [], []
-            for b in range(self.batch):
-                for j in range(int(counts[b])):
-                    s = int(path_slots[b, j])
+            lengths, paths = self.length.tolist(), path_slots.tolist()
+            for b, n in enumerate(counts.tolist()):
+                for j, s in enumerate(paths[b][:n]):
                     if s != j:
-                        rows.append(b), src.append(int(self.length[b]) + s), dst.append(int(self.length[b]) + j)
+                        rows.append(b), src.append(lengths[b] + s), dst.append(lengths[b] + j)
             if rows:
                 dev = self.device
                 self.model.cache.move(torch.tensor(rows, device=dev), torch.tensor(src, device=dev),

@@ -188,3 +188,40 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             if key not in r:
                 raise SpecpilotError(f"{path}:{i + 1} lacks field {key!r}")
     return rows[:limit] if limit else rows
+
+
+def serve_turns(serve_rows: Callable[[list[dict]], list[Record]], prompts: list[dict], tokenizer) -> list[Record]:
+    """Multi-turn chaining (as the DFlash harness does for mt-bench).
+
+    Turn 1 is served as given; for every row with more user ``turns``, turn k+1's prompt is the chat
+    template over [user 1, assistant 1 (the decoded answer), ..., user k+1], so each engine chains
+    its own (token-identical) answers. Later turns' records carry ``prompt_ids`` and the request id
+    ``"{request_id}/turn{k+1}"``.
+    """
+    records = serve_rows(prompts)
+    done = {r.request_id: r for r in records}
+    chats = {p["request_id"]: [{"role": "user", "content": p["turns"][0]}] for p in prompts if p.get("turns")}
+    turn = 1
+    while True:
+        nxt = []
+        for p in prompts:
+            turns = p.get("turns") or []
+            if len(turns) <= turn:
+                continue
+            prev = p["request_id"] if turn == 1 else f"{p['request_id']}/turn{turn}"
+            chat = chats[p["request_id"]]
+            chat.append({"role": "assistant", "content": tokenizer.decode(done[prev].output_ids, skip_special_tokens=True)})
+            chat.append({"role": "user", "content": turns[turn]})
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # a BatchEncoding on newer transformers
+                ids = ids["input_ids"]
+            nxt.append({"request_id": f"{p['request_id']}/turn{turn + 1}", "benchmark": p["benchmark"],
+                        "prompt_ids": list(ids)})
+        if not nxt:
+            return records
+        more = serve_rows(nxt)
+        for row, r in zip(nxt, more):
+            r.prompt_ids = row["prompt_ids"]
+            done[r.request_id] = r
+        records += more
+        turn += 1
