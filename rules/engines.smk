@@ -71,6 +71,6 @@ rule run_engine:
         " --deployment {wildcards.deployment} --drafter-name {params.drafter_name}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
-        " {params.engine_config} --device {params.device} {params.weights} {params.multi_turn}"
-        " --threads {threads}"
+        " {params.engine_config} --device {params.device} {params.weights} --threads {threads}"
+        " {params.multi_turn}"
         " > {log} 2>&1"

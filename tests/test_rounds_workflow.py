@@ -76,9 +76,11 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     mem = [json.loads(line) for line in (work / "results" / "memory.jsonl").read_text().splitlines()] \
         if (work / "results" / "memory.jsonl").exists() else []
     for integ in (integ1, integ2):
-        for name in integ["winners"]:
-            entries = [e for e in mem if e["direction"] == name and e["round"] == integ["round"]]
-            if all(integ["config"].get(k) == v for e in entries for k, v in e["params"].items()):
-                assert entries and all(e["gain"] > 1 and e["evidence"] for e in entries)
+        for w in integ["winners"]:
+            kept = all(integ["config"].get(k) == v for k, v in w["params"].items())
+            entries = [e for e in mem if e["direction"] == w["direction"] and e["round"] == integ["round"]
+                       and e["params"] == w["params"]]
+            assert bool(entries) == kept, (w, entries)  # recorded exactly when integrated
+            assert all(e["gain"] > 1 and e["evidence"] and e["status"] == "valid" for e in entries)
     assert (work / "results" / "cpu" / "figures" / "rounds.png").stat().st_size > 0
     assert json.loads((work / "results/cpu/kernels/tiny/kernel-agent.json").read_text())["applies"] is False

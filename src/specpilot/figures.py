@@ -201,7 +201,8 @@ def rounds_figure(integrated: list[str | Path], path: str | Path) -> Path:
         d = json.loads(f.read_text())
         dep = f.parents[2].name
         pts = series.setdefault(dep, {})
-        pts[0] = d["stock_speedup_vs_ar"]
+        if int(d["round"]) == 1:  # stock, as measured by round 1's plan, is round 0
+            pts[0] = d["stock_speedup_vs_ar"]
         pts[int(d["round"])] = d["speedup_vs_ar"]
     if not series:
         raise SpecpilotError("no agent rounds to draw")

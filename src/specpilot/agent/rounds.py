@@ -200,7 +200,8 @@ def integrate(args) -> int:
                 "direction": name, "params": w["params"], "deployment": args.deployment, "gpu": args.gpu,
                 "target": ctx["target"], "drafter": ctx["drafter"], "gain": w["gain"], "round": args.round,
                 "evidence": [w["evidence"], str(out.parent / "integrated.jsonl")]})
-    write_json(out, {"round": args.round, "config": chosen, "winners": [w[0] for w in winners],
+    write_json(out, {"round": args.round, "config": chosen,
+                     "winners": [{"direction": n, "params": w["params"], "gain": w["gain"]} for n, w in winners],
                      "gain_vs_base": result["gain"] if chosen != base else 1.0,
                      "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
                      "stock_speedup_vs_ar": p["stock_speedup_vs_ar"]})

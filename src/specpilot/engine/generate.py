@@ -73,6 +73,45 @@ def _take(row: RowResult, tokens: list[int], max_new: int, eos_id: int | None) -
     return len(row.output_ids) >= max_new or (eos_id is not None and eos_id in tokens)
 
 
+def _begin(runner: TargetRunner, proposer, prompts, max_new_tokens: int, eos_id: int | None):
+    """Prefill, the first token of each row (from prefill), and the proposer's context.
+
+    Returns rows, done flags, last tokens [B] and the clock reading where decode starts.
+    """
+    rows = [RowResult() for _ in prompts]
+    t0, feats, last = _prefill(runner, prompts, rows)
+    done = [False] * len(rows)
+    for b, tok in enumerate(last.tolist()):
+        rows[b].output_ids.append(tok)
+        done[b] = max_new_tokens <= 1 or tok == eos_id
+    proposer.start(runner, prompts, feats, last)
+    t1 = clock(runner.device)
+    for r in rows:
+        r.prefill_s = t1 - t0
+    return rows, done, last, t1
+
+
+def _record_step(rows, done, proposed: list[list[int]], max_new_tokens, eos_id, times, profile):
+    """Commit one verify step's tokens per row; returns (counts kept per row, tokens kept per row).
+
+    ``times`` = (decode start, draft start, verify start, step end) clock readings.
+    """
+    t1, ta, tb, tc = times
+    counts, committed = [], []
+    for b, r in enumerate(rows):
+        if done[b]:
+            counts.append(0), committed.append([])
+            continue
+        done[b] = _take(r, proposed[b], max_new_tokens, eos_id)
+        counts.append(r.committed_per_step[-1])
+        committed.append(proposed[b][: counts[-1]])
+        r.decode_s = tc - t1
+        if profile:
+            r.draft_s += tb - ta
+            r.verify_s += tc - tb
+    return counts, committed
+
+
 def _prefill(runner: TargetRunner, prompts, rows):
     t0 = clock(runner.device)
     last_logits, feats, _ = runner.prefill(prompts)
@@ -140,16 +179,7 @@ def generate_speculative(runner: TargetRunner, proposer: Proposer, prompts: list
     if block_size < 2:
         raise SpecpilotError(f"block size must be >= 2, got {block_size}")
     k = block_size - 1
-    rows = [RowResult() for _ in prompts]
-    t0, feats, last = _prefill(runner, prompts, rows)
-    done = [False] * len(rows)
-    for b, tok in enumerate(last.tolist()):
-        rows[b].output_ids.append(tok)
-        done[b] = max_new_tokens <= 1 or tok == eos_id
-    proposer.start(runner, prompts, feats, last)
-    t1 = clock(runner.device)
-    for r in rows:
-        r.prefill_s = t1 - t0
+    rows, done, last, t1 = _begin(runner, proposer, prompts, max_new_tokens, eos_id)
     dev = runner.device
     while not all(done):
         ta = clock(dev) if profile else 0.0
@@ -162,19 +192,8 @@ def generate_speculative(runner: TargetRunner, proposer: Proposer, prompts: list
         host = torch.cat([acc[:, None], bonus[:, None], drafts], 1).tolist()
         acc_l, bonus_l, drafts_l = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         tc = clock(dev)
-        counts, committed = [], []
-        for b, r in enumerate(rows):
-            if done[b]:
-                counts.append(0), committed.append([])
-                continue
-            toks = drafts_l[b][: acc_l[b]] + [bonus_l[b]]
-            done[b] = _take(r, toks, max_new_tokens, eos_id)
-            counts.append(r.committed_per_step[-1])
-            committed.append(toks[: counts[-1]])
-            r.decode_s = tc - t1
-            if profile:
-                r.draft_s += tb - ta
-                r.verify_s += tc - tb
+        counts, committed = _record_step(rows, done, [d[:a] + [b] for d, a, b in zip(drafts_l, acc_l, bonus_l)],
+                                         max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
         counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
         proposer.observe(feats, runner.length, counts_t, committed)
         runner.commit(counts_t)
@@ -233,16 +252,7 @@ def generate_tree(runner: TargetRunner, proposer, prompts: list[list[int]], max_
         raise SpecpilotError(f"block size must be >= 2, got {block_size}")
     k = block_size - 1
     depth = min(depth, k)
-    rows = [RowResult() for _ in prompts]
-    t0, feats, last = _prefill(runner, prompts, rows)
-    done = [False] * len(rows)
-    for b, tok in enumerate(last.tolist()):
-        rows[b].output_ids.append(tok)
-        done[b] = max_new_tokens <= 1 or tok == eos_id
-    proposer.start(runner, prompts, feats, last)
-    t1 = clock(runner.device)
-    for r in rows:
-        r.prefill_s = t1 - t0
+    rows, done, last, t1 = _begin(runner, proposer, prompts, max_new_tokens, eos_id)
     dev = runner.device
     B = len(prompts)
     # static tree shape: root, spine 1..k, then `branch` leaves for each of the first `depth` positions
@@ -258,19 +268,8 @@ def generate_tree(runner: TargetRunner, proposer, prompts: list[list[int]], max_
         paths, bonus = accept_tree(tokens, parents, logits)
         toks_l = tokens.tolist()
         tc = clock(dev)
-        counts, committed = [], []
-        for b, r in enumerate(rows):
-            if done[b]:
-                counts.append(0), committed.append([])
-                continue
-            toks = [toks_l[b][i] for i in paths[b][1:]] + [bonus[b]]
-            done[b] = _take(r, toks, max_new_tokens, eos_id)
-            counts.append(r.committed_per_step[-1])
-            committed.append(toks[: counts[-1]])
-            r.decode_s = tc - t1
-            if profile:
-                r.draft_s += tb - ta
-                r.verify_s += tc - tb
+        counts, committed = _record_step(rows, done, [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]]
+                                                      for b in range(B)], max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
         width = max(len(p) for p in paths)
         path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
         counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
