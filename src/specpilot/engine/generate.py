@@ -74,7 +74,7 @@ def _take(row: RowResult, tokens: list[int], max_new: int, eos_id: int | None) -
 
 
 def _begin(runner: TargetRunner, proposer, prompts, max_new_tokens: int, eos_id: int | None):
-    """Prefill, the first token of each row (from prefill), and the proposer's context.
+    """Prefill, the first token of each row (from prefill), and the proposer's context (if any).
 
     Returns rows, done flags, last tokens [B] and the clock reading where decode starts.
     """
@@ -84,7 +84,8 @@ def _begin(runner: TargetRunner, proposer, prompts, max_new_tokens: int, eos_id:
     for b, tok in enumerate(last.tolist()):
         rows[b].output_ids.append(tok)
         done[b] = max_new_tokens <= 1 or tok == eos_id
-    proposer.start(runner, prompts, feats, last)
+    if proposer is not None:
+        proposer.start(runner, prompts, feats, last)
     t1 = clock(runner.device)
     for r in rows:
         r.prefill_s = t1 - t0
@@ -125,15 +126,7 @@ def generate_ar(runner: TargetRunner, prompts: list[list[int]], max_new_tokens: 
 
     Returns one :class:`RowResult` per prompt with ``committed_per_step`` all ones.
     """
-    rows = [RowResult() for _ in prompts]
-    t0, _, last = _prefill(runner, prompts, rows)
-    done = [False] * len(rows)
-    for b, tok in enumerate(last.tolist()):
-        rows[b].output_ids.append(tok)
-        done[b] = max_new_tokens <= 1 or tok == eos_id
-    t1 = clock(runner.device)
-    for r in rows:
-        r.prefill_s = t1 - t0
+    rows, done, last, t1 = _begin(runner, None, prompts, max_new_tokens, eos_id)
     if eos_id is None and not all(done):
         # every row decodes exactly max_new_tokens: no host synchronization until the end, so
         # the device never waits for the host between steps
