@@ -362,3 +362,23 @@ def test_converter_refuses_fp16_and_missing_config(tmp_path, capsys):
 def test_direction_constant():
     assert DIRECTION == {"name": "w12_weights", "cost_term": "weight_bytes",
                          "space": {"weight_format": ["bf16", "w12"]}}
+
+
+def test_engine_with_w12_passes_token_forcing_against_bf16(quick_deployment, quick_prompts):
+    """The tiny target in bf16: the w12 engine's outputs equal the bf16 engine's (0 violations)."""
+    from specpilot.deployment import load_deployment
+    from specpilot.engine.serve import EngineSpec, serve
+    from specpilot.forcing import check
+
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    bf16 = load_deployment(quick_deployment / "target", quick_deployment / "drafter-dflash",
+                           torch.device("cpu"), torch.bfloat16)
+    w12 = load_deployment(quick_deployment / "target", quick_deployment / "drafter-dflash",
+                          torch.device("cpu"), torch.bfloat16, config={"weight_format": "w12"})
+    assert any(type(m).__name__ == "W12Linear" for m in w12.target.modules())
+    ref = serve(EngineSpec("stock", 4), bf16.target, bf16.drafter, quick_prompts[:4], 24, 1, meta, progress=False)
+    cand = serve(EngineSpec("specpilot", 4, {"weight_format": "w12"}), w12.target, w12.drafter, quick_prompts[:4],
+                 24, 1, meta, progress=False)
+    prompts = {p["request_id"]: p["prompt_ids"] for p in quick_prompts}
+    verdict = check(cand, ref, prompts, bf16.target, tolerance=0.0)
+    assert verdict["violations"] == 0 and verdict["near_ties"] == 0 and verdict["tokens_checked"] == 4 * 24
