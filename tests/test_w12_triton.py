@@ -28,13 +28,9 @@ import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "src")]
 import torch
-import triton.runtime.interpreter as interp
-if hasattr(interp, "_patch_lang_tensor"):  # triton 3.6 + numpy >= 2.3: int() of a 1-element array
-    _orig = interp._patch_lang_tensor
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interp._patch_lang_tensor = _patched
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from triton_interp import patch_interpreter
+patch_interpreter()
 from kernels import w12_triton as K
 from specpilot.w12.format import pack
 
