@@ -690,72 +690,6 @@ class Bench:
             self.R["variant_used"] = "torch (no Triton variant passed)"
             log("no Triton variant passed: timing the PyTorch-ops graph path")
 
-    def pdl(self):
-        """Programmatic dependent launch (PDL), whole step at B=1 ctx 512: off, on, and each with the
-        matmuls loading their first weight tile before they wait for the previous kernel
-        (``preload``). Every variant's logits (a 16-token block
-        and a 1-token step, graph replays after the same cache state) must equal the PDL-off
-        step's bit for bit; the fastest such variant is used for everything after."""
-        torch = self.torch
-        from specpilot.engine.graphs import DEFAULT_CONFIGS, LINEAR_ROLES, step_graphs
-        from specpilot.engine.triton_step import LinearConfig
-
-        base = dict(getattr(self, "cfgs", None) or DEFAULT_CONFIGS)
-        c = self.model.config
-
-        def with_preload(on):
-            out = {}
-            for r in LINEAR_ROLES:
-                cfg = base[r]
-                if cfg != "cublas":
-                    cfg = (LinearConfig.parse(cfg) if isinstance(cfg, str) else cfg).with_preload(on).key()
-                out[r] = cfg
-            return out
-
-        variants = [("off", False, with_preload(False)), ("on", True, with_preload(False)),
-                    ("on-preload", True, with_preload(True)), ("off-preload", False, with_preload(True))]
-
-        def outputs(sg):
-            r = self.runner(1, 512 + 256)
-            g = torch.Generator(device=self.dev).manual_seed(21)
-            for t in (self.model.cache.k, self.model.cache.v):
-                t.normal_(generator=g)
-            r.length.fill_(512)
-            r._bound = 512
-            blk = torch.randint(0, c.vocab_size, (1, 16), device=self.dev, generator=g)
-            with torch.inference_mode():
-                a = r.verify(blk)[0].clone()
-                b = r.verify(blk[:, :1])[0].clone()
-                e = sg.fast.forward(blk, r.length)[0].clone()
-            return a, b, e
-
-        res, ref = {}, None
-        for name, on, cfgs in variants:
-            try:
-                sg = step_graphs(self.model, "triton", cfgs, pdl=on)
-                a, b, e = outputs(sg)
-                if ref is None:
-                    ref = (a, b)
-                same = bool(torch.equal(a, ref[0]) and torch.equal(b, ref[1]) and torch.equal(a, e))
-                d = self.ar_step(1, 512, iters=20)
-                d16 = self.ar_step(16, 512, iters=10)
-                res[name] = {"pdl": on, "configs": cfgs, "step_s": d["step_s"], "mbu": d["mbu"],
-                             "b16_step_s": d16["step_s"], "b16_mbu": d16["mbu"], "bit_identical_to_off": same}
-                log(f"pdl {name}: {d['step_s'] * 1e3:.3f} ms MBU {d['mbu'] * 100:.1f}% | B=16 "
-                    f"{d16['step_s'] * 1e3:.3f} ms MBU {d16['mbu'] * 100:.1f}% | bit-identical {same}")
-            except Exception as ex:  # noqa: BLE001
-                res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
-                log(f"pdl {name} failed: {res[name]['error']}")
-                log(traceback.format_exc())
-        self.R["pdl"] = res
-        ok = {k: v for k, v in res.items() if v.get("bit_identical_to_off")}
-        best = min(ok, key=lambda k: ok[k]["step_s"]) if ok else "off"
-        self.cfgs = res.get(best, {}).get("configs", base)
-        step_graphs(self.model, "triton", self.cfgs, pdl=res.get(best, {}).get("pdl", False))
-        self.R["pdl_used"] = best
-        (self.out / "kernel_configs.json").write_text(json.dumps(self.cfgs, indent=1) + "\n")
-        log(f"using pdl variant {best}")
-
     def runner(self, B, S, capture=(), kernels=None, graphs=None):
         from specpilot.engine.runner import TargetRunner
 
@@ -1256,12 +1190,10 @@ class Bench:
         return "\n".join(L)
 
     def run_quick(self):
-        """``--quick``: env, ceilings, the default configs, the PDL sweep, AR and verify, a profile."""
+        """``--quick``: env, ceilings, the default configs, AR and verify, a profile (no peer, no tuning)."""
         self.phase("env", self.env)
         self.phase("build", self.build)
         self.phase("copy_bw", self.copy_bw)
-        if self.graphs:
-            self.phase("pdl", self.pdl)
         self.phase("ar", self.ar_sweep, 30)
         self.phase("verify", lambda: self.verify_sweep(kernel_list=[self.kernels]), 20)
         if self.graphs:
@@ -1281,7 +1213,6 @@ class Bench:
         chosen = self.phase("tune", lambda: self.tune(procs)) if not self.args.dry_run else {}
         if self.graphs:
             self.phase("variants", lambda: self.variants(chosen))
-            self.phase("pdl", self.pdl)
         self.wait_peer_eager()  # the peer's eager runs overlap our untimed correctness checks only
         self.phase("correctness", self.correctness)
         self.wait_peer_eager_done()
@@ -1312,7 +1243,7 @@ def main() -> int:
     ap.add_argument("--profiles", nargs="+", default=["dflash_qwen3_8b_gsm8k", "study_stock"])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape: checks the script only")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="PDL sweep, AR, verify and profile only (no peer, no tuning)")
+    ap.add_argument("--quick", action="store_true", help="AR, verify and profile with the default configs only (no peer, no tuning)")
     ap.add_argument("--skip-27b", action="store_true", help="leave out the 27B-class AR step")
     ap.add_argument("--no-compile", action="store_true", help="peer without its torch.compile mode")
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)

@@ -76,15 +76,6 @@ def resolve_kernels(kernels: str | None, device: torch.device, dtype: torch.dtyp
 # ---------------------------------------------------------------------------------------------
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether the Triton step uses programmatic dependent launch by default: CUDA, compute
-    capability 9.0 or newer (Hopper), not the CPU interpreter (see ``triton_step.PDL_DOC``)."""
-    from . import triton_step
-
-    return (device.type == "cuda" and not triton_step.INTERPRET
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def fast_path_supported(model: Transformer) -> bool:
     """True when every projection is a plain ``nn.Linear`` (not e.g. a w12 module), all layers are full
     attention, and head_dim is a power of two (the Triton attention and RoPE kernels tile by it)."""
@@ -184,12 +175,11 @@ class FastTarget:
     decode and 16-token verification; not across other block sizes).
     """
 
-    def __init__(self, model: Transformer, configs: dict | None = None, pdl: bool | None = None):
+    def __init__(self, model: Transformer, configs: dict | None = None):
         from . import triton_step
 
         self.k = triton_step
         self.model = model
-        self.pdl = pdl_supported(model.lm_head.weight.device) if pdl is None else bool(pdl)
         fuse_weights(model)
         self.configs = {role: triton_step.LinearConfig.parse(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self.set_configs(configs or {})
@@ -240,18 +230,17 @@ class FastTarget:
     def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
         cfg = self.configs[role]
         eps = self.model.config.rms_norm_eps
-        pdl = self.pdl
         if cfg != CUBLAS:
             if cfg.prenorm and norm is not None:
-                x, norm = self.k.rmsnorm(x, norm, ws.xn, eps, pdl=pdl), None
-            return self.k.linear(x, w, out, cfg=cfg, norm=norm, eps=eps, residual=residual, swiglu=swiglu, pdl=pdl)
+                x, norm = self.k.rmsnorm(x, norm, ws.xn, eps), None
+            return self.k.linear(x, w, out, cfg=cfg, norm=norm, eps=eps, residual=residual, swiglu=swiglu)
         if norm is not None:
-            x = self.k.rmsnorm(x, norm, ws.xn, eps, pdl=pdl)
+            x = self.k.rmsnorm(x, norm, ws.xn, eps)
         if residual is not None:  # out is the residual: out += x @ w.T in the GEMM epilogue
             return out.addmm_(x, w.t())
         if swiglu:
             torch.mm(x, w.t(), out=ws.gu)
-            return self.k.silu_mul(ws.gu, out, pdl=pdl)
+            return self.k.silu_mul(ws.gu, out)
         return torch.mm(x, w.t(), out=out)
 
     @torch.inference_mode()
@@ -274,8 +263,8 @@ class FastTarget:
             self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
             K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
                             a.k_norm.weight if a.k_norm is not None else None, m.cos, m.sin, start, T,
-                            a.n_heads, a.n_kv, a.head_dim, eps, pdl=self.pdl)
-            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws, pdl=self.pdl)
+                            a.n_heads, a.n_kv, a.head_dim, eps)
+            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws)
             self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
             self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
                          swiglu=True)
@@ -421,13 +410,8 @@ class StepGraphs:
             return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
 
 
-def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict | None = None,
-                pdl: bool | None = None) -> StepGraphs:
-    """The :class:`StepGraphs` of ``model`` for ``kernels`` (created once and kept on the model).
-
-    ``configs``: matmul block configs per role (see :class:`FastTarget`); ``pdl``: programmatic
-    dependent launch on/off for the Triton step (None: keep, by default on for sm90+). Changing
-    either drops the captured graphs."""
+def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict | None = None) -> StepGraphs:
+    """The :class:`StepGraphs` of ``model`` for ``kernels`` (created once and kept on the model)."""
     w = model.lm_head.weight
     if w.device.type != "cuda":
         raise SpecpilotError("CUDA graphs need the model on a CUDA device")
@@ -440,14 +424,9 @@ def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict 
     store = model.__dict__.setdefault("_step_graphs", {})
     if kernels not in store:
         store[kernels] = StepGraphs(model, kernels, configs)
-    sg = store[kernels]
-    if sg.fast is not None:
-        changed = bool(configs) and sg.fast.set_configs(configs)
-        if pdl is not None and bool(pdl) != sg.fast.pdl:
-            sg.fast.pdl, changed = bool(pdl), True
-        if changed:
-            sg.cache.entries.clear()  # other kernels: recapture
-    return sg
+    elif configs and store[kernels].fast is not None and store[kernels].fast.set_configs(configs):
+        store[kernels].cache.entries.clear()  # other kernels: recapture
+    return store[kernels]
 
 
 class DrafterGraphs:

@@ -38,28 +38,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BM = 16  # rows per tile of every matmul (tensor-core minimum); fixed for row independence
 BR = 16  # query rows per attention tile
 
-PDL_DOC = """Programmatic dependent launch (PDL, sm90+; CUDA programming guide, "Programmatic Dependent
-Launch"; CUTLASS example 63 prefetches GEMM weights the same way). With ``pdl=True`` a kernel is
-launched with the programmatic-serialization attribute, so it may start while the previous kernel
-of the stream (or CUDA graph) still runs. Protocol, kept by every kernel of this module:
-
-- nothing that the previous kernels write is read, and nothing is written, before
-  ``griddepcontrol.wait`` (``gdc_wait``), which returns once the previous kernel has finished and
-  its writes are visible (finishing implies it waited for its own predecessor, so the order is
-  transitive);
-- only weights (never written during a step) are touched earlier: a matmul with ``preload``
-  loads its first weight tile before waiting;
-- the small kernels (norm/RoPE, attention, combine, norm) let the next kernel launch at once
-  (``griddepcontrol.launch_dependents``); the matmuls only after their weight stream, so at most
-  one matmul ahead preloads.
-
-Outputs are bit-identical with and without PDL (the same arithmetic in the same order)."""
-
-
-def _launch(pdl: bool) -> dict:
-    """Extra launch options of a kernel call: PDL when asked (never under the CPU interpreter)."""
-    return {"launch_pdl": True} if pdl and not INTERPRET else {}
-
 
 @dataclass(frozen=True)
 class LinearConfig:
@@ -68,10 +46,6 @@ class LinearConfig:
     ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
     (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
     work in every program, which pays only when programs own many output columns).
-
-    ``preload``: load the first weight tile before waiting for the previous kernel (with
-    programmatic dependent launch, ``pdl=True`` in :func:`linear`, that load overlaps the previous
-    kernel's tail: weights never depend on it) and peel the first K step off the loop.
     """
 
     bn: int = 16
@@ -79,26 +53,20 @@ class LinearConfig:
     warps: int = 4
     stages: int = 3
     prenorm: bool = False
-    preload: bool = False
 
     def key(self) -> str:
-        return (f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
-                + ("-l" if self.preload else ""))
+        return f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
 
     @classmethod
     def parse(cls, key: str) -> "LinearConfig":
         """Inverse of :meth:`key`."""
         import re
 
-        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?(-l)?", key)
+        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?", key)
         if m is None:
             raise ValueError(f"bad linear config key {key!r}")
         bn, bk, w, s = map(int, m.groups()[:4])
-        return cls(bn, bk, w, s, m.group(5) is not None, m.group(6) is not None)
-
-    def with_preload(self, preload: bool) -> "LinearConfig":
-        """The same config with or without the first-tile preload."""
-        return LinearConfig(self.bn, self.bk, self.warps, self.stages, self.prenorm, preload)
+        return cls(bn, bk, w, s, m.group(5) is not None)
 
 
 CANDIDATES = (
@@ -115,49 +83,12 @@ CANDIDATES = (
 )
 
 
-@triton.jit
-def _pdl_start(PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    """Start of a kernel under PDL: optionally let the next kernel launch, then wait for the previous
-    kernel's writes (``griddepcontrol``; everything before this point may not read its outputs)."""
-    if PDL:
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _linear_tile(acc, acc2, ss, w, w2, x_rows, nw_ptr, kk, mask_m, K,
-                 NORM: tl.constexpr, SWIGLU: tl.constexpr, INTERP: tl.constexpr):
-    """One K step of :func:`_linear_kernel`: acc[BN, BM] += W tile @ prologue(x tile).T (w2: up rows)."""
-    mask_k = kk < K
-    x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    if NORM:
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-        nw = tl.load(nw_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
-        x = (xf * nw[None, :]).to(x_rows.dtype.element_ty)
-    if INTERP:
-        acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, tl.trans(x), acc)
-    if SWIGLU:
-        if INTERP:
-            acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
-        else:
-            acc2 = tl.dot(w2, tl.trans(x), acc2)
-    return acc, acc2, ss
-
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
-                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
-                   PDL: tl.constexpr, PRELOAD: tl.constexpr):
-    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows).
-
-    PRELOAD: the first W tile is loaded before the PDL wait (weights never depend on the previous
-    kernel) and the first K step is peeled off the loop."""
+                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM_ + tl.arange(0, BM_)
@@ -170,29 +101,28 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
     acc = tl.zeros((BN, BM_), dtype=tl.float32)
     acc2 = tl.zeros((BN, BM_), dtype=tl.float32)
     ss = tl.zeros((BM_,), dtype=tl.float32)
-    k_first = 0
-    if PRELOAD:
-        wmask = mask_n[:, None] & (offs_k[None, :] < K)
-        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)
-        w2 = w
-        if SWIGLU:
-            w2 = tl.load(w_rows + N * K + offs_k[None, :], mask=wmask, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        acc, acc2, ss = _linear_tile(acc, acc2, ss, w, w2, x_rows, nw_ptr, offs_k, mask_m, K, NORM, SWIGLU, INTERP)
-        k_first = BK
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
-    for k0 in range(k_first, K, BK):
+    for k0 in range(0, K, BK):
         kk = k0 + offs_k
-        wmask = mask_n[:, None] & (kk[None, :] < K)
-        w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        w2 = w
+        mask_k = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if INTERP:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
-            w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc, acc2, ss = _linear_tile(acc, acc2, ss, w, w2, x_rows, nw_ptr, kk, mask_m, K, NORM, SWIGLU, INTERP)
-    if PDL:  # the weight stream is done: the next kernel may launch (and preload its first tile)
-        tl.extra.cuda.gdc_launch_dependents()
+            w2 = tl.load(w_rows + N * K + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            if INTERP:
+                acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(w2, tl.trans(x), acc2)
     dt = y_ptr.dtype.element_ty
     if NORM:
         rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -213,13 +143,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, cfg: LinearConfig = LinearConfig(),
            norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-           swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
+           swiglu: bool = False) -> torch.Tensor:
     """``out = epilogue(prologue(x) @ w.T)`` for x [M, K] (row stride free, unit column stride).
 
     norm: RMSNorm weight [K] applied to x first. residual: [M, N] added to the product (may be
     ``out`` itself: each program reads its tile before writing it). swiglu: ``w`` is [2N, K]
-    (gate rows then up rows) and the result is ``silu(gate) * up``. pdl: launch with programmatic
-    dependent launch (sm90+; see :data:`PDL_DOC`).
+    (gate rows then up rows) and the result is ``silu(gate) * up``.
     """
     M, K = x.shape
     N = w.shape[0] // 2 if swiglu else w.shape[0]
@@ -231,17 +160,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
                          M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
-                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET, PDL=pdl and not INTERPRET, PRELOAD=cfg.preload,
-                         num_warps=cfg.warps, num_stages=cfg.stages, **_launch(pdl))
+                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET,
+                         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
 @triton.jit(do_not_specialize=["T"])
 def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr,
                           T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps,
-                          QK_NORM: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+                          QK_NORM: tl.constexpr, D: tl.constexpr):
     """Per (row m = b*T + t, head h): q heads -> norm, RoPE -> q[m, h]; k heads -> norm, RoPE -> cache; v -> cache."""
-    _pdl_start(PDL, True)
     m = tl.program_id(0)
     h = tl.program_id(1)
     b = m // T
@@ -279,8 +207,7 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
 
 def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float,
-                  pdl: bool = False) -> None:
+                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
     """Split ``qkv`` [B*T, (Hq + 2 Hkv) * D]: q -> ``q_out`` [B*T, Hq*D]; k, v -> cache slots start..start+T-1.
 
     ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
@@ -291,17 +218,16 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
     _qk_rope_cache_kernel[(M, n_heads + n_kv)](
         qkv, q_out, k_cache, v_cache, q_norm if qk else qkv, k_norm if qk else qkv, cos, sin, start,
         T, n_heads, n_kv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        QK_NORM=qk, D=head_dim, PDL=pdl and not INTERPRET, num_warps=1, **_launch(pdl))
+        QK_NORM=qk, D=head_dim, num_warps=1)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
                          T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
-                         INTERP: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
-    _pdl_start(PDL, True)
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
@@ -355,9 +281,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
-                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
     """Program (b*Hkv + kv head, row): merge the chunks' partial results into out[b*T + t, h]."""
-    _pdl_start(PDL, True)
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // HKV
@@ -399,8 +324,7 @@ class AttnWorkspace:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
-              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace,
-              pdl: bool = False) -> torch.Tensor:
+              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace) -> torch.Tensor:
     """Causal block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
     Row t of block b sees cache slots 0 .. start[b] + t (the committed prefix and the block's chain
@@ -412,12 +336,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
         q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, PDL=pdl and not INTERPRET,
-        num_warps=4, num_stages=2, **_launch(pdl))
+        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, G * T)](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
-        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, PDL=pdl and not INTERPRET,
-        num_warps=4, **_launch(pdl))
+        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
     return out
 
 
@@ -427,9 +349,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr):
     """y[m] = bf16(x[m] * rstd) * w, as the eager RMSNorm rounds."""
-    _pdl_start(PDL, True)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -441,18 +362,17 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.c
     tl.store(y_ptr + m.to(tl.int64) * stride_y + offs, y.to(dt), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
     """Row-wise RMSNorm of x [M, H] into ``out`` (one program per row)."""
     M, H = x.shape
     _rmsnorm_kernel[(M,)](x, w, out, H, x.stride(0), out.stride(0), eps, BLOCK=triton.next_power_of_2(H),
-                          PDL=pdl and not INTERPRET, num_warps=8, **_launch(pdl))
+                          num_warps=8)
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK: tl.constexpr):
     """h[m, n] = silu(gu[m, n]) * gu[m, N + n] (gate columns, then up columns), eager rounding."""
-    _pdl_start(PDL, True)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -464,10 +384,9 @@ def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK: tl.constexpr,
     tl.store(h_ptr + m.to(tl.int64) * stride_h + offs, (s * u).to(dt), mask=mask)
 
 
-def silu_mul(gu: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a fused gate/up product gu [M, 2N] into ``out`` [M, N]."""
     M, N = out.shape
     BLOCK = 1024
-    _silu_mul_kernel[(M, triton.cdiv(N, BLOCK))](gu, out, N, gu.stride(0), out.stride(0), BLOCK=BLOCK,
-                                                 PDL=pdl and not INTERPRET, num_warps=4, **_launch(pdl))
+    _silu_mul_kernel[(M, triton.cdiv(N, BLOCK))](gu, out, N, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
     return out
