@@ -14,8 +14,7 @@ it streams every weight once. Per layer it runs 7 kernels:
 
 Row independence ("batch invariance"): every kernel computes each output row with the same
 arithmetic whatever the number of rows M (fixed 16-row tiles, the same block config for every M,
-split-K only as a fixed number of K slices per role with a slice-ordered reduction, fixed KV
-chunks that depend on the cache size only). So the logits of a token are
+no split-K, fixed KV chunks that depend on the cache size only). So the logits of a token are
 bit-identical whether it is decoded alone (AR) or verified inside a block, and the speculative
 engine reproduces the AR engine token for token on the GPU too.
 
@@ -47,9 +46,6 @@ class LinearConfig:
     ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
     (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
     work in every program, which pays only when programs own many output columns).
-
-    ``split``: programs per output tile along K (split-K, reduced deterministically by the last
-    program to finish); fills the GPU for matrices with few output tiles (q/k/v, o).
     """
 
     bn: int = 16
@@ -57,22 +53,20 @@ class LinearConfig:
     warps: int = 4
     stages: int = 3
     prenorm: bool = False
-    split: int = 1
 
     def key(self) -> str:
-        return (f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
-                + (f"-k{self.split}" if self.split > 1 else ""))
+        return f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
 
     @classmethod
     def parse(cls, key: str) -> "LinearConfig":
         """Inverse of :meth:`key`."""
         import re
 
-        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?(?:-k(\d+))?", key)
+        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?", key)
         if m is None:
             raise ValueError(f"bad linear config key {key!r}")
         bn, bk, w, s = map(int, m.groups()[:4])
-        return cls(bn, bk, w, s, m.group(5) is not None, int(m.group(6) or 1))
+        return cls(bn, bk, w, s, m.group(5) is not None)
 
 
 CANDIDATES = (
@@ -86,61 +80,17 @@ CANDIDATES = (
     LinearConfig(64, 256, 4, 3),
     LinearConfig(64, 128, 8, 4),
     LinearConfig(128, 64, 4, 4),
-    # split-K: more programs for the matrices with few output tiles (q/k/v, o)
-    LinearConfig(64, 128, 4, 4, split=2),
-    LinearConfig(32, 128, 4, 4, split=2),
-    LinearConfig(64, 256, 4, 3, split=2),
-    LinearConfig(128, 128, 4, 4, split=4),
-    LinearConfig(64, 128, 4, 4, split=4),
 )
 
 
-@triton.jit
-def _split_reduce(acc, acc2, ss, ws_ptr, ss_ptr, lock_ptr, tile, pid_k, BN: tl.constexpr, BM_: tl.constexpr, SPLIT: tl.constexpr, SWIGLU: tl.constexpr,
-                  NORM: tl.constexpr):
-    """Deterministic split-K: every K slice writes its fp32 partials (acc, acc2, ss) to the
-    workspace; the last slice of the tile to arrive (atomic counter) sums them in slice order and
-    returns ``(True, acc, acc2, ss)``; the others return ``(False, ...)``. The counter is reset."""
-    slot = (tile * SPLIT + pid_k).to(tl.int64)
-    rc = tl.arange(0, BN)[:, None] * BM_ + tl.arange(0, BM_)[None, :]
-    tl.store(ws_ptr + slot * (2 * BN * BM_) + rc, acc)
-    if SWIGLU:
-        tl.store(ws_ptr + slot * (2 * BN * BM_) + BN * BM_ + rc, acc2)
-    if NORM:
-        tl.store(ss_ptr + slot * BM_ + tl.arange(0, BM_), ss)
-    tl.debug_barrier()
-    cnt = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = cnt == SPLIT - 1
-    if last:
-        base = (tile * SPLIT).to(tl.int64)
-        acc = tl.load(ws_ptr + base * (2 * BN * BM_) + rc, cache_modifier=".cg")
-        if SWIGLU:
-            acc2 = tl.load(ws_ptr + base * (2 * BN * BM_) + BN * BM_ + rc, cache_modifier=".cg")
-        if NORM:
-            ss = tl.load(ss_ptr + base * BM_ + tl.arange(0, BM_), cache_modifier=".cg")
-        for k in tl.static_range(1, SPLIT):
-            acc += tl.load(ws_ptr + (base + k) * (2 * BN * BM_) + rc, cache_modifier=".cg")
-            if SWIGLU:
-                acc2 += tl.load(ws_ptr + (base + k) * (2 * BN * BM_) + BN * BM_ + rc, cache_modifier=".cg")
-            if NORM:
-                ss += tl.load(ss_ptr + (base + k) * BM_ + tl.arange(0, BM_), cache_modifier=".cg")
-        tl.atomic_xchg(lock_ptr + tile, 0)
-    return last, acc, acc2, ss
-
-
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, ws_ptr, ss_ptr, lock_ptr,
+def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
-                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                   INTERP: tl.constexpr):
-    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows).
-
-    SPLIT > 1: program (m, n, k) covers the k-th of SPLIT equal runs of K tiles; partials are
-    reduced deterministically (:func:`_split_reduce`), so results do not depend on timing or on M."""
+                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
     offs_m = pid_m * BM_ + tl.arange(0, BM_)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -151,12 +101,9 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, ws_ptr, ss_ptr, lock_ptr,
     acc = tl.zeros((BN, BM_), dtype=tl.float32)
     acc2 = tl.zeros((BN, BM_), dtype=tl.float32)
     ss = tl.zeros((BM_,), dtype=tl.float32)
-    k_per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
-    k_lo = pid_k * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(0, K, BK):
         kk = k0 + offs_k
-        mask_k = kk < k_hi
+        mask_k = kk < K
         x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
@@ -176,46 +123,22 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, ws_ptr, ss_ptr, lock_ptr,
                 acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
             else:
                 acc2 = tl.dot(w2, tl.trans(x), acc2)
-    if SPLIT > 1:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        last, acc, acc2, ss = _split_reduce(acc, acc2, ss, ws_ptr, ss_ptr, lock_ptr, tile, pid_k,
-                                            BN, BM_, SPLIT, SWIGLU, NORM)
+    dt = y_ptr.dtype.element_ty
+    if NORM:
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = acc * rstd[None, :]
+        acc2 = acc2 * rstd[None, :]
+    if SWIGLU:
+        g = acc.to(dt).to(tl.float32)
+        u = acc2.to(dt).to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
     else:
-        last = True
-    if last:
-        dt = y_ptr.dtype.element_ty
-        if NORM:
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-            acc = acc * rstd[None, :]
-            acc2 = acc2 * rstd[None, :]
-        if SWIGLU:
-            g = acc.to(dt).to(tl.float32)
-            u = acc2.to(dt).to(tl.float32)
-            out = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
-        else:
-            out = acc
-        mask = mask_n[:, None] & mask_m[None, :]
-        if RES:
-            r = tl.load(r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
-            out = r.to(tl.float32) + out.to(dt).to(tl.float32)
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(dt), mask=mask)
-
-
-_SPLIT_WS: dict = {}
-_SPLIT_KEEP: list = []  # outgrown workspaces stay alive: captured CUDA graphs may point at them
-
-
-def _split_workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials buffer, int32 per-tile counters, zeroed) of at least these sizes, per device."""
-    key = device.index if device.type == "cuda" else -1
-    ws, lock = _SPLIT_WS.get(key, (None, None))
-    if ws is None or ws.numel() < floats or lock.numel() < tiles:
-        if ws is not None:
-            _SPLIT_KEEP.append((ws, lock))
-        ws = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
-        lock = torch.zeros(max(tiles, 1 << 12), dtype=torch.int32, device=device)
-        _SPLIT_WS[key] = (ws, lock)
-    return ws, lock
+        out = acc
+    mask = mask_n[:, None] & mask_m[None, :]
+    if RES:
+        r = tl.load(r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        out = r.to(tl.float32) + out.to(dt).to(tl.float32)
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(dt), mask=mask)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, cfg: LinearConfig = LinearConfig(),
@@ -225,28 +148,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
 
     norm: RMSNorm weight [K] applied to x first. residual: [M, N] added to the product (may be
     ``out`` itself: each program reads its tile before writing it). swiglu: ``w`` is [2N, K]
-    (gate rows then up rows) and the result is ``silu(gate) * up``. With ``cfg.split > 1`` the
-    K dimension is split over that many programs per output tile (more programs for matrices with
-    few output tiles); calls share one workspace per device, so they must not run concurrently on
-    different streams.
+    (gate rows then up rows) and the result is ``silu(gate) * up``.
     """
     M, K = x.shape
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, cfg.bn), cfg.split)
-    tiles = grid[0] * grid[1]
-    if cfg.split > 1:
-        ws, lock = _split_workspace(x.device, tiles * cfg.split * 2 * cfg.bn * BM + tiles * cfg.split * BM, tiles)
-        ss_ws = ws[tiles * cfg.split * 2 * cfg.bn * BM:]
-    else:
-        ws = ss_ws = lock = out
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, cfg.bn))
     r = residual if residual is not None else out
-    _linear_kernel[grid](x, w, out, r, norm if norm is not None else w, ws, ss_ws, lock,
+    _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
                          M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
-                         BM_=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, INTERP=INTERPRET,
+                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET,
                          num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
