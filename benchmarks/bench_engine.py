@@ -690,40 +690,6 @@ class Bench:
             self.R["variant_used"] = "torch (no Triton variant passed)"
             log("no Triton variant passed: timing the PyTorch-ops graph path")
 
-    def attn_chunks(self):
-        """KV slots per attention program (``triton_step.ATTN_CHUNK``): AR step at ctx 512 and 4096
-        for 64 / 128 / 256, each checked for row independence (16-token block vs its first token);
-        the fastest correct one (sum of the two steps) is kept."""
-        torch = self.torch
-        from specpilot.engine import triton_step as K
-        from specpilot.engine.graphs import step_graphs
-
-        res = {}
-        for ch in (128, 64, 256):
-            K.ATTN_CHUNK = ch
-            sg = step_graphs(self.model, "triton")
-            sg.fast._ws.clear()
-            sg.cache.entries.clear()
-            d1 = self.ar_step(1, 512)
-            d4 = self.ar_step(1, 4096)
-            r = self.last_runner
-            blk = torch.randint(0, self.model.config.vocab_size, (1, 16), device=self.dev)
-            with torch.inference_mode():
-                f16 = sg.fast.forward(blk, r.length)[0].clone()
-                f1 = sg.fast.forward(blk[:, :1], r.length)[0].clone()
-            res[ch] = {"ctx512_s": d1["step_s"], "ctx4096_s": d4["step_s"], "mbu_ctx512": d1["mbu"],
-                       "mbu_ctx4096": d4["mbu"], "row_independent": bool(torch.equal(f16[:, 0], f1[:, 0]))}
-            log(f"attn chunk {ch}: ctx512 {d1['step_s'] * 1e3:.3f} ms (MBU {d1['mbu'] * 100:.1f}%), ctx4096 "
-                f"{d4['step_s'] * 1e3:.3f} ms (MBU {d4['mbu'] * 100:.1f}%), row-indep {res[ch]['row_independent']}")
-        ok = {k: v for k, v in res.items() if v["row_independent"]}
-        best = min(ok, key=lambda k: ok[k]["ctx512_s"] + ok[k]["ctx4096_s"]) if ok else 128
-        K.ATTN_CHUNK = best
-        sg = step_graphs(self.model, "triton")
-        sg.fast._ws.clear()
-        sg.cache.entries.clear()
-        self.R["attn_chunks"] = {"results": res, "used": best}
-        log(f"using attention chunk {best}")
-
     def runner(self, B, S, capture=(), kernels=None, graphs=None):
         from specpilot.engine.runner import TargetRunner
 
@@ -1224,13 +1190,10 @@ class Bench:
         return "\n".join(L)
 
     def run_quick(self):
-        """``--quick``: env, ceilings, the default configs, the attention chunk sweep, AR and verify,
-        a profile (no peer, no tuning)."""
+        """``--quick``: env, ceilings, the default configs, AR and verify, a profile (no peer, no tuning)."""
         self.phase("env", self.env)
         self.phase("build", self.build)
         self.phase("copy_bw", self.copy_bw)
-        if self.graphs:
-            self.phase("attn_chunks", self.attn_chunks)
         self.phase("ar", self.ar_sweep, 30)
         self.phase("verify", lambda: self.verify_sweep(kernel_list=[self.kernels]), 20)
         if self.graphs:
@@ -1280,7 +1243,7 @@ def main() -> int:
     ap.add_argument("--profiles", nargs="+", default=["dflash_qwen3_8b_gsm8k", "study_stock"])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape: checks the script only")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="attention chunk sweep, AR, verify and profile with the default configs (no peer, no tuning)")
+    ap.add_argument("--quick", action="store_true", help="AR, verify and profile with the default configs only (no peer, no tuning)")
     ap.add_argument("--skip-27b", action="store_true", help="leave out the 27B-class AR step")
     ap.add_argument("--no-compile", action="store_true", help="peer without its torch.compile mode")
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)

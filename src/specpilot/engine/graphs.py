@@ -14,7 +14,7 @@ instead of minutes of compilation):
 
 Two step implementations (``kernels``):
 
-- ``"triton"`` (default on CUDA with bf16 weights): :class:`FastTarget`, 6 Triton kernels per
+- ``"triton"`` (default on CUDA with bf16 weights): :class:`FastTarget`, 7 Triton kernels per
   layer (:mod:`specpilot.engine.triton_step`): norms folded into the matmuls, fused q/k/v and
   gate/up weights, split-KV attention that reads only the live context. Row-independent, so
   verifying a block gives bit-identical logits to decoding its tokens one by one.

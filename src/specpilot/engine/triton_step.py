@@ -1,13 +1,13 @@
 """Triton kernels of the CUDA fast path: one decode / verify step of a Qwen3 / Llama target.
 
 A step of T tokens per row (T = 1 for AR decode, the block size for verification) is memory-bound:
-it streams every weight once. Per layer it runs 6 kernels (7 with a separate RMSNorm):
+it streams every weight once. Per layer it runs 7 kernels:
 
 1. ``linear`` with an RMSNorm prologue: ``qkv = norm(x) @ Wqkv.T`` (q, k, v weights fused);
 2. ``qk_rope_cache``: q/k RMSNorm (Qwen3), RoPE, K/V written into the static cache;
-3. ``attention``: split-KV attention over the committed prefix plus the block's own chain
-   (flash-decoding style; chunks past ``start + T`` are skipped, so the KV bytes read are those of
-   the actual context, not of the static cache); the last program of each head merges the chunks;
+3. ``attn_partial`` + ``attn_combine``: split-KV attention over the committed prefix plus the
+   block's own chain (flash-decoding style; chunks past ``start + T`` are skipped, so the KV bytes
+   read are those of the actual context, not of the static cache);
 4. ``linear`` with a residual epilogue: ``x = x + attn @ Wo.T``;
 5. ``linear`` with norm prologue and SwiGLU epilogue: ``h = silu(norm(x) @ Wg.T) * (norm(x) @ Wu.T)``;
 6. ``linear`` with residual epilogue: ``x = x + h @ Wd.T``.
@@ -222,14 +222,12 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws, lock_ptr, out_ptr,
-                 T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
-                 CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr, NC: tl.constexpr,
-                 INTERP: tl.constexpr):
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
+                         T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
+                         CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
+                         INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
-    against cache slots [chunk*CHUNK, min(+CHUNK, start+T)) (flash-decoding split-KV); writes the
-    chunk's unnormalized output, max and sum. The last program of a (head, row tile) to finish (an
-    atomic counter) merges the chunks in chunk order and writes ``out`` (no second kernel)."""
+    against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
@@ -279,45 +277,39 @@ def _attn_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws, lock_ptr, o
     tl.store(o_ws + ws[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
     tl.store(m_ws + ws, m_i, mask=rmask)
     tl.store(l_ws + ws, l_i, mask=rmask)
-    # merge: the last of the n_chunks programs of this (head, row tile); a fully masked chunk has
-    # max -inf, weight exactly 0 and adds exactly 0, so a token's output does not depend on T
-    tl.debug_barrier()
-    tile = bh * tl.num_programs(1) + rt
-    cnt = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if cnt == n_chunks - 1:
-        n_valid = (start + T + CHUNK - 1) // CHUNK
-        cs = tl.arange(0, NC)
-        w0 = (bh * n_chunks).to(tl.int64) * R_pad
-        mc = tl.load(m_ws + w0 + cs[None, :] * R_pad + r[:, None], mask=rmask[:, None] & (cs[None, :] < n_valid),
-                     other=float("-inf"), cache_modifier=".cg")  # [BR, NC]
-        mx = tl.max(mc, axis=1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        o = tl.zeros((BR_, D), dtype=tl.float32)
-        lsum = tl.zeros((BR_,), dtype=tl.float32)
-        for j in range(0, n_valid):
-            wj = w0 + j * R_pad + r
-            mj = tl.load(m_ws + wj, mask=rmask, other=float("-inf"), cache_modifier=".cg")
-            wgt = tl.exp(mj - mx)
-            lsum += wgt * tl.load(l_ws + wj, mask=rmask, other=0.0, cache_modifier=".cg")
-            o += wgt[:, None] * tl.load(o_ws + wj[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0,
-                                        cache_modifier=".cg")
-        o = o / tl.where(lsum == 0.0, 1.0, lsum)[:, None]
-        tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
+                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+    """Program (b*Hkv + kv head, row): merge the chunks' partial results into out[b*T + t, h]."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    b = bh // HKV
+    kh = bh % HKV
+    n_valid = (tl.load(start_ptr + b).to(tl.int32) + T + CHUNK - 1) // CHUNK
+    t = r // G
+    h = kh * G + r % G
+    cs = tl.arange(0, NC)
+    cmask = cs < n_valid
+    ws = (bh * n_chunks + cs).to(tl.int64) * R_pad + r
+    m = tl.load(m_ws + ws, mask=cmask, other=float("-inf"))
+    mx = tl.max(m, axis=0)
+    wgt = tl.where(cmask, tl.exp(m - mx), 0.0)
+    lsum = tl.sum(wgt * tl.load(l_ws + ws, mask=cmask, other=0.0), axis=0)
+    offs_d = tl.arange(0, D)
+    o = tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
+    out = tl.sum(wgt[:, None] * o, axis=0) / lsum
+    tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def attn_chunk(max_seq: int) -> int:
     """KV slots per attention program; depends on the cache size only (row independence)."""
-    return ATTN_CHUNK
-
-
-ATTN_CHUNK = 128  # KV slots per attention program (module-level so benchmarks can sweep it)
+    return 128
 
 
 class AttnWorkspace:
-    """fp32 partial results and per-tile counters of :func:`attention` for one (batch, block length,
-    cache size); the counters return to zero after every call."""
+    """fp32 partial results of :func:`attention` for one (batch, block length, cache size)."""
 
     def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device):
         G = n_heads // n_kv
@@ -329,7 +321,6 @@ class AttnWorkspace:
         self.o = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.m = torch.empty(n, dtype=torch.float32, device=device)
         self.l = torch.empty(n, dtype=torch.float32, device=device)
-        self.lock = torch.zeros(B * n_kv * self.row_tiles, dtype=torch.int32, device=device)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
@@ -337,18 +328,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     """Causal block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
     Row t of block b sees cache slots 0 .. start[b] + t (the committed prefix and the block's chain
-    up to itself, whose K/V were just written). Writes ``out`` [B*T, Hq*D]. One kernel: split-KV
-    partials merged by the last program of each (head, row tile); calls sharing ``ws`` must not run
-    concurrently.
+    up to itself, whose K/V were just written). Writes ``out`` [B*T, Hq*D].
     """
     B = start.shape[0]
     G = n_heads // n_kv
     scale = head_dim ** -0.5
-    _attn_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
-        q, k_cache, v_cache, start, ws.o, ws.m, ws.l, ws.lock, out, T, n_heads, n_kv, G,
+    _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
+        q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, NC=triton.next_power_of_2(ws.n_chunks), INTERP=INTERPRET,
-        num_warps=4, num_stages=2)
+        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
+    _attn_combine_kernel[(B * n_kv, G * T)](
+        ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
+        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
     return out
 
 
