@@ -22,6 +22,15 @@ decode+matmul kernels", issue 6):
    best config per (M bucket, N, K) as ``w12_tuned.json`` beside it (the format of
    ``kernels/tuned/w12_h200.json``).
 
+Decodes: every kernel shape is tried with the default "raw" decode (exponent 112 + c, fp32
+accumulator scaled by 2**(base - 112); see kernels/w12_triton.py), and a few shapes also with the
+old "base" decode and the PTX "prmt" variant. Each (M, shape) row of the JSON has
+``best_us_by_decode`` and ``decode_compare`` (each non-raw config against its raw twin: both times
+and whether their outputs are bit-identical, which they should be).
+
+``--quick``: M = 1 and 16 only (step too) and the short candidate list (the H200's frequent
+winners plus the decode comparison), for a fast first look.
+
 ``--dry-run`` runs the same code on CPU under Triton's interpreter with tiny shapes: it checks
 this script's logic and measures nothing.
 
@@ -61,6 +70,12 @@ LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 40
 T0 = time.time()
 LOG: list[str] = []
 DEV = "cuda"  # "cpu" with --dry-run (Triton interpreter, tiny shapes: checks this script's logic only)
+QUICK = False  # --quick: the short candidate list
+
+
+def candidates(K, m, n, k):
+    """The configs tried for (M, N, K): ``K.candidate_configs`` (short list with --quick)."""
+    return K.candidate_configs(m, n, k, quick=QUICK)
 
 
 def log(*a):
@@ -278,9 +293,10 @@ def bench_shape(name, n, k, ms, K, cfg_ok, copy_bw, args, l2):
         row["bf16_us"] = min(t_lin, t_wx)
         row["bf16_bw_frac"] = bf16_bytes / (row["bf16_us"] * 1e-6) / copy_bw
         best = None
-        for cfg in K.candidate_configs(m, n, k):
+        outs_ok = {}  # key -> output of each correct config (raw vs other decodes, bit for bit)
+        for cfg in candidates(K, m, n, k):
             key = (cfg.key(), K.block_m(cfg, m))
-            entry = {"cfg": cfg.key()}
+            entry = {"cfg": cfg.key(), "decode": cfg.decode}
             if not cfg_ok.get(key, False):
                 entry["error"] = "excluded (precompile failed)"
                 row["configs"].append(entry)
@@ -297,6 +313,7 @@ def bench_shape(name, n, k, ms, K, cfg_ok, copy_bw, args, l2):
                     ok = entry["repeat_equal"]
                 entry["ok"] = bool(ok)
                 if ok:
+                    outs_ok[cfg.key()] = y
                     t = time_graph(lambda i, cfg=cfg: K.matmul(x, packs[i].mant, packs[i].codes, packs[i].base,
                                                                escs[i], cfg, out=ys[i]), copies)
                     entry["us"], entry["us_min"], entry["us_max"] = t
@@ -306,6 +323,7 @@ def bench_shape(name, n, k, ms, K, cfg_ok, copy_bw, args, l2):
                 entry["error"] = f"{type(e).__name__}: {e}"[:300]
                 entry["ok"] = False
             row["configs"].append(entry)
+        _compare_decodes(K, row, outs_ok)
         if best is not None:
             row["w12_us"] = best["us"]
             row["w12_cfg"] = best["cfg"]
@@ -317,11 +335,37 @@ def bench_shape(name, n, k, ms, K, cfg_ok, copy_bw, args, l2):
             log(f"  M={m:3d}: bf16 {row['bf16_us']:8.2f} us ({row['bf16_bw_frac']:.0%} bw)  w12 {best['us']:8.2f} us "
                 f"({row['w12_bw_frac']:.0%} bw) {best['cfg']}  speedup {row['speedup']:.3f}  err {best['err']:.1e}"
                 f" (bf16 {row['err_bf16']:.1e})")
+            if row["decode_compare"]:
+                log("         best by decode: " + "  ".join(f"{d} {u:.2f} us" for d, u in row["best_us_by_decode"].items())
+                    + " | twins (other/raw time, bits equal): "
+                    + "  ".join(f"{c['cfg_other']} {c['time_ratio']:.3f} {c['bits_equal']}" for c in row["decode_compare"]))
         else:
             log(f"  M={m:3d}: no correct w12 config! errors: " +
                 "; ".join(f"{c['cfg']}: {c.get('error', c.get('err'))}" for c in row["configs"][:6]))
         res["per_m"].append(row)
     return res
+
+
+def _compare_decodes(K, row, outs_ok):
+    """Per decode the best time; each non-raw config against its raw twin (time ratio, equal bits)."""
+    import torch
+
+    timed = [c for c in row["configs"] if "us" in c]
+    row["best_us_by_decode"] = {d: min(c["us"] for c in timed if c["decode"] == d)
+                                for d in sorted({c["decode"] for c in timed})}
+    by_key = {c["cfg"]: c for c in timed}
+    row["decode_compare"] = []
+    for c in timed:
+        if c["decode"] == "raw":
+            continue
+        twin = dataclasses.replace(K.Config.from_key(c["cfg"]), decode="raw").key()
+        if twin not in by_key:
+            continue
+        y, y_raw = outs_ok[c["cfg"]], outs_ok[twin]
+        row["decode_compare"].append({
+            "cfg_raw": twin, "cfg_other": c["cfg"], "decode": c["decode"], "us_raw": by_key[twin]["us"],
+            "us_other": c["us"], "time_ratio": c["us"] / by_key[twin]["us"],
+            "bits_equal": bool(torch.equal(y.view(torch.int16), y_raw.view(torch.int16)))})
 
 
 def bench_step(K, copy_bw, ms, layers=36):
@@ -371,7 +415,7 @@ def bench_step(K, copy_bw, ms, layers=36):
 
 
 def main(argv=None):
-    global DEV, SHAPES, LAYER
+    global DEV, SHAPES, LAYER, QUICK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "w12.json"))
     ap.add_argument("--ms", default="1,4,16,64,256", help="rows of x to measure")
@@ -379,15 +423,20 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=0, help="compile workers (0: cores - 2, at most 14)")
     ap.add_argument("--no-step", action="store_true", help="skip the 36-layer decode step")
     ap.add_argument("--step-ms", default="1,4,16")
+    ap.add_argument("--quick", action="store_true",
+                    help="fast first look: M = 1 and 16 (step too), the short candidate list")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter on tiny shapes: exercises this script, measures nothing")
     args = ap.parse_args(argv)
+    QUICK = args.quick
+    if args.quick:
+        args.ms, args.step_ms = "1,16", "1,16"
     if args.dry_run:
         DEV = "cpu"
         os.environ["TRITON_INTERPRET"] = "1"
         SHAPES = {"q_proj/o_proj": (48, 128), "down_proj": (32, 256)}
         LAYER = [("q", 48, 128), ("down", 32, 256)]
-        args.ms, args.shapes, args.step_ms = "1,4,17", ",".join(SHAPES), "1"
+        args.ms, args.shapes, args.step_ms = ("1,17" if args.quick else "1,4,17"), ",".join(SHAPES), "1"
 
     import torch
 
@@ -405,8 +454,17 @@ def main(argv=None):
 
             interp._patch_lang_tensor = _patched
         full = K.candidate_configs
-        K.candidate_configs = lambda m, n, k: ([c for c in full(m, n, k) if c.kind == "gemv"][:2]
-                                              + [c for c in full(m, n, k) if c.kind == "mm"][:2])
+
+        def few(m, n, k, **kw):  # per kind the first two raw configs, and one twin of each other decode
+            cs = full(m, n, k, **kw)
+            out = [c for c in cs if c.kind == "gemv" and c.decode == "raw"][:2]
+            out += [c for c in cs if c.kind == "mm" and c.decode == "raw"][:2]
+            mmx = [c for c in cs if c.kind == "mmx" and c.decode == "raw"][:1]
+            for c in out[:1] + mmx:
+                out += [dataclasses.replace(c, decode=d) for d in ("base", "prmt")]
+            return out + mmx
+
+        K.candidate_configs = few
 
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -422,7 +480,7 @@ def main(argv=None):
     for name in shapes:
         n, k = SHAPES[name]
         for m in ms:
-            for cfg in K.candidate_configs(m, n, k):
+            for cfg in candidates(K, m, n, k):
                 bm = K.block_m(cfg, m)
                 key = (cfg.key(), bm)
                 if key not in seen:
@@ -513,6 +571,10 @@ def table(result):
             if "w12_us" in r:
                 print(f"{s['name']:<16}{s['N']:>6}x{s['K']:<5}{r['M']:>5}{r['bf16_us']:>10.2f}{r['bf16_bw_frac']:>9.0%}"
                       f"{r['w12_us']:>10.2f}{r['w12_bw_frac']:>8.0%}{r['speedup']:>9.3f}  {r['w12_cfg']}")
+            if r.get("best_us_by_decode"):
+                print(f"{'':<16}{'':>12}{r['M']:>5}  best by decode: "
+                      + "  ".join(f"{d} {u:.2f} us" for d, u in r["best_us_by_decode"].items())
+                      + "  twins bit-equal: " + str(all(c["bits_equal"] for c in r.get("decode_compare", []))))
         print(f"{'':<16}decode kernel {s['decode_us']:.1f} us, exact={s['decode_exact']}, "
               f"{s['decode_bw_frac']:.0%} of copy bw")
     if "step" in result:

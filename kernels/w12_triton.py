@@ -17,13 +17,39 @@ kernels beat cuBLAS bf16 at M = 1 (1.14-1.29x per shape) but not at M >= 4 (0.7-
 BENCHMARKS.md, section "12-bit weights (issue 6)".
 
 Decode: a program loads per group of 8 weights two uint32 words of sign+mantissa bytes and one
-uint32 word of codes, and builds each pair of bf16 values in one 32-bit word
-(``R = (T & 0x00800080) * 255 + T + X * 128 + base * 0x00800080``; about 4 integer ops per
-weight), the fixed-width split layout of Turbo-Lossless (cenconq25/Turbo-Lossless,
-docs/TECHNICAL.md) with a two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT
-decode (openreview.net/forum?id=yYFj1E1mSZ). No code is taken from either.
+uint32 word of codes, and builds each pair of bf16 values in one 32-bit word, the fixed-width
+split layout of Turbo-Lossless (cenconq25/Turbo-Lossless, docs/TECHNICAL.md) with a
+two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT decode
+(openreview.net/forum?id=yYFj1E1mSZ). No code is taken from either. The decodes
+(``Config.decode``):
 
-Escapes (code 0) decode in bulk to ``v0 = 2**(base-127)`` (their stored byte is 0); the fused
+* ``"raw"`` (default) builds a *raw* bf16 whose exponent field is ``112 + c`` (``0111cccc``),
+  independent of the tensor's base: ``R = sign | mantissa | ((C << k) & 0x07800780) | 0x38003800``
+  (sign and mantissa moved into place with two masks and one shift; about 5 integer ops per pair,
+  4 with the ``"prmt"`` variant, one PTX byte permute with sign replication instead of the shift
+  and sign mask). The true weight is ``w = w_raw * 2**(base - 112)``, a power of two, so the
+  kernels multiply the fp32 accumulator by ``scale = 2**(base - 112)`` once, before the escapes
+  are added. This is bit-identical to accumulating the true weights in the same order: each product
+  ``x * w_raw`` is exact in fp32 (8-bit x 8-bit significands), and IEEE rounding commutes with
+  scaling by a power of two, so every partial sum (FMA or add, any order) of the raw products is
+  exactly ``2**(112 - base)`` times the one of the true products; the final multiply is exact.
+  The one assumption: no product or partial sum is subnormal (or overflows) in one scaling but
+  not the other; that needs |x| below about 2**-100 or sums near 2**127, never the case for a
+  model's activations and weights. Tensor cores: their products are exact and their
+  alignment/truncation is relative to the largest exponent in the sum, so they should commute
+  with the scaling as well; the interpreter checks only the IEEE fp32 case, so
+  benchmarks/bench_w12.py also compares "raw" with "base" bit for bit on the GPU. The
+  tensor-core kinds turn the raw pair words into the bf16 tile by truncation to int16 lanes and
+  a bitcast (no fp32 round trip, no F2FP).
+* ``"base"``: the true bf16 bits, ``R = (T & 0x00800080) * 255 + T + X * 128 + base *
+  0x00800080`` (about 8 integer ops per pair; the tensor-core tile built through fp32), kept to
+  compare against.
+
+The :func:`decode` kernel (true bf16 out, bit-exact) uses the raw formula with the base added:
+``((C << k) & 0x07800780) + base * 0x00800080`` is ``(base + c) << 7`` per lane.
+
+Escapes (code 0) decode in bulk to ``v0 = 2**(base-127)`` (their stored byte is 0; raw: ``2**-15``,
+times the scale the same ``v0``); the fused
 kernels then add ``x[m, k] * val - x[m, k] * v0`` for each escape ``(n, k, val)`` of their rows,
 from a CSR list, in fp32 before rounding. The result is the fp32 sum of the same exact products
 ``x * w`` as a bf16 matmul, in another order: equal to cuBLAS within bf16 accumulation tolerance,
@@ -55,7 +81,9 @@ import triton.language as tl
 
 @triton.jit
 def _decode_pairs(A, B, C, base2):
-    """Four bf16x2 words (pairs 0-1, 2-3, 4-5, 6-7 of a group) from 2 mantissa words + 1 code word."""
+    """Four bf16x2 words (pairs 0-1, 2-3, 4-5, 6-7 of a group) from 2 mantissa words + 1 code word.
+
+    The "base" decode (true bf16 bits, exponent base + c): about 8 integer ops per pair."""
     T0 = A & 0x00FF00FF
     T1 = (A >> 8) & 0x00FF00FF
     T2 = B & 0x00FF00FF
@@ -64,6 +92,92 @@ def _decode_pairs(A, B, C, base2):
     R1 = (T1 & 0x00800080) * 255 + T1 + ((C >> 4) & 0x000F000F) * 128 + base2
     R2 = (T2 & 0x00800080) * 255 + T2 + ((C >> 8) & 0x000F000F) * 128 + base2
     R3 = (T3 & 0x00800080) * 255 + T3 + ((C >> 12) & 0x000F000F) * 128 + base2
+    return R0, R1, R2, R3
+
+
+
+@triton.jit
+def _prmt_a280(A):
+    """prmt.b32 selector 0xA280: lanes (byte 0, sign of byte 0 x8 | byte 2, sign of byte 2 x8)."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0xA280;", "=r,r", [A], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _prmt_b391(A):
+    """prmt.b32 selector 0xB391: lanes (byte 1, sign of byte 1 x8 | byte 3, sign of byte 3 x8)."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0xB391;", "=r,r", [A], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _bitsel(M: tl.constexpr, NOT_M: tl.constexpr, a, b):
+    """Bits of ``a`` where M is set, of ``b`` elsewhere (one LOP3)."""
+    return (a & M) | (b & NOT_M)
+
+
+@triton.jit
+def _assemble_pairs(A, B, L, H, PRMT: tl.constexpr):
+    """The four pair words from the mantissa words A, B and the exponent-byte words L, H.
+
+    Exponent bytes of L at bytes 0/2 (pair 0) go to bits 7-14 / 23-30 with ``<< 7``, those at
+    bytes 1/3 (pair 2) with ``>> 1`` (likewise H for pairs 1 and 3). Sign and mantissa: one bit
+    select (sign bits 15/31 from one source, the rest from another), then one bit select of the
+    exponent field (0x7F807F80); with PRMT the sign move is one byte permute with sign
+    replication (bits 7-14 hold sign copies, overwritten by the exponent)."""
+    # 0x80008000 / 0x7FFF7FFF: sign bits; 0x7F807F80 / 0x807F807F (int32: -0x7F807F81): exponent
+    if PRMT:
+        R0 = _bitsel(0x7F807F80, -0x7F807F81, L << 7, _prmt_a280(A))
+        R1 = _bitsel(0x7F807F80, -0x7F807F81, H << 7, _prmt_b391(A))
+        R2 = _bitsel(0x7F807F80, -0x7F807F81, L >> 1, _prmt_a280(B))
+        R3 = _bitsel(0x7F807F80, -0x7F807F81, H >> 1, _prmt_b391(B))
+    else:
+        R0 = _bitsel(0x7F807F80, -0x7F807F81, L << 7, _bitsel(-0x7FFF8000, 0x7FFF7FFF, A << 8, A))
+        R1 = _bitsel(0x7F807F80, -0x7F807F81, H << 7, _bitsel(-0x7FFF8000, 0x7FFF7FFF, A, A >> 8))
+        R2 = _bitsel(0x7F807F80, -0x7F807F81, L >> 1, _bitsel(-0x7FFF8000, 0x7FFF7FFF, B << 8, B))
+        R3 = _bitsel(0x7F807F80, -0x7F807F81, H >> 1, _bitsel(-0x7FFF8000, 0x7FFF7FFF, B, B >> 8))
+    return R0, R1, R2, R3
+
+
+@triton.jit
+def _decode_pairs_raw(A, B, C, PRMT: tl.constexpr):
+    """The four pair words of a group in the "raw" decode: exponent field 112 + c (0x70 | c), no base.
+
+    Raw bits ``s << 15 | (0x70 + c) << 7 | m``; the true weight is raw * 2**(base - 112) (the
+    caller scales its fp32 accumulator). The codes become exponent bytes ``0x70 | c`` four at a
+    time (2 ops per 4 codes), then :func:`_assemble_pairs`: about 4.5 integer ops per pair of
+    weights (3.5 with PRMT), against about 6 for the "base" formula as compiled (sm_90 SASS).
+    Arithmetic shifts of negative words only pull copies of bit 31 into bits the masks clear.
+    """
+    # exponent bytes 0111cccc: L holds those of elements 0, 4, 1, 5 and H of 2, 6, 3, 7 (bytes 0..3)
+    L = (C & 0x0F0F0F0F) | 0x70707070
+    H = ((C >> 4) & 0x0F0F0F0F) | 0x70707070
+    R0, R1, R2, R3 = _assemble_pairs(A, B, L, H, PRMT)
+    return R0, R1, R2, R3
+
+
+@triton.jit
+def _decode_pairs_true(A, B, C, base4):
+    """True bf16 bits with the raw formula, the base added to the exponent bytes (decode kernel).
+
+    ``base4 = base * 0x01010101``; each byte ``base + c <= 254``, so no carry crosses a byte.
+    """
+    L = (C & 0x0F0F0F0F) + base4
+    H = ((C >> 4) & 0x0F0F0F0F) + base4
+    R0, R1, R2, R3 = _assemble_pairs(A, B, L, H, False)
+    return R0, R1, R2, R3
+
+
+@triton.jit
+def _decode_any(A, B, C, base2, DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Pair words per DECODE: 0 "base" (true bits), 1 "raw", 2 "prmt" (raw via PRMT; plain raw when
+    interpreting, the CPU interpreter has no inline PTX)."""
+    if DECODE == 0:
+        R0, R1, R2, R3 = _decode_pairs(A, B, C, base2)
+    elif INTERPRET:
+        R0, R1, R2, R3 = _decode_pairs_raw(A, B, C, False)
+    else:
+        R0, R1, R2, R3 = _decode_pairs_raw(A, B, C, DECODE == 2)
     return R0, R1, R2, R3
 
 
@@ -97,26 +211,36 @@ def _finish(out, y_ptrs, ws_ptrs, ws_stride, mask, lock_ptr, tile, pid_k, SPLIT_
 
 
 @triton.jit
-def _w12_decode_kernel(m32_ptr, c32_ptr, out32_ptr, n_groups, base2, BLOCK: tl.constexpr):
+def _w12_decode_kernel(m32_ptr, c32_ptr, out32_ptr, n_groups, base4, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     w2 = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
     mw = tl.load(m32_ptr + w2, mask=w2 < 2 * n_groups, other=0)
     A, B = tl.split(tl.reshape(mw, (BLOCK, 2)))
     g = pid * BLOCK + tl.arange(0, BLOCK)
     C = tl.load(c32_ptr + g, mask=g < n_groups, other=0)
-    R0, R1, R2, R3 = _decode_pairs(A, B, C, base2)
+    R0, R1, R2, R3 = _decode_pairs_true(A, B, C, base4)
     R = tl.reshape(tl.join(tl.join(R0, R2), tl.join(R1, R3)), (4 * BLOCK,))
     w4 = pid * (4 * BLOCK) + tl.arange(0, 4 * BLOCK)
     tl.store(out32_ptr + w4, R, mask=w4 < 4 * n_groups)
 
 
 @triton.jit
-def _row_fma(acc, R0, R1, R2, R3, x32_row, g, mg):
-    """acc[BN, BG] += the 8 products of each group with one row of x (bf16 pairs at word 4g + p)."""
-    X0 = tl.load(x32_row + 4 * g + 0, mask=mg, other=0)[None, :]
-    X1 = tl.load(x32_row + 4 * g + 1, mask=mg, other=0)[None, :]
-    X2 = tl.load(x32_row + 4 * g + 2, mask=mg, other=0)[None, :]
-    X3 = tl.load(x32_row + 4 * g + 3, mask=mg, other=0)[None, :]
+def _split64(w):
+    """(low, high) int32 halves of int64 words (two packed 32-bit words, no data movement)."""
+    return w.to(tl.int32), (w >> 32).to(tl.int32)
+
+
+@triton.jit
+def _row_fma(acc, R0, R1, R2, R3, x64_row, g, mg, EVEN: tl.constexpr):
+    """acc[BN, BG] += the 8 products of each group with one row of x (bf16 pairs: int64 words 2g, 2g+1)."""
+    if EVEN:
+        X01 = tl.load(x64_row + 2 * g)[None, :]
+        X23 = tl.load(x64_row + 2 * g + 1)[None, :]
+    else:
+        X01 = tl.load(x64_row + 2 * g, mask=mg, other=0)[None, :]
+        X23 = tl.load(x64_row + 2 * g + 1, mask=mg, other=0)[None, :]
+    X0, X1 = _split64(X01)
+    X2, X3 = _split64(X23)
     acc += _lo_f32(R0) * _lo_f32(X0)
     acc += _hi_f32(R0) * _hi_f32(X0)
     acc += _lo_f32(R1) * _lo_f32(X1)
@@ -126,6 +250,41 @@ def _row_fma(acc, R0, R1, R2, R3, x32_row, g, mg):
     acc += _lo_f32(R3) * _lo_f32(X3)
     acc += _hi_f32(R3) * _hi_f32(X3)
     return acc
+
+
+@triton.jit
+def _load_tile(ptrs, g0, g_hi, offs_g, mask_n, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """One [BN, BG] tile of packed words (zeros outside the matrix / the K slice)."""
+    if EVEN_K and EVEN_N:
+        t = tl.load(ptrs, eviction_policy="evict_first")
+    elif EVEN_K:
+        t = tl.load(ptrs, mask=mask_n[:, None], other=0, eviction_policy="evict_first")
+    else:
+        t = tl.load(ptrs, mask=mask_n[:, None] & (g0 + offs_g < g_hi)[None, :], other=0,
+                    eviction_policy="evict_first")
+    return t
+
+
+@triton.jit
+def _gemv_step(a0, a1, a2, a3, a4, a5, a6, a7, mw, C, x64_ptr, g0, g_hi, offs_g, G, M, base2,
+               BM: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Decode one [BN, BG] tile of groups and accumulate its products with the BM rows of x."""
+    A, B = _split64(mw)
+    g = g0 + offs_g
+    mg = g < g_hi
+    R0, R1, R2, R3 = _decode_any(A, B, C, base2, DECODE, INTERPRET)
+    a0 = _row_fma(a0, R0, R1, R2, R3, x64_ptr, g, mg, EVEN_K)
+    if BM > 1:
+        a1 = _row_fma(a1, R0, R1, R2, R3, x64_ptr + 2 * G, g, mg & (1 < M), False)
+    if BM > 2:
+        a2 = _row_fma(a2, R0, R1, R2, R3, x64_ptr + 4 * G, g, mg & (2 < M), False)
+        a3 = _row_fma(a3, R0, R1, R2, R3, x64_ptr + 6 * G, g, mg & (3 < M), False)
+    if BM > 4:
+        a4 = _row_fma(a4, R0, R1, R2, R3, x64_ptr + 8 * G, g, mg & (4 < M), False)
+        a5 = _row_fma(a5, R0, R1, R2, R3, x64_ptr + 10 * G, g, mg & (5 < M), False)
+        a6 = _row_fma(a6, R0, R1, R2, R3, x64_ptr + 12 * G, g, mg & (6 < M), False)
+        a7 = _row_fma(a7, R0, R1, R2, R3, x64_ptr + 14 * G, g, mg & (7 < M), False)
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
@@ -151,11 +310,15 @@ def _esc_apply(out, r, v, xv, v0, BN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w12_gemv_kernel(x_ptr, x32_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
+def _w12_gemv_kernel(x_ptr, x64_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
                      rowptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
-                     M, N, K, base2, v0,
+                     M, N, K, base2, v0, scale,
                      BM: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-                     SPLIT_K: tl.constexpr, ESC_B: tl.constexpr):
+                     SPLIT_K: tl.constexpr, ESC_B: tl.constexpr, DECODE: tl.constexpr, INTERPRET: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """CUDA-core product for M <= 8 rows. Each group of 8 weights is one int64 word of sign+mantissa
+    bytes (split into its two 32-bit words in registers) and one int32 code word. EVEN_K: every K
+    slice is whole tiles (no K masks); EVEN_N: N % BN == 0 (no row masks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G = K // 8
@@ -166,7 +329,6 @@ def _w12_gemv_kernel(x_ptr, x32_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     n0 = pid_n * BN
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < N
-    offs_w = tl.arange(0, 2 * BG)
     offs_g = tl.arange(0, BG)
 
     # one [BN, BG] accumulator per row of x (BM <= 8); unused ones are compiled away
@@ -188,36 +350,24 @@ def _w12_gemv_kernel(x_ptr, x32_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
                              n0, pid_k == 0, ESC_B)
 
     # software pipelining by hand (Triton pipelines only loads that feed tl.dot): the weights of
-    # step i+1 are requested before step i is decoded.
-    m_row = m32_ptr + offs_n[:, None] * (2 * G) + offs_w[None, :]
+    # step i+1 are requested before step i is decoded; the last step is peeled off (no request
+    # past the slice)
+    m_row = m64_ptr + offs_n[:, None] * G + offs_g[None, :]
     c_row = c32_ptr + offs_n[:, None] * G + offs_g[None, :]
-    mw = tl.load(m_row + 2 * g_lo, mask=mask_n[:, None] & (2 * g_lo + offs_w[None, :] < 2 * g_hi), other=0,
-                 eviction_policy="evict_first")
-    C = tl.load(c_row + g_lo, mask=mask_n[:, None] & (g_lo + offs_g[None, :] < g_hi), other=0,
-                eviction_policy="evict_first")
-    for g0 in range(g_lo, g_hi, BG):
+    g_last = g_lo + tl.maximum(g_hi - g_lo - 1, 0) // BG * BG
+    mw = _load_tile(m_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
+    C = _load_tile(c_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
+    for g0 in range(g_lo, g_last, BG):
         g1 = g0 + BG
-        mw_next = tl.load(m_row + 2 * g1, mask=mask_n[:, None] & (2 * g1 + offs_w[None, :] < 2 * g_hi), other=0,
-                          eviction_policy="evict_first")
-        C_next = tl.load(c_row + g1, mask=mask_n[:, None] & (g1 + offs_g[None, :] < g_hi), other=0,
-                         eviction_policy="evict_first")
-        A, B = tl.split(tl.reshape(mw, (BN, BG, 2)))
-        g = g0 + offs_g
-        mg = g < g_hi
-        R0, R1, R2, R3 = _decode_pairs(A, B, C, base2)
-        a0 = _row_fma(a0, R0, R1, R2, R3, x32_ptr, g, mg)
-        if BM > 1:
-            a1 = _row_fma(a1, R0, R1, R2, R3, x32_ptr + 4 * G, g, mg & (1 < M))
-        if BM > 2:
-            a2 = _row_fma(a2, R0, R1, R2, R3, x32_ptr + 8 * G, g, mg & (2 < M))
-            a3 = _row_fma(a3, R0, R1, R2, R3, x32_ptr + 12 * G, g, mg & (3 < M))
-        if BM > 4:
-            a4 = _row_fma(a4, R0, R1, R2, R3, x32_ptr + 16 * G, g, mg & (4 < M))
-            a5 = _row_fma(a5, R0, R1, R2, R3, x32_ptr + 20 * G, g, mg & (5 < M))
-            a6 = _row_fma(a6, R0, R1, R2, R3, x32_ptr + 24 * G, g, mg & (6 < M))
-            a7 = _row_fma(a7, R0, R1, R2, R3, x32_ptr + 28 * G, g, mg & (7 < M))
+        mw_next = _load_tile(m_row + g1, g1, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
+        C_next = _load_tile(c_row + g1, g1, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _gemv_step(a0, a1, a2, a3, a4, a5, a6, a7, mw, C, x64_ptr, g0, g_hi,
+                                                    offs_g, G, M, base2, BM, EVEN_K, DECODE, INTERPRET)
         mw = mw_next
         C = C_next
+    if g_hi > g_lo:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _gemv_step(a0, a1, a2, a3, a4, a5, a6, a7, mw, C, x64_ptr, g_last, g_hi,
+                                                    offs_g, G, M, base2, BM, EVEN_K, DECODE, INTERPRET)
 
     o0 = tl.sum(a0, axis=1)
     o1 = tl.sum(a1, axis=1)
@@ -238,6 +388,8 @@ def _w12_gemv_kernel(x_ptr, x32_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
         out = tl.where(offs_m[:, None] == 5, o5[None, :], out)
         out = tl.where(offs_m[:, None] == 6, o6[None, :], out)
         out = tl.where(offs_m[:, None] == 7, o7[None, :], out)
+    if DECODE != 0:  # raw weights: w = w_raw * 2**(base - 112), exact (see the module docstring)
+        out = out * scale
     out = _esc_apply(out, er, ev, exv, v0, BN)
     if pid_k == 0:  # rows with more than ESC_B escapes (rare)
         for e0 in range(e_lo + ESC_B, e_hi, ESC_B):
@@ -251,33 +403,45 @@ def _w12_gemv_kernel(x_ptr, x32_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
 
 
 @triton.jit
-def _decode_tile_bf16(mw, C, base2, BN: tl.constexpr, BG: tl.constexpr):
-    """The bf16 tile [BN, 8*BG] (natural k order) of BN rows x BG groups of packed words."""
-    A, B = tl.split(tl.reshape(mw, (BN, BG, 2)))
-    R0, R1, R2, R3 = _decode_pairs(A, B, C, base2)
-    E0 = _lo_f32(R0).to(tl.bfloat16)
-    E1 = _lo_f32(R1).to(tl.bfloat16)
-    E2 = _lo_f32(R2).to(tl.bfloat16)
-    E3 = _lo_f32(R3).to(tl.bfloat16)
-    O0 = _hi_f32(R0).to(tl.bfloat16)
-    O1 = _hi_f32(R1).to(tl.bfloat16)
-    O2 = _hi_f32(R2).to(tl.bfloat16)
-    O3 = _hi_f32(R3).to(tl.bfloat16)
-    ev = tl.join(tl.join(E0, E2), tl.join(E1, E3))  # [BN, BG, s, t]: pair 2s + t
-    od = tl.join(tl.join(O0, O2), tl.join(O1, O3))
-    return tl.reshape(tl.join(ev, od), (BN, 8 * BG))  # element 4s + 2t + l: natural order
+def _decode_tile_bf16(mw, C, base2, BN: tl.constexpr, BG: tl.constexpr, DECODE: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """The bf16 tile [BN, 8*BG] (natural k order) of BN rows x BG groups (mw: int64 mantissa words).
+
+    DECODE 0 ("base"): true bf16 values, each lane widened to fp32 and converted back (F2FP).
+    Else raw values: each pair word is split into its two 16-bit lanes by truncation (int32 ->
+    int16) and bitcast to bf16, no float conversion."""
+    A, B = _split64(mw)
+    R0, R1, R2, R3 = _decode_any(A, B, C, base2, DECODE, INTERPRET)
+    if DECODE == 0:
+        E0 = _lo_f32(R0).to(tl.bfloat16)
+        E1 = _lo_f32(R1).to(tl.bfloat16)
+        E2 = _lo_f32(R2).to(tl.bfloat16)
+        E3 = _lo_f32(R3).to(tl.bfloat16)
+        O0 = _hi_f32(R0).to(tl.bfloat16)
+        O1 = _hi_f32(R1).to(tl.bfloat16)
+        O2 = _hi_f32(R2).to(tl.bfloat16)
+        O3 = _hi_f32(R3).to(tl.bfloat16)
+        ev = tl.join(tl.join(E0, E2), tl.join(E1, E3))  # [BN, BG, s, t]: pair 2s + t
+        od = tl.join(tl.join(O0, O2), tl.join(O1, O3))
+        w = tl.reshape(tl.join(ev, od), (BN, 8 * BG))  # element 4s + 2t + l: natural order
+    else:
+        P = tl.join(tl.join(R0, R2), tl.join(R1, R3))  # [BN, BG, s, t]: pair 2s + t
+        lanes = tl.join(P.to(tl.int16), (P >> 16).to(tl.int16))  # [..., l]: element 4s + 2t + l
+        w = tl.reshape(lanes.to(tl.bfloat16, bitcast=True), (BN, 8 * BG))
+    return w
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w12_mm_kernel(x_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
+def _w12_mm_kernel(x_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
                    rowptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
-                   M, N, K, base2, v0,
+                   M, N, K, base2, v0, scale,
                    BM: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
                    SPLIT_K: tl.constexpr, ESC_B: tl.constexpr, INTERPRET: tl.constexpr,
-                   REG_PF: tl.constexpr, X_LEFT: tl.constexpr):
+                   REG_PF: tl.constexpr, X_LEFT: tl.constexpr, DECODE: tl.constexpr):
     """Tensor-core product. X_LEFT=False: acc[BN, BM] = W @ x.T (W the left operand, swap-AB);
     X_LEFT=True: acc[BM, BN] = x @ W.T. REG_PF: weights of step i+1 requested before step i is
-    decoded (register prefetch, for num_stages=1); else Triton's own pipelining (num_stages)."""
+    decoded (register prefetch, for num_stages=1); else Triton's own pipelining (num_stages).
+    DECODE: 0 "base" (true weights), 1 "raw", 2 "prmt" (raw weights; acc scaled by ``scale`` at the end)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -291,10 +455,9 @@ def _w12_mm_kernel(x_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     mask_n = offs_n < N
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
-    offs_w = tl.arange(0, 2 * BG)
     offs_g = tl.arange(0, BG)
     offs_k = tl.arange(0, 8 * BG)
-    m_row = m32_ptr + offs_n[:, None] * (2 * G) + offs_w[None, :]
+    m_row = m64_ptr + offs_n[:, None] * G + offs_g[None, :]
     c_row = c32_ptr + offs_n[:, None] * G + offs_g[None, :]
 
     if X_LEFT:
@@ -302,21 +465,21 @@ def _w12_mm_kernel(x_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     else:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     if REG_PF:
-        mw = tl.load(m_row + 2 * g_lo, mask=mask_n[:, None] & (2 * g_lo + offs_w[None, :] < 2 * g_hi), other=0,
+        mw = tl.load(m_row + g_lo, mask=mask_n[:, None] & (g_lo + offs_g[None, :] < g_hi), other=0,
                      eviction_policy="evict_first")
         C = tl.load(c_row + g_lo, mask=mask_n[:, None] & (g_lo + offs_g[None, :] < g_hi), other=0,
                     eviction_policy="evict_first")
     for g0 in range(g_lo, g_hi, BG):
         if REG_PF:
             g1 = g0 + BG
-            mw_next = tl.load(m_row + 2 * g1, mask=mask_n[:, None] & (2 * g1 + offs_w[None, :] < 2 * g_hi),
+            mw_next = tl.load(m_row + g1, mask=mask_n[:, None] & (g1 + offs_g[None, :] < g_hi),
                               other=0, eviction_policy="evict_first")
             C_next = tl.load(c_row + g1, mask=mask_n[:, None] & (g1 + offs_g[None, :] < g_hi), other=0,
                              eviction_policy="evict_first")
         else:
-            mw = tl.load(m_row + 2 * g0, mask=mask_n[:, None] & (2 * g0 + offs_w[None, :] < 2 * g_hi), other=0)
+            mw = tl.load(m_row + g0, mask=mask_n[:, None] & (g0 + offs_g[None, :] < g_hi), other=0)
             C = tl.load(c_row + g0, mask=mask_n[:, None] & (g0 + offs_g[None, :] < g_hi), other=0)
-        w = _decode_tile_bf16(mw, C, base2, BN, BG)
+        w = _decode_tile_bf16(mw, C, base2, BN, BG, DECODE, INTERPRET)
         k = 8 * g0 + offs_k
         if X_LEFT:
             xa = tl.load(x_ptr + offs_m[:, None] * K + k[None, :],
@@ -336,6 +499,8 @@ def _w12_mm_kernel(x_ptr, m32_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
             mw = mw_next
             C = C_next
 
+    if DECODE != 0:  # raw weights: w = w_raw * 2**(base - 112), exact (see the module docstring)
+        acc = acc * scale
     if pid_k == 0:  # escapes of these rows: + x*val - x*v0, exact products, fp32 sum
         e_lo = tl.load(rowptr_ptr + n0)
         e_hi = tl.load(rowptr_ptr + tl.minimum(n0 + BN, N))
@@ -419,6 +584,16 @@ class Config:
     prefetch); block_n: rows of W per
     program; block_g: groups of 8 weights per K step (K tile = 8 * block_g); split_k: K slices;
     num_warps, num_stages: Triton launch options.
+
+    decode: how the fused kernel decodes weights. ``"raw"`` (default): to raw bf16 with exponent
+    field 112 + c, independent of the base (about 5 integer ops per pair of weights, and the
+    tensor-core kinds split the pair words into bf16 lanes by truncation, without fp32
+    conversions), the fp32 accumulator then scaled by 2**(base - 112); bit-identical to ``"base"``
+    (see the module docstring). ``"base"``: the true bf16 bits (exponent base + c, about 8 ops per
+    pair; the tensor-core tile built through fp32), kept for comparison. ``"prmt"``: ``"raw"`` with
+    the sign move done by one PTX ``prmt`` per pair (4 ops per pair; CUDA only, the interpreter
+    runs the plain raw formula). ``key()`` names the decode only when it is not ``"raw"``, so keys
+    and tuned tables written before this field existed keep their meaning (then: the raw decode).
     """
 
     kind: str
@@ -427,11 +602,35 @@ class Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    decode: str = "raw"
 
     def key(self) -> str:
-        return f"{self.kind}-n{self.block_n}-g{self.block_g}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
+        k = f"{self.kind}-n{self.block_n}-g{self.block_g}-s{self.split_k}-w{self.num_warps}-st{self.num_stages}"
+        return k if self.decode == "raw" else f"{k}-d{self.decode}"
+
+    @classmethod
+    def from_key(cls, key: str) -> Config:
+        """The config a :meth:`key` string names (inverse of :meth:`key`)."""
+        kind, *parts = key.split("-")
+        vals: dict = {}
+        for tag, field in (("st", "num_stages"), ("n", "block_n"), ("g", "block_g"), ("s", "split_k"),
+                           ("w", "num_warps")):
+            for p in parts:
+                if p.startswith(tag) and p[len(tag):].isdigit() and field not in vals:
+                    vals[field] = int(p[len(tag):])
+                    parts.remove(p)
+                    break
+        for p in parts:
+            if p.startswith("d") and p[1:] in DECODES:
+                vals["decode"] = p[1:]
+                parts.remove(p)
+                break
+        if parts or kind not in ("gemv",) + MM_KINDS or len(vals) < 5:
+            raise ValueError(f"w12: not a config key: {key!r}")
+        return cls(kind, **vals)
 
 
+DECODES = {"base": 0, "raw": 1, "prmt": 2}  # Config.decode -> the kernels' DECODE constexpr
 GEMV_MAX_M = 8
 MM_MAX_BM = 64
 MM_KINDS = ("mm", "mmr", "mmx")  # W left + Triton pipelining; W left + register prefetch; x left + prefetch
@@ -525,25 +724,51 @@ def default_config(m: int, n: int, k: int, device: torch.device | None = None) -
     return Config("mm", bn, bg, _split_for(tiles, g, bg, sms), 4, 2)
 
 
-def candidate_configs(m: int, n: int, k: int) -> list[Config]:
-    """The configs the benchmark tries for one (M, N, K) (split-K chosen to fill 132 SMs)."""
+_GEMV_SHAPES = ((2, 128, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4), (8, 128, 8),
+                (16, 64, 8), (4, 128, 4))  # (block_n, block_g, num_warps), num_stages 1
+_MM_SHAPES = (("mm", 64, 16, 4, 3), ("mm", 64, 16, 4, 2), ("mm", 16, 32, 4, 2), ("mm", 64, 32, 4, 2),
+              ("mmr", 64, 16, 4, 1), ("mmr", 64, 32, 4, 1), ("mmr", 128, 16, 8, 1), ("mmr", 32, 32, 4, 1),
+              ("mmx", 64, 16, 4, 1), ("mmx", 128, 16, 4, 1), ("mmx", 64, 32, 4, 1), ("mmx", 256, 16, 8, 1))
+# the H200's frequent winners (kernels/tuned/w12_h200.json): the quick subset, and the shapes also
+# tried with the "base" and "prmt" decodes, side by side with "raw"
+_GEMV_QUICK = ((2, 128, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4), (8, 128, 8))
+_MM_QUICK = (("mm", 16, 32, 4, 2), ("mmr", 32, 32, 4, 1), ("mmx", 64, 16, 4, 1), ("mmx", 64, 32, 4, 1))
+_GEMV_TWINS = ((2, 128, 4), (8, 128, 8))
+_MM_TWINS = (("mmx", 64, 16, 4, 1),)
+
+
+def candidate_configs(m: int, n: int, k: int, quick: bool = False,
+                      decodes: tuple[str, ...] = ("base", "prmt")) -> list[Config]:
+    """The configs the benchmark tries for one (M, N, K) (split-K chosen to fill 132 SMs).
+
+    Every shape with the default "raw" decode first; then, for comparison, a few shapes
+    (``_GEMV_TWINS``, ``_MM_TWINS``) again with each decode of ``decodes``. ``quick``: only the
+    shapes that won most often on the H200.
+    """
     mb = m_bucket(m)
     g = k // 8
-    out = []
-    if mb <= GEMV_MAX_M:
-        for bn, bg, w in ((2, 128, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4),
-                          (8, 128, 8), (16, 64, 8), (4, 128, 4)):
+    out: list[Config] = []
+
+    def gemv(shapes, decode):
+        for bn, bg, w in shapes:
             tiles = triton.cdiv(n, bn)
             for split in sorted({1, _split_for(tiles, g, bg, 132, 1.0), _split_for(tiles, g, bg, 132, 3.0)}):
-                out.append(Config("gemv", bn, bg, split, w, 1))
-    bm = min(max(16, mb), MM_MAX_BM)
-    mm_shapes = (("mm", 64, 16, 4, 3), ("mm", 64, 16, 4, 2), ("mm", 16, 32, 4, 2), ("mm", 64, 32, 4, 2),
-                 ("mmr", 64, 16, 4, 1), ("mmr", 64, 32, 4, 1), ("mmr", 128, 16, 8, 1), ("mmr", 32, 32, 4, 1),
-                 ("mmx", 64, 16, 4, 1), ("mmx", 128, 16, 4, 1), ("mmx", 64, 32, 4, 1), ("mmx", 256, 16, 8, 1))
-    for kind, bn, bg, w, st in mm_shapes:
-        tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-        for split in sorted({1, _split_for(tiles, g, bg, 132, 1.0), _split_for(tiles, g, bg, 132, 3.0)}):
-            out.append(Config(kind, bn, bg, split, w, st))
+                out.append(Config("gemv", bn, bg, split, w, 1, decode))
+
+    def mm(shapes, decode):
+        bm = min(max(16, mb), MM_MAX_BM)
+        for kind, bn, bg, w, st in shapes:
+            tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+            for split in sorted({1, _split_for(tiles, g, bg, 132, 1.0), _split_for(tiles, g, bg, 132, 3.0)}):
+                out.append(Config(kind, bn, bg, split, w, st, decode))
+
+    if mb <= GEMV_MAX_M:
+        gemv(_GEMV_QUICK if quick else _GEMV_SHAPES, "raw")
+    mm(_MM_QUICK if quick else _MM_SHAPES, "raw")
+    for dec in decodes:
+        if mb <= GEMV_MAX_M:
+            gemv(_GEMV_TWINS, dec)
+        mm(_MM_TWINS, dec)
     return out
 
 
@@ -570,6 +795,10 @@ def _check_operands(x: torch.Tensor, mant: torch.Tensor, codes: torch.Tensor) ->
         raise ValueError(f"w12 matmul: bad packed weight: mant {tuple(mant.shape)}, codes {tuple(codes.shape)}")
     if n * k >= 2**31:
         raise ValueError(f"w12 matmul: N*K = {n * k} exceeds int32 indexing")
+    for name, t in (("x", x), ("mant", mant), ("codes", codes)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"w12 matmul: {name} must be contiguous and 16-byte aligned (the kernels read "
+                             f"it as 64-bit words), got strides {t.stride()} at address {t.data_ptr():#x}")
     return x.shape[0], n, k
 
 
@@ -591,7 +820,7 @@ def decode(mant: torch.Tensor, codes: torch.Tensor, base: int, escape_idx: torch
     n_groups = n * k // 8
     grid = (triton.cdiv(n_groups, block),)
     _w12_decode_kernel[grid](mant.view(torch.int32), codes.view(torch.int32), out.view(torch.int32),
-                             n_groups, int(base) * 0x00800080, BLOCK=block, num_warps=4)
+                             n_groups, int(base) * 0x01010101, BLOCK=block, num_warps=4)
     if escape_idx.numel():
         out.view(-1)[escape_idx] = escape_val
     return out
@@ -623,6 +852,10 @@ def matmul(x: torch.Tensor, mant: torch.Tensor, codes: torch.Tensor, base: int, 
         return out
     base2 = int(base) * 0x00800080
     v0 = 2.0 ** (int(base) - 127)
+    scale = 2.0 ** (int(base) - 112)  # raw decode: w = w_raw * scale (exact power of two in fp32)
+    dec = DECODES.get(config.decode)
+    if dec is None:
+        raise ValueError(f"w12 matmul: unknown decode {config.decode!r} (one of {sorted(DECODES)})")
     s = config.split_k
     ws = _scratch(x.device, "ws", s * m * n if s > 1 else 1, torch.float32)
     if config.kind == "gemv":
@@ -632,9 +865,12 @@ def matmul(x: torch.Tensor, mant: torch.Tensor, codes: torch.Tensor, base: int, 
         tiles = triton.cdiv(n, config.block_n)
         lock = _scratch(x.device, "lock", tiles, torch.int32)
         grid = (tiles, s)
-        _w12_gemv_kernel[grid](x, x.view(torch.int32), mant.view(torch.int32), codes.view(torch.int32), out, ws,
-                               lock, esc.rowptr, esc.row, esc.col, esc.val, m, n, k, base2, v0,
+        g = k // 8
+        _w12_gemv_kernel[grid](x, x.view(torch.int64), mant.view(torch.int64), codes.view(torch.int32), out, ws,
+                               lock, esc.rowptr, esc.row, esc.col, esc.val, m, n, k, base2, v0, scale,
                                BM=bm, BN=config.block_n, BG=config.block_g, SPLIT_K=s, ESC_B=esc_block,
+                               DECODE=dec, INTERPRET=_interpreting(),
+                               EVEN_K=g % (config.block_g * s) == 0, EVEN_N=n % config.block_n == 0,
                                num_warps=config.num_warps, num_stages=config.num_stages)
     elif config.kind in MM_KINDS:
         bm = min(max(16, m_bucket(m)), MM_MAX_BM)
@@ -642,10 +878,11 @@ def matmul(x: torch.Tensor, mant: torch.Tensor, codes: torch.Tensor, base: int, 
         tiles_m = triton.cdiv(m, bm)
         lock = _scratch(x.device, "lock", tiles_n * tiles_m, torch.int32)
         grid = (tiles_n, tiles_m, s)
-        _w12_mm_kernel[grid](x, mant.view(torch.int32), codes.view(torch.int32), out, ws, lock,
-                             esc.rowptr, esc.row, esc.col, esc.val, m, n, k, base2, v0,
+        _w12_mm_kernel[grid](x, mant.view(torch.int64), codes.view(torch.int32), out, ws, lock,
+                             esc.rowptr, esc.row, esc.col, esc.val, m, n, k, base2, v0, scale,
                              BM=bm, BN=config.block_n, BG=config.block_g, SPLIT_K=s, ESC_B=max(16, esc_block),
                              INTERPRET=_interpreting(), REG_PF=config.kind != "mm", X_LEFT=config.kind == "mmx",
+                             DECODE=dec,
                              num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         raise ValueError(f"w12 matmul: unknown config kind {config.kind!r}")
