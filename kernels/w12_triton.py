@@ -340,6 +340,14 @@ def _w12_gemv_kernel(x_ptr, x64_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     a5 = tl.zeros((BN, BG), dtype=tl.float32)
     a6 = tl.zeros((BN, BG), dtype=tl.float32)
     a7 = tl.zeros((BN, BG), dtype=tl.float32)
+    # software pipelining by hand (Triton pipelines only loads that feed tl.dot): the weights of
+    # step i+1 are requested before step i is decoded; the last step is peeled off (no request
+    # past the slice). The first tile is requested before anything else.
+    m_row = m64_ptr + offs_n[:, None] * G + offs_g[None, :]
+    c_row = c32_ptr + offs_n[:, None] * G + offs_g[None, :]
+    g_last = g_lo + tl.maximum(g_hi - g_lo - 1, 0) // BG * BG
+    mw = _load_tile(m_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
+    C = _load_tile(c_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
     # escapes of these rows (split 0 only): the first ESC_B are requested now, used after the loop,
     # so their dependent loads (row pointer -> escape list -> x) hide behind the weight stream
     offs_m = tl.arange(0, BM)
@@ -348,15 +356,6 @@ def _w12_gemv_kernel(x_ptr, x64_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     e_hi = tl.load(rowptr_ptr + tl.minimum(n0 + BN, N))
     er, ev, exv = _esc_chunk(rowptr_ptr, erow_ptr, ecol_ptr, eval_ptr, x_ptr, offs_m, mask_m, K, e_lo, e_hi,
                              n0, pid_k == 0, ESC_B)
-
-    # software pipelining by hand (Triton pipelines only loads that feed tl.dot): the weights of
-    # step i+1 are requested before step i is decoded; the last step is peeled off (no request
-    # past the slice)
-    m_row = m64_ptr + offs_n[:, None] * G + offs_g[None, :]
-    c_row = c32_ptr + offs_n[:, None] * G + offs_g[None, :]
-    g_last = g_lo + tl.maximum(g_hi - g_lo - 1, 0) // BG * BG
-    mw = _load_tile(m_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
-    C = _load_tile(c_row + g_lo, g_lo, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
     for g0 in range(g_lo, g_last, BG):
         g1 = g0 + BG
         mw_next = _load_tile(m_row + g1, g1, g_hi, offs_g, mask_n, EVEN_K, EVEN_N)
@@ -464,11 +463,13 @@ def _w12_mm_kernel(x_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     else:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if REG_PF:
+    if REG_PF:  # the first tile first; the escapes' row range next (its latency hides in the loop)
         mw = tl.load(m_row + g_lo, mask=mask_n[:, None] & (g_lo + offs_g[None, :] < g_hi), other=0,
                      eviction_policy="evict_first")
         C = tl.load(c_row + g_lo, mask=mask_n[:, None] & (g_lo + offs_g[None, :] < g_hi), other=0,
                     eviction_policy="evict_first")
+    e_lo = tl.load(rowptr_ptr + n0)
+    e_hi = tl.load(rowptr_ptr + tl.minimum(n0 + BN, N))
     for g0 in range(g_lo, g_hi, BG):
         if REG_PF:
             g1 = g0 + BG
@@ -502,8 +503,6 @@ def _w12_mm_kernel(x_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     if DECODE != 0:  # raw weights: w = w_raw * 2**(base - 112), exact (see the module docstring)
         acc = acc * scale
     if pid_k == 0:  # escapes of these rows: + x*val - x*v0, exact products, fp32 sum
-        e_lo = tl.load(rowptr_ptr + n0)
-        e_hi = tl.load(rowptr_ptr + tl.minimum(n0 + BN, N))
         offs_e = tl.arange(0, ESC_B)
         for e0 in range(e_lo, e_hi, ESC_B):
             e = e0 + offs_e
