@@ -13,12 +13,12 @@ Three kernels, all reading the packed format directly (layout in ``specpilot/w12
 
 Which config runs: :func:`default_config` (the tuned table for (M bucket, N, K), loaded on first
 use from ``kernels/tuned/w12_<gpu>.json`` when present, else a heuristic). On the H200 the fused
-kernels beat cuBLAS bf16 at M = 1 (1.14-1.29x per shape) but not at M >= 4 (0.7-0.9x): see
-BENCHMARKS.md, section "12-bit weights (issue 6)".
+kernels beat cuBLAS bf16 at M = 1 (1.23-1.47x per shape, 1.33x over a 36-layer step) but not at
+M >= 4 (0.73-0.89x): see BENCHMARKS.md, section "12-bit weights (issue 6)".
 
-Decode: a program loads per group of 8 weights two uint32 words of sign+mantissa bytes and one
-uint32 word of codes, and builds each pair of bf16 values in one 32-bit word, the fixed-width
-split layout of Turbo-Lossless (cenconq25/Turbo-Lossless, docs/TECHNICAL.md) with a
+Decode: a program loads per group of 8 weights one 64-bit word of sign+mantissa bytes (split into
+two 32-bit words in registers) and one 32-bit word of codes, and builds each pair of bf16 values
+in one 32-bit word, the fixed-width split layout of Turbo-Lossless (cenconq25/Turbo-Lossless, docs/TECHNICAL.md) with a
 two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT decode
 (openreview.net/forum?id=yYFj1E1mSZ). No code is taken from either. The decodes
 (``Config.decode``):
@@ -38,7 +38,8 @@ two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT decode
   model's activations and weights. Tensor cores: their products are exact and their
   alignment/truncation is relative to the largest exponent in the sum, so they should commute
   with the scaling as well; the interpreter checks only the IEEE fp32 case, so
-  benchmarks/bench_w12.py also compares "raw" with "base" bit for bit on the GPU. The
+  benchmarks/bench_w12.py also compares "raw" with "base" bit for bit on the GPU (all 162 pairs
+  equal on the H200, 2026-11-30, tensor-core kinds included). The
   tensor-core kinds turn the raw pair words into the bf16 tile by truncation to int16 lanes and
   a bitcast (no fp32 round trip, no F2FP).
 * ``"base"``: the true bf16 bits, ``R = (T & 0x00800080) * 255 + T + X * 128 + base *
