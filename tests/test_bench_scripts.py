@@ -1,0 +1,48 @@
+"""The GPU benchmark scripts' CPU dry runs: the scripts behind BENCHMARKS.md must keep running.
+
+On the CPU they measure nothing; they exercise the same code paths (model build, correctness
+checks, the w12 kernels under the Triton interpreter, the JSON they write).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, timeout=1200):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.mark.slow
+def test_bench_engine_quick_dry_run(tmp_path):
+    _run(["benchmarks/bench_engine.py", "--dry-run", "--quick", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "engine.json").read_text())
+    assert r["errors"] == [], r["errors"]
+    assert set(r["ar"]) == {"b1_ctx48", "b4_ctx48"}
+    assert all(d["step_s"] > 0 and d["weight_bytes"] > 0 for d in r["ar"].values())
+    row = r["verify"]["torch"]
+    assert row["1"]["x_ar"] == 1.0 and all(v["s"] > 0 for v in row.values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bench_w12_quick_dry_run(tmp_path):
+    out = tmp_path / "w12.json"
+    _run(["benchmarks/bench_w12.py", "--dry-run", "--quick", "--no-step", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["shapes"] and all(s["decode_exact"] for s in r["shapes"])
+    for s in r["shapes"]:
+        for row in (s["per_m"].values() if isinstance(s["per_m"], dict) else s["per_m"]):
+            assert row["w12_cfg"] and row["w12_us"] > 0
+            # every decode twin (old "base" decode, PRMT) gives the raw decode's bits
+            assert row["decode_compare"] and all(c["bits_equal"] for c in row["decode_compare"])
