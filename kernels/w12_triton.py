@@ -310,6 +310,19 @@ def _esc_apply(out, r, v, xv, v0, BN: tl.constexpr):
     return out + tl.sum(tl.where(hit[None, :, :], d[:, :, None], 0.0), axis=1)
 
 
+@triton.jit
+def _tile_prologue(pid_n, pid_k, N, K, BN: tl.constexpr, BG: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The program's K slice in groups of 8 (``G``, ``g_lo``, ``g_hi``; SPLIT_K equal runs of whole
+    BG-group tiles) and its rows of W (``n0``, ``offs_n`` [BN], ``mask_n``)."""
+    G = K // 8
+    g_per = tl.cdiv(tl.cdiv(G, SPLIT_K), BG) * BG
+    g_lo = pid_k * g_per
+    g_hi = tl.minimum(G, g_lo + g_per)
+    n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)
+    return G, g_lo, g_hi, n0, offs_n, offs_n < N
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w12_gemv_kernel(x_ptr, x64_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
                      rowptr_ptr, erow_ptr, ecol_ptr, eval_ptr,
@@ -322,14 +335,7 @@ def _w12_gemv_kernel(x_ptr, x64_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     slice is whole tiles (no K masks); EVEN_N: N % BN == 0 (no row masks)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    G = K // 8
-    g_per = tl.cdiv(tl.cdiv(G, SPLIT_K), BG) * BG
-    g_lo = pid_k * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-
-    n0 = pid_n * BN
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < N
+    G, g_lo, g_hi, n0, offs_n, mask_n = _tile_prologue(pid_n, pid_k, N, K, BN, BG, SPLIT_K)
     offs_g = tl.arange(0, BG)
 
     # one [BN, BG] accumulator per row of x (BM <= 8); unused ones are compiled away
@@ -445,14 +451,7 @@ def _w12_mm_kernel(x_ptr, m64_ptr, c32_ptr, y_ptr, ws_ptr, lock_ptr,
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    G = K // 8
-    g_per = tl.cdiv(tl.cdiv(G, SPLIT_K), BG) * BG
-    g_lo = pid_k * g_per
-    g_hi = tl.minimum(G, g_lo + g_per)
-
-    n0 = pid_n * BN
-    offs_n = n0 + tl.arange(0, BN)
-    mask_n = offs_n < N
+    G, g_lo, g_hi, n0, offs_n, mask_n = _tile_prologue(pid_n, pid_k, N, K, BN, BG, SPLIT_K)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     offs_g = tl.arange(0, BG)
