@@ -172,6 +172,14 @@ def weight_opts(wildcards):
     return dtype_opt(wildcards) + (" --weight-format w12" if fmt == "w12" else "")
 
 
+def forcing_tolerance(wildcards):
+    """Near-tie tolerance of token forcing for the deployment's compute dtype (w12 computes in bf16):
+    config forcing.tolerance, a number or {fp32: x, bf16: y}."""
+    tol = config["forcing"]["tolerance"]
+    dtype = "fp32" if deployment(wildcards)["weight_format"] == "fp32" else "bf16"
+    return tol[dtype] if isinstance(tol, dict) else tol
+
+
 def drafter_opt(wildcards):
     return "" if wildcards.engine == "ar" else f"--drafter {drafter_dir(wildcards)}"
 
@@ -248,7 +256,7 @@ def round_common(wildcards):
         f"--deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {torch_device(wildcards)}",
         dtype_opt(wildcards),
         f"--block-size {dep['block_size']} --max-new-tokens {rc.get('max_new_tokens', config['max_new_tokens'])}",
-        f"--concurrency {rc.get('concurrency', 1)} --tolerance {config['forcing']['tolerance']}",
+        f"--concurrency {rc.get('concurrency', 1)} --tolerance {forcing_tolerance(wildcards)}",
         f"--memory {MEMORY} --agents {rc['agents_per_round']} --budget {rc['budget']}",
     ]
     if llm.get("base_url") and llm.get("model"):

@@ -1,6 +1,8 @@
-# Token forcing: every token of a candidate cell checked against its references under the target
-# (stock against ar; specpilot against ar and stock). --report-only: a failed check is a verdict
-# in the table (forcing FAIL, speedup withheld), not a failed job.
+# Token forcing: every token of a candidate cell checked by a teacher-forced target pass over its
+# own output, each record's structure checked, its first tokens' verify steps re-executed with the
+# drafter, and its request set / token counts matched against its references (stock against ar;
+# specpilot against ar and stock). --report-only: a failed check is a verdict in the table
+# (forcing FAIL, speedup withheld), not a failed job.
 
 
 rule force:
@@ -18,7 +20,9 @@ rule force:
     params:
         references=reference_opts,
         target=target_dir,
-        tolerance=config.get("forcing", {}).get("tolerance", 0.001),
+        drafter=drafter_dir,
+        tolerance=forcing_tolerance,
+        max_new_tokens=config["max_new_tokens"],
         device=torch_device,
         dtype=dtype_opt,
     threads: TIMING_THREADS
@@ -30,4 +34,6 @@ rule force:
     shell:
         "python -m specpilot force --candidate {input.candidate} {params.references}"
         " --target {params.target} --prompts {input.prompts} --tolerance {params.tolerance}"
-        " --device {params.device} {params.dtype} --out {output} --report-only > {log} 2>&1"
+        " --device {params.device} {params.dtype} --drafter {params.drafter}"
+        " --max-new-tokens {params.max_new_tokens} --threads {threads}"
+        " --out {output} --report-only > {log} 2>&1"

@@ -12,9 +12,10 @@ One row per cell (deployment, benchmark, concurrency) plus summary rows. For eac
   included), i.e. sum of ``committed_per_step`` over total ``verify_steps``;
   ``{engine}_tau_req``: mean over requests of each request's own mean (the z-lab convention);
 - ``{engine}_tok_s``: sum of new tokens / sum of decode seconds; ``ar_tok_s`` likewise for AR;
-- ``{engine}_forcing``: ``pass``/``FAIL``/``not run`` from the cell's ``.forcing.json``. A cell
-  whose forcing failed leaves that engine's speedup and tau empty: a lossy engine's speed is no
-  result.
+- ``{engine}_forcing``: ``pass``/``FAIL``/``not run`` from the cell's ``.forcing.json``
+  (:func:`specpilot.forcing.verdict_word`: ``pass`` needs zero violations, coverage 100 % and a
+  verdict over exactly the cell's requests and tokens). A cell whose forcing failed leaves that
+  engine's speedup and tau empty: a lossy engine's speed is no result.
 
 ``forcing`` combines the engines of the cell (``FAIL`` if any failed, ``pass`` if all that ran
 passed, else ``not run``). Summary rows have ``benchmark = geomean``: the geometric mean over the
@@ -170,10 +171,11 @@ def paired_speedups(ar: list[Record], eng: list[Record], where: str) -> tuple[fl
 # the table
 
 
-def _forcing_word(doc: dict | None) -> str:
-    if doc is None:
-        return "not run"
-    return "pass" if doc.get("passed") else "FAIL"
+def _forcing_word(doc: dict | None, records: list[Record] | None = None) -> tuple[str, str]:
+    """(word, why) of a cell's verdict: :func:`specpilot.forcing.verdict_word` (coverage included)."""
+    from .forcing import verdict_word
+
+    return verdict_word(doc, records)
 
 
 def combine_forcing(words: Iterable[str]) -> str:
@@ -211,12 +213,11 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
             notes.append(specpilot_note if eng == "specpilot" else f"{eng} not run")
             continue
         doc = forcing.get((cell, eng))
-        word = _forcing_word(doc)
+        word, why = _forcing_word(doc, recs)
         row[f"{eng}_forcing"] = word
         words.append(word)
         if word == "FAIL":
-            notes.append(f"{eng} forcing FAIL ({doc.get('violations', '?')} violations): "
-                         f"speedup withheld")
+            notes.append(f"{eng} forcing FAIL ({why}): speedup withheld")
             continue
         geo, arith, left_out = paired_speedups(ar, recs, where)
         row.update({f"{eng}_speedup": geo, f"{eng}_speedup_arith": arith,

@@ -1,124 +1,645 @@
-"""Token forcing: every output token of a candidate engine checked against reference engines.
+"""Token forcing: every output token of a candidate engine checked by the target itself.
 
-For each request the candidate's ``output_ids`` must equal the reference's. At the first
-mismatch the target is run teacher-forced on prompt + the reference prefix, and the top-2 logit
-margin there decides: below ``tolerance`` it is a numerical near-tie (two tokens the target scores
-almost equally, so a different but legitimate kernel order can flip it; counted and reported);
-otherwise it is a violation: the candidate changed an output the target clearly decided.
+The study's guarantee is that every token a speculative engine emits is the target's own greedy
+choice. :func:`force` checks one cell (a candidate's records, the reference records, the prompts
+and the target) in four parts; the workflow (``specpilot force``, one verdict file per cell) and
+the agents' gate (:meth:`specpilot.agent.trial.Evaluator.gate`) both call it, so a candidate is
+rejected by exactly the rule the table reports.
+
+1. **Teacher-forced check** (the guarantee). For every candidate request the target runs once
+   over prompt + the candidate's own output (one forward; chunked against the KV cache when the
+   sequence is longer than ``chunk``). At every output position j, given prompt + output[:j]:
+   ``margin = (target's top-1 logit) - (target's logit of the candidate's token)``. The token is
+   the target's choice when margin is 0; a **near-tie** when 0 < margin < ``tolerance`` (two
+   tokens the target scores almost equally, so a legitimately different kernel or batch shape can
+   flip the argmax: counted and reported, with the largest such margin); otherwise a
+   **violation** (position, candidate token, target's top-1, margin). Every token is checked
+   whatever came before it: a near-tie never hides what follows, and coverage (tokens checked /
+   tokens generated) must be 100 % for every request.
+2. **Structure** of each record's own evidence: ``len(output_ids) == new_tokens``,
+   ``sum(committed_per_step) == new_tokens - 1`` (the first token comes from prefill),
+   ``verify_steps == len(committed_per_step)``, every committed count in 1..the verify width of
+   its ``engine_config`` (block size plus tree side branches), ``prompt_tokens`` equal to the
+   prompt's length, token ids inside the vocabulary.
+3. **Spot re-execution** ("replay"): the verify steps of the first ``replay_tokens`` new tokens
+   of every request are run again with the record's own engine config, in the cell's batches
+   (record order, the record's concurrency, the cell's KV-cache size). Greedy decoding is
+   deterministic, so the re-run's ``committed_per_step`` and output prefix must equal the
+   record's; a record the engine did not produce (AR's output ids with invented or copied step
+   counts) fails here. It proves the engine did the recorded work on those steps; it cannot prove
+   the later steps' timings.
+4. **Reference report** against each reference (AR; stock too for specpilot): the request ids and
+   token counts must match exactly in both directions (a missing, extra, short or long request is
+   a violation); the exact-match rate and, per request, where the outputs first part (with the
+   teacher-forced classification of the candidate's token there) are reported but not judged:
+   part 1 judges every token.
+
+``passed`` = no violation of any part and coverage 100 % for every request. The verdict's fields
+are listed in README.md ("Token forcing").
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import Callable
 
 from .errors import SpecpilotError
 from .io import write_json
 from .records import Record, read_records
 
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or of the length difference); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+REPLAY_TOKENS = 16  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
+CHUNK = 512  # tokens per teacher-forced forward
+LISTED = 100  # violations / near-ties listed in a verdict (the counts are always complete)
 
 
-@torch.inference_mode()
-def top2_margin(target, prompt_ids: list[int], prefix: list[int]) -> tuple[float, int, int]:
-    """Teacher-forced target logits after prompt + prefix: (top1 - top2 margin, top1, top2)."""
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+def tolerance_for(setting, dtype: str) -> float:
+    """Near-tie tolerance for a compute dtype from config ``forcing.tolerance``.
+
+    Args:
+        setting: a number (every dtype) or a mapping ``{fp32: x, bf16: y}``.
+        dtype: ``fp32`` or ``bf16`` (the deployment's compute dtype; w12 computes in bf16).
+    Returns:
+        the tolerance, a top-1 logit margin in logit units (>= 0).
+    Raises:
+        SpecpilotError: the mapping has no entry for ``dtype``, or the value is negative.
+    """
+    value = setting.get(dtype) if isinstance(setting, dict) else setting
+    if value is None:
+        raise SpecpilotError(f"forcing.tolerance has no value for dtype {dtype!r} (has {sorted(setting)})")
+    if not isinstance(value, (int, float)) or value < 0:
+        raise SpecpilotError(f"forcing.tolerance for {dtype} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def verify_width(engine: str, engine_config: dict) -> int:
+    """Most tokens one verify step of this engine config can commit (anchor/bonus included).
+
+    AR: 1. A block drafter: ``block_size`` for a chain, and no more for a tree either (a tree
+    commits one root-to-leaf path, at most ``block_size`` tokens), so this is ``block_size``.
+    Raises SpecpilotError when ``block_size`` is missing or not a positive integer.
+    """
+    if engine == "ar":
+        return 1
+    block = engine_config.get("block_size")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise SpecpilotError(f"engine_config block_size must be a positive integer, got {block!r}")
+    return block
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. teacher-forced check
+
+
+def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: int = CHUNK
+                   ) -> tuple[list[int], list[float]]:
+    """The target's greedy choice and the candidate token's margin at every output position.
+
+    One forward of the target over ``prompt_ids + output_ids[:-1]`` (the last output token is
+    predicted, never fed), in chunks of ``chunk`` tokens against a batch-1 KV cache. The target's
+    own cache (and RoPE tables) are restored afterwards, so an engine's captured CUDA graphs stay
+    valid.
+
+    Args:
+        target: a loaded :class:`~specpilot.models.qwen3.Transformer` (any dtype/device).
+        prompt_ids, output_ids: token ids, each inside the vocabulary; output_ids non-empty.
+    Returns:
+        (top1, margin), each of length ``len(output_ids)``: the target's argmax token id and
+        ``max logit - logit[output_ids[j]]`` (float, logit units, >= 0; computed in fp32 from the
+        model-dtype logits) at output position j.
+    Raises:
+        SpecpilotError: empty prompt or output.
+    """
+    import torch
+
+    if not prompt_ids or not output_ids:
+        raise SpecpilotError("teacher forcing needs a non-empty prompt and output")
+    P, n = len(prompt_ids), len(output_ids)
+    seq = list(prompt_ids) + list(output_ids[:-1])
+    dev = target.lm_head.weight.device
+    tokens = torch.tensor([seq], dtype=torch.long, device=dev)
+    cand = torch.tensor(output_ids, dtype=torch.long, device=dev)
+    saved = (target.cache, target.cos, target.sin)
+    top1, margin = [], []
+    try:
+        target.cache = None  # a fresh batch-1 cache; the engine's own is put back below
+        target.setup_cache(1, len(seq))
+        for s in range(0, len(seq), chunk):
+            top, mg = _chunk_margins(target, tokens, cand, s, min(s + chunk, len(seq)), P)
+            top1 += top
+            margin += mg
+    finally:
+        target.cache, target.cos, target.sin = saved
+    assert len(top1) == n
+    return top1, margin
+
+
+def _chunk_margins(target, tokens, cand, s: int, e: int, P: int) -> tuple[list[int], list[float]]:
+    """Forward of sequence positions s..e-1; argmax and candidate margin where they predict output."""
+    import torch
+
     from .models.layers import chain_ancestors
 
-    seq = list(prompt_ids) + list(prefix)
-    dev = target.lm_head.weight.device
-    target.setup_cache(1, len(seq) + 1)
-    logits, _ = target(torch.tensor([seq], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                       chain_ancestors(1, len(seq), dev))
-    top = logits[0, -1].float().topk(2)
-    return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])
+    with torch.inference_mode():
+        dev = tokens.device
+        logits, _ = target(tokens[:, s:e], torch.tensor([s], dtype=torch.long, device=dev),
+                           chain_ancestors(1, e - s, dev))
+        lo = max(s, P - 1)  # logits at sequence position t predict output token t - (P - 1)
+        if lo >= e:
+            return [], []
+        lg = logits[0, lo - s:].float()
+        c = cand[lo - (P - 1): e - (P - 1)]
+        best = lg.max(-1)
+        return best.indices.tolist(), (best.values - lg.gather(1, c[:, None])[:, 0]).tolist()
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. structure
+
+
+def structure_problems(r: Record, prompt_len: int | None, vocab: int) -> list[dict]:
+    """Inconsistencies of a record's own evidence (see the module docstring, part 2).
+
+    Returns one ``{"field", "detail"}`` dict per problem (empty when consistent).
+    """
+    out = []
+
+    def bad(field_, detail):
+        out.append({"field": field_, "detail": detail})
+
+    if len(r.output_ids) != r.new_tokens:
+        bad("new_tokens", f"new_tokens {r.new_tokens} but {len(r.output_ids)} output ids")
+    steps = r.committed_per_step
+    if r.verify_steps != len(steps):
+        bad("verify_steps", f"verify_steps {r.verify_steps} but {len(steps)} committed_per_step entries")
+    if r.new_tokens >= 1 and sum(steps) != r.new_tokens - 1:
+        bad("committed_per_step", f"sum(committed_per_step) {sum(steps)} != new_tokens - 1 = {r.new_tokens - 1}")
+    if r.new_tokens < 1:
+        bad("new_tokens", f"new_tokens {r.new_tokens}: every request generates at least one token")
+    try:
+        width = verify_width(r.engine, r.engine_config or {})
+        off = [(i, c) for i, c in enumerate(steps) if not (isinstance(c, int) and 1 <= c <= width)]
+        if off:
+            bad("committed_per_step", f"{len(off)} step(s) commit outside 1..{width} (verify width), "
+                                      f"first: step {off[0][0]} commits {off[0][1]}")
+    except SpecpilotError as e:
+        bad("engine_config", str(e))
+    if prompt_len is not None and r.prompt_tokens != prompt_len:
+        bad("prompt_tokens", f"prompt_tokens {r.prompt_tokens} but the prompt has {prompt_len} tokens")
+    outside = [t for t in r.output_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    if outside:
+        bad("output_ids", f"{len(outside)} token id(s) outside the vocabulary 0..{vocab - 1}, first {outside[0]!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. spot re-execution
+
+
+ServeFn = Callable[..., list[Record]]
+
+
+@dataclass
+class Replay:
+    """How to re-execute a candidate's engine for the spot re-execution (part 3).
+
+    ``serve(spec, rows, max_new_tokens, concurrency, max_seq)`` serves prompt rows (dicts with
+    request_id, benchmark, prompt_ids) with an :class:`~specpilot.engine.serve.EngineSpec` in
+    batches of ``concurrency`` in the given order, and returns their records (no warm-up needed).
+    ``max_new_tokens``: the cell's token budget (it sets the cell's KV-cache size, which the
+    re-run reproduces); None = the largest ``new_tokens`` among the references.
+    """
+
+    serve: ServeFn
+    tokens: int = REPLAY_TOKENS
+    max_new_tokens: int | None = None
+    max_positions: int | None = None  # the target's max_position_embeddings (caps the cache)
+
+
+def serve_replay(target_for: Callable[[dict], object], drafter, meta: dict) -> ServeFn:
+    """A :attr:`Replay.serve` over a loaded deployment (``target_for(config)``: the target in the
+    config's weight format)."""
+    from .engine.serve import serve
+
+    def run(spec, rows, max_new_tokens, concurrency, max_seq):
+        return serve(spec, target_for(spec.config), drafter, rows, max_new_tokens, concurrency, meta,
+                     max_seq=max_seq, warmup=False, progress=False)
+
+    return run
+
+
+def _turn(request_id: str) -> str:
+    tail = request_id.rsplit("/", 1)[-1]
+    return tail if tail.startswith("turn") else ""
+
+
+def replay_check(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None], replay: Replay,
+                 cell_max_new: int) -> tuple[dict, list[dict]]:
+    """Re-run the first ``replay.tokens`` tokens of every candidate request (part 3).
+
+    Requests are grouped as the engine served them (turn-1 requests, then each later turn of a
+    multi-turn chain), each group in record order at the record's concurrency, with the KV-cache
+    size the cell had (longest prompt of the group + ``cell_max_new`` + verify width + 1, capped
+    at the target's positions: the formula of :func:`specpilot.engine.serve.serve`), so the
+    re-run repeats the cell's own computation. Its budget is ``1 + replay.tokens`` new tokens.
+    Compared: the record's leading verify steps that fit in that budget (``sum <= replay.tokens``)
+    against the re-run's first steps, and the output tokens they commit. (A window in tokens, not
+    steps: a record that copies AR's output claims one token per step, and a few steps would
+    cover only a few tokens of it.)
+
+    Returns:
+        (report, violations): report = {tokens, requests, reproduced, steps_compared, skipped,
+        seconds}; one violation per request not reproduced (engine config not runnable, different
+        step counts or output prefix), with the recorded and re-run step counts.
+    """
+    from .engine.serve import EngineSpec
+
+    report = {"tokens": replay.tokens, "requests": 0, "reproduced": 0, "steps_compared": 0,
+              "skipped": [], "seconds": 0.0}
+    violations: list[dict] = []
+    if replay.tokens <= 0:
+        report["skipped"].append("replay_tokens 0")
+        return report, violations
+    t0 = time.perf_counter()
+    groups: dict[tuple, list[Record]] = {}
+    for r in candidate:
+        cfg = r.engine_config or {}
+        key = (_turn(r.request_id), r.engine, int(r.concurrency), repr(sorted(cfg.items(), key=lambda kv: kv[0])))
+        groups.setdefault(key, []).append(r)
+    for (_, engine, concurrency, _), recs in groups.items():
+        cfg = dict(recs[0].engine_config or {})
+        if cfg.get("replay_profile") or any(r.synthetic for r in recs):
+            report["skipped"].append(f"{len(recs)} synthetic request(s) (replay drafter)")
+            continue
+        recs = [r for r in recs if prompt_of(r)]
+        if not recs:
+            continue
+        rows = [{"request_id": r.request_id, "benchmark": r.benchmark, "prompt_ids": prompt_of(r)} for r in recs]
+        report["requests"] += len(recs)
+        block = cfg.pop("block_size", 1)
+        try:
+            spec = EngineSpec(engine, int(block), cfg)
+            width = spec.verify_width
+            longest = max(len(row["prompt_ids"]) for row in rows)
+            max_seq = longest + cell_max_new + width + 1
+            if replay.max_positions:
+                max_seq = min(max_seq, replay.max_positions)
+            budget = max(1, min(1 + replay.tokens, cell_max_new, max_seq - longest - width - 1))
+            rerun = replay.serve(spec, rows, budget, concurrency, max_seq)
+        except SpecpilotError as e:
+            for r in recs:
+                violations.append({"check": "replay", "request_id": r.request_id,
+                                   "detail": f"engine config {recs[0].engine_config} could not be re-run: {e}"})
+            continue
+        for r, x in zip(recs, rerun):
+            claim, total = [], 0
+            for c in r.committed_per_step:
+                if total + c > budget - 1:
+                    break
+                claim.append(c)
+                total += c
+            got = x.committed_per_step[: len(claim)]
+            m = 1 + total
+            same_out = x.output_ids[:m] == r.output_ids[:m]
+            report["steps_compared"] += len(claim)
+            if claim == got and same_out:
+                report["reproduced"] += 1
+                continue
+            diff = next((i for i, (a, b) in enumerate(zip(r.output_ids[:m], x.output_ids[:m])) if a != b), None)
+            violations.append({"check": "replay", "request_id": r.request_id,
+                               "recorded_committed": claim, "rerun_committed": got,
+                               "first_output_difference": diff,
+                               "detail": f"re-run with the record's engine config, the first {len(claim)} verify "
+                                         f"step(s) commit {got}; the record claims {claim}"
+                                         + ("" if same_out else f"; output differs at position {diff}")})
+    report["seconds"] = time.perf_counter() - t0
+    return report, violations
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. reference report
+
+
+def compare_reference(candidate: list[Record], reference: list[Record], classify: Callable[[str, int], dict]
+                      ) -> tuple[dict, list[dict]]:
+    """Compare the candidate with one reference (part 4).
+
+    Args:
+        classify: (request_id, position) -> the teacher-forced evidence of the candidate's token
+            there ({"class": "top1" | "near_tie" | "violation" | "unchecked", "margin", "top1"}).
+    Returns:
+        (report, violations). Violations: a reference request the candidate lacks
+        (``missing_request``), a candidate request the reference lacks (``extra_request``), a
+        different number of tokens (``length``). The report holds request counts, the exact-match
+        rate (identical outputs / reference requests), tokens equal before the first divergence,
+        and per diverging request the first differing position with both tokens and ``classify``.
+    """
+    ref = {r.request_id: r for r in reference}
+    cand = {r.request_id: r for r in candidate}
+    violations = []
+    missing = [rid for rid in ref if rid not in cand]
+    extra = [rid for rid in cand if rid not in ref]
+    for rid in missing:
+        violations.append({"check": "missing_request", "request_id": rid,
+                           "detail": f"the reference has request {rid}, the candidate does not"})
+    for rid in extra:
+        violations.append({"check": "extra_request", "request_id": rid,
+                           "detail": f"the candidate has request {rid}, the reference does not"})
+    identical, prefix_tokens, ref_tokens, divergences = 0, 0, 0, []
+    for rid, r in ref.items():
+        ref_tokens += len(r.output_ids)
+        c = cand.get(rid)
+        if c is None:
+            continue
+        if len(c.output_ids) != len(r.output_ids) or c.new_tokens != r.new_tokens:
+            violations.append({"check": "length", "request_id": rid, "candidate_tokens": len(c.output_ids),
+                               "reference_tokens": len(r.output_ids),
+                               "detail": f"{len(c.output_ids)} tokens (new_tokens {c.new_tokens}) against "
+                                         f"the reference's {len(r.output_ids)}"})
+        i = next((j for j, (a, b) in enumerate(zip(c.output_ids, r.output_ids)) if a != b), None)
+        if i is None and len(c.output_ids) == len(r.output_ids):
+            identical += 1
+            prefix_tokens += len(r.output_ids)
+            continue
+        if i is None:  # one is a prefix of the other
+            prefix_tokens += min(len(c.output_ids), len(r.output_ids))
+            continue
+        prefix_tokens += i
+        divergences.append({"request_id": rid, "position": i, "candidate_token": c.output_ids[i],
+                            "reference_token": r.output_ids[i], **classify(rid, i)})
+    report = {"requests_reference": len(ref), "requests_candidate": len(cand),
+              "missing": missing[:LISTED], "extra": extra[:LISTED],
+              "exact_match_rate": identical / len(ref) if ref else float("nan"),
+              "identical_requests": identical,
+              "tokens_before_divergence": prefix_tokens, "reference_tokens": ref_tokens,
+              "divergences": divergences[:LISTED], "diverging_requests": len(divergences),
+              "violations": len(violations)}
+    return report, violations
+
+
+# ---------------------------------------------------------------------------------------------
+# the check
+
+
+@dataclass
+class _RequestCheck:
+    generated: int
+    checked: int = 0
+    top1: list[int] = field(default_factory=list)
+    margin: list[float] = field(default_factory=list)
+    violations: int = 0
+    near_ties: int = 0
+
+
+def force(candidate: list[Record], references: dict[str, list[Record]], prompts: dict[str, list[int]] | None,
+          target, tolerance: float, replay: Replay | None = None, chunk: int = CHUNK,
+          candidate_name: str = "candidate") -> dict:
+    """Token forcing of one cell: parts 1-4 of the module docstring.
+
+    Args:
+        candidate: the records under test (one engine, one cell).
+        references: name -> reference records (e.g. ``{"ar": ..., "stock": ...}``); may be empty.
+        prompts: request_id -> prompt token ids; a record carrying ``prompt_ids`` (a later turn of
+            a multi-turn chain) uses its own.
+        target: the loaded target (the reference weights, e.g. bf16 for a w12 candidate).
+        tolerance: near-tie tolerance, a top-1 logit margin (logit units) for the target's dtype.
+        replay: how to re-execute the engine (part 3); None skips it (reported as not run).
+        chunk: tokens per teacher-forced forward.
+    Returns:
+        the verdict dict (fields in README.md, "Token forcing"); ``passed`` is True only with no
+        violation and 100 % coverage of every request.
+    Raises:
+        SpecpilotError: no target, an empty candidate, a request id twice, a negative tolerance.
+    """
+    if target is None:
+        raise SpecpilotError("token forcing needs the target (--target): every token is checked by it")
+    if not candidate:
+        raise SpecpilotError("the candidate has no records")
+    if tolerance < 0:
+        raise SpecpilotError(f"tolerance must be >= 0, got {tolerance}")
+    seen = set()
+    for r in candidate:
+        if r.request_id in seen:
+            raise SpecpilotError(f"candidate request {r.request_id} appears twice")
+        seen.add(r.request_id)
+    prompts = prompts or {}
+    vocab = int(target.config.vocab_size)
+
+    def prompt_of(r: Record) -> list[int] | None:
+        return r.prompt_ids if r.prompt_ids is not None else prompts.get(r.request_id)
+
+    violations: list[dict] = []
+    near_ties: list[dict] = []
+    checks: dict[str, _RequestCheck] = {}
+    t0 = time.perf_counter()
+    for r in candidate:
+        rc = checks[r.request_id] = _RequestCheck(generated=len(r.output_ids))
+        prompt = prompt_of(r)
+        problems = structure_problems(r, len(prompt) if prompt else None, vocab)
+        for p in problems:
+            violations.append({"check": "structure", "request_id": r.request_id, **p})
+        if not prompt:
+            violations.append({"check": "no_prompt", "request_id": r.request_id,
+                               "detail": "no prompt for this request (not in the prompt file, no prompt_ids)"})
+            continue
+        if not r.output_ids or any(p["field"] == "output_ids" for p in problems):
+            continue  # nothing checkable: coverage stays below 100 %
+        rc.top1, rc.margin = teacher_forced(target, prompt, r.output_ids, chunk)
+        rc.checked = len(r.output_ids)
+        for j, (tok, top, mg) in enumerate(zip(r.output_ids, rc.top1, rc.margin)):
+            if tok == top or mg == 0.0:
+                if tok != top:  # an exact tie: both are the target's argmax
+                    rc.near_ties += 1
+                    near_ties.append({"request_id": r.request_id, "position": j, "candidate_token": tok,
+                                      "top1": top, "margin": 0.0})
+                continue
+            if mg < tolerance:
+                rc.near_ties += 1
+                near_ties.append({"request_id": r.request_id, "position": j, "candidate_token": tok,
+                                  "top1": top, "margin": mg})
+            else:
+                rc.violations += 1
+                violations.append({"check": "token", "request_id": r.request_id, "position": j,
+                                   "candidate_token": tok, "top1": top, "margin": _finite(mg),
+                                   "detail": f"position {j}: token {tok} where the target's top-1 is {top} "
+                                             f"by a margin of {mg:.4g} (tolerance {tolerance:g})"})
+    tf_seconds = time.perf_counter() - t0
+
+    def classify(rid: str, pos: int) -> dict:
+        rc = checks.get(rid)
+        if rc is None or pos >= len(rc.margin):
+            return {"class": "unchecked"}
+        mg, top = rc.margin[pos], rc.top1[pos]
+        cls = "top1" if mg == 0.0 else ("near_tie" if mg < tolerance else "violation")
+        return {"class": cls, "margin": _finite(mg), "top1": top}
+
+    ref_reports = {}
+    for name, recs in references.items():
+        rep, v = compare_reference(candidate, recs, classify)
+        ref_reports[name] = rep
+        violations += [{**x, "reference": name} for x in v]
+
+    if replay is not None:
+        refs_new = [r.new_tokens for recs in references.values() for r in recs]
+        cell_max_new = replay.max_new_tokens or max(refs_new or [r.new_tokens for r in candidate])
+        if replay.max_positions is None:
+            replay.max_positions = getattr(target.config, "max_position_embeddings", None)
+        replay_report, v = replay_check(candidate, prompt_of, replay, cell_max_new)
+        violations += v
+    else:
+        replay_report = {"tokens": 0, "requests": 0, "reproduced": 0, "steps_compared": 0,
+                         "skipped": ["not run"], "seconds": 0.0}
+
+    per_request = [{"request_id": rid, "tokens_generated": rc.generated, "tokens_checked": rc.checked,
+                    "coverage": rc.checked / rc.generated if rc.generated else 0.0,
+                    "violations": rc.violations, "near_ties": rc.near_ties} for rid, rc in checks.items()]
+    generated = sum(rc.generated for rc in checks.values())
+    checked = sum(rc.checked for rc in checks.values())
+    coverage = min(p["coverage"] for p in per_request)
+    by_check: dict[str, int] = {}
+    for v in violations:
+        by_check[v["check"]] = by_check.get(v["check"], 0) + 1
+    dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
+    near_sorted = sorted(near_ties, key=lambda x: -x["margin"])
+    return {
+        "candidate": candidate_name,
+        "engine": candidate[0].engine,
+        "passed": not violations and coverage == 1.0,
+        "requests": len(candidate),
+        "tokens_generated": generated,
+        "tokens_checked": checked,
+        "coverage": coverage,
+        "tolerance": tolerance,
+        "dtype": dtype,
+        "violations": len(violations),
+        "violations_by_check": by_check,
+        "violation_list": violations[:LISTED],
+        "near_ties": len(near_ties),
+        "max_near_tie_margin": near_sorted[0]["margin"] if near_sorted else None,
+        "near_tie_list": near_sorted[:LISTED],
+        "per_request": per_request,
+        "replay": replay_report,
+        "references": ref_reports,
+        "seconds": {"teacher_forced": tf_seconds, "replay": replay_report["seconds"]},
+    }
 
 
 def check(candidate: list[Record], reference: list[Record], prompts: dict[str, list[int]] | None = None,
           target=None, tolerance: float = 1e-3) -> dict:
-    """Compare every token of ``candidate`` against ``reference`` (matched by request_id).
+    """:func:`force` against one reference (named ``reference``), without the spot re-execution."""
+    return force(candidate, {"reference": reference}, prompts, target, tolerance)
 
-    Args:
-        prompts: request_id -> prompt token ids (needed with ``target`` to classify mismatches).
-        target: a loaded :class:`Transformer`; without it every mismatch counts as a violation.
-        tolerance: top-2 logit margin below which a mismatch is a near-tie.
-    Returns:
-        dict with tokens_checked, requests, violations, near_ties, mismatches (list), passed.
-    Raises:
-        SpecpilotError: the candidate has requests that the reference lacks.
+
+def verdict_word(doc: dict | None, records: list[Record] | None = None) -> tuple[str, str]:
+    """The table's word for a verdict file: (``pass`` | ``FAIL`` | ``not run``, why).
+
+    ``pass`` needs ``passed`` true, zero violations, coverage 1.0 with tokens checked equal to
+    tokens generated, and (given the cell's ``records`` of that engine) a verdict over exactly
+    those records: the same request count and total new tokens. A verdict without coverage
+    fields (from an older checker that stopped at the first mismatch) is a FAIL.
     """
-    ref = {r.request_id: r for r in reference}
-    missing = [r.request_id for r in candidate if r.request_id not in ref]
-    if missing:
-        raise SpecpilotError(f"reference lacks request(s) {missing[:5]}")
-    mismatches, checked, violations, ties = [], 0, 0, 0
-    for c in candidate:
-        r = ref[c.request_id]
-        i = first_mismatch(c.output_ids, r.output_ids)
-        checked += min(len(c.output_ids), len(r.output_ids)) if i is None else i + 1
-        if i is None:
-            continue
-        entry = {"request_id": c.request_id, "position": i,
-                 "candidate_token": c.output_ids[i] if i < len(c.output_ids) else None,
-                 "reference_token": r.output_ids[i] if i < len(r.output_ids) else None}
-        kind = "violation"
-        if target is not None and (prompts is not None or r.prompt_ids is not None) \
-                and entry["candidate_token"] is not None \
-                and entry["reference_token"] is not None:
-            prompt = r.prompt_ids if r.prompt_ids is not None else prompts[c.request_id]
-            margin, top1, top2 = top2_margin(target, prompt, r.output_ids[:i])
-            entry.update(margin=margin, top1=top1, top2=top2)
-            if margin < tolerance and {top1, top2} == {entry["candidate_token"], entry["reference_token"]}:
-                kind = "near_tie"
-        entry["kind"] = kind
-        violations += kind == "violation"
-        ties += kind == "near_tie"
-        mismatches.append(entry)
-    return {"requests": len(candidate), "tokens_checked": checked, "violations": violations,
-            "near_ties": ties, "tolerance": tolerance, "mismatches": mismatches, "passed": violations == 0}
+    if doc is None:
+        return "not run", "no verdict"
+    if "coverage" not in doc or "tokens_generated" not in doc:
+        return "FAIL", "verdict has no coverage (older checker); rerun token forcing"
+    if not doc.get("passed") or doc.get("violations", 1) != 0:
+        return "FAIL", f"{doc.get('violations', '?')} violations"
+    if doc["coverage"] != 1.0 or doc.get("tokens_checked") != doc["tokens_generated"]:
+        return "FAIL", f"coverage {doc['coverage']:.1%}"
+    if records is not None and (doc.get("requests") != len(records)
+                                or doc["tokens_generated"] != sum(r.new_tokens for r in records)):
+        return "FAIL", (f"the verdict covers {doc.get('requests')} requests / {doc['tokens_generated']} tokens, "
+                        f"the cell has {len(records)} / {sum(r.new_tokens for r in records)}")
+    return "pass", ""
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate", required=True, help="records file of the engine under test")
-    p.add_argument("--reference", required=True, action="append", help="reference records (repeatable)")
-    p.add_argument("--target", help="target checkpoint dir, to classify mismatches by logit margin")
-    p.add_argument("--prompts", help="prompt file (needed with --target)")
-    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--reference", action="append", default=[],
+                   help="reference records (repeatable): request ids and token counts must match")
+    p.add_argument("--target", required=True, help="target checkpoint dir: checks every token")
+    p.add_argument("--prompts", required=True, help="the cell's prompt file")
+    p.add_argument("--drafter", help="drafter checkpoint dir (to re-execute a drafter engine's first steps)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="the cell's token budget (default: the largest new_tokens of the references)")
+    p.add_argument("--replay-tokens", type=int, default=REPLAY_TOKENS,
+                   help="leading new tokens per request whose verify steps are re-executed (0: none)")
+    p.add_argument("--tolerance", type=float, default=1e-3,
+                   help="near-tie tolerance: top-1 logit margin (config forcing.tolerance for the dtype)")
+    p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced forward")
     p.add_argument("--out", required=True, help="verdict JSON to write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--report-only", action="store_true", help="exit 0 even when violations are found")
 
 
 def run(args) -> int:
-    from .engine.serve import pick_device, pick_dtype, read_prompts
-    from .models.loading import load_target
+    import torch
 
+    from .engine.serve import pick_device, pick_dtype, read_prompts
+    from .models.loading import load_drafter, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.chunk < 1:
+        raise SpecpilotError(f"--chunk must be >= 1, got {args.chunk}")
     candidate = read_records(args.candidate)
-    target = prompts = None
-    if args.target:
-        if not args.prompts:
-            raise SpecpilotError("--target needs --prompts")
-        device = pick_device(args.device)
-        target = load_target(args.target, pick_dtype(args.dtype, device), device)
-        prompts = {p["request_id"]: p["prompt_ids"] for p in read_prompts(args.prompts)}
-    verdicts = {}
-    for ref_path in args.reference:
-        verdicts[str(ref_path)] = check(candidate, read_records(ref_path), prompts, target, args.tolerance)
-    passed = all(v["passed"] for v in verdicts.values())
-    summary = {"candidate": str(args.candidate), "passed": passed,
-               "violations": sum(v["violations"] for v in verdicts.values()),
-               "near_ties": sum(v["near_ties"] for v in verdicts.values()),
-               "tokens_checked": sum(v["tokens_checked"] for v in verdicts.values()),
-               "references": verdicts}
-    write_json(args.out, summary)
-    print(f"token forcing {Path(args.candidate).name}: {'pass' if passed else 'FAIL'} "
-          f"({summary['tokens_checked']} tokens, {summary['violations']} violations, {summary['near_ties']} near-ties)")
-    return 0 if passed or args.report_only else 1
+    references = {str(p): read_records(p) for p in args.reference}
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    target = load_target(args.target, dtype, device)
+    prompts = {p["request_id"]: p["prompt_ids"] for p in read_prompts(args.prompts)}
+    replay = None
+    if args.replay_tokens > 0:
+        needs_drafter = any(r.engine in ("stock", "specpilot") for r in candidate)
+        if needs_drafter and not args.drafter:
+            raise SpecpilotError("re-executing a drafter engine's first steps needs --drafter "
+                                 "(or --replay-tokens 0 to skip the spot re-execution)")
+        drafter = load_drafter(args.drafter, dtype=dtype, device=device) if args.drafter else None
+        converted = {}
+
+        def target_for(config: dict):
+            if config.get("weight_format") != "w12":
+                return target
+            if not converted:  # after the teacher-forced pass, which uses the reference weights
+                from .w12 import apply_w12
+
+                if dtype != torch.bfloat16:
+                    raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
+                apply_w12(target)
+                converted["w12"] = True
+            return target
+
+        r0 = candidate[0] if candidate else None
+        meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
+        replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
+    verdict = force(candidate, references, prompts, target, args.tolerance, replay, args.chunk,
+                    candidate_name=str(args.candidate))
+    write_json(args.out, verdict)
+    mx = verdict["max_near_tie_margin"]
+    print(f"token forcing {Path(args.candidate).name}: {'pass' if verdict['passed'] else 'FAIL'} "
+          f"({verdict['tokens_checked']}/{verdict['tokens_generated']} tokens checked, "
+          f"{verdict['violations']} violations {verdict['violations_by_check'] or ''}, "
+          f"{verdict['near_ties']} near-ties (largest margin {mx if mx is not None else '-'}, "
+          f"tolerance {verdict['tolerance']:g}), replay {verdict['replay']['reproduced']}/"
+          f"{verdict['replay']['requests']} reproduced; "
+          f"{verdict['seconds']['teacher_forced']:.2f} s + {verdict['seconds']['replay']:.2f} s)")
+    for v in verdict["violation_list"][:5]:
+        print(f"  {v['check']} {v['request_id']}: {v.get('detail', '')}")
+    return 0 if verdict["passed"] or args.report_only else 1

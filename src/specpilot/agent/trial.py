@@ -1,7 +1,10 @@
 """Trials: measure an engine config on calibration prompts, behind the token-forcing gate.
 
-A candidate passes the gate only if every output token equals both the AR and the stock
-references (near-ties below the forcing tolerance excepted, as in :mod:`specpilot.forcing`).
+A candidate passes the gate only if :func:`specpilot.forcing.force` finds no violation: every
+output token is the target's own greedy choice under a teacher-forced pass (near-ties below the
+forcing tolerance excepted), every record is structurally consistent and its first verify steps
+re-run to the same commits, and its requests and token counts equal the AR and stock references'
+exactly. It is the same function, with the same rule, that writes the table's verdict files.
 Its gain is the geometric mean over requests of base decode seconds / candidate decode seconds,
 each the minimum over ``repeats`` alternating runs (robust to a busy machine).
 """
@@ -14,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..engine.serve import EngineSpec, serve
-from ..forcing import check
+from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
 from ..records import Record, write_records
 
 
@@ -27,8 +30,10 @@ class Evaluator:
     """Holds the loaded deployment, the calibration prompts and the AR / stock references."""
 
     def __init__(self, target, drafter, prompts: list[dict], max_new_tokens: int, concurrency: int,
-                 meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None):
+                 meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
+                 replay_tokens: int = REPLAY_TOKENS):
         self.target, self.drafter, self.prompts = target, drafter, prompts
+        self.replay_tokens = replay_tokens
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
         self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
         self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
@@ -80,20 +85,37 @@ class Evaluator:
                         best[r.request_id] = r
         return list(best_c.values()), list(best_b.values())
 
-    def gate(self, records: list[Record]) -> dict:
-        """Token forcing against AR and stock; ``passed`` only with zero violations."""
-        v_ar = check(records, self.ar, self.prompt_ids, self.target, self.tolerance)
-        v_st = check(records, self.stock, self.prompt_ids, self.target, self.tolerance)
-        return {"passed": v_ar["passed"] and v_st["passed"], "violations": v_ar["violations"] + v_st["violations"],
-                "near_ties": v_ar["near_ties"] + v_st["near_ties"],
-                "tokens_checked": v_ar["tokens_checked"] + v_st["tokens_checked"],
-                "mismatches": (v_ar["mismatches"] + v_st["mismatches"])[:10]}
+    def gate(self, records: list[Record], prompts: list[dict] | None = None) -> dict:
+        """Token forcing (:func:`specpilot.forcing.force`) of a candidate's records.
+
+        References: the AR and stock records of the prompts the candidate was asked to serve
+        (``prompts``, default all calibration prompts), so a missing, extra or short request is
+        a violation. The spot re-execution re-runs the candidate's first verify steps with its own
+        engine config on this deployment. Returns the verdict's summary: passed, violations (and
+        by check), near_ties, max_near_tie_margin, tokens_checked, tokens_generated, coverage,
+        exact_match (rate per reference) and ``mismatches``: the first 10 violations, then
+        near-ties, each with ``kind`` ``violation`` / ``near_tie`` and its evidence.
+        """
+        ids = [p["request_id"] for p in (prompts or self.prompts)]
+        ar, st = {r.request_id: r for r in self.ar}, {r.request_id: r for r in self.stock}
+        refs = {"ar": [ar[i] for i in ids], "stock": [st[i] for i in ids]}
+        replay = Replay(serve_replay(self.target_for, self.drafter, self.meta), self.replay_tokens, self.max_new)
+        v = force(records, refs, self.prompt_ids, self.target, self.tolerance, replay, candidate_name="trial")
+        listed = [{"kind": "violation", **x} for x in v["violation_list"]] + \
+                 [{"kind": "near_tie", **x} for x in v["near_tie_list"]]
+        return {"passed": v["passed"], "violations": v["violations"],
+                "violations_by_check": v["violations_by_check"], "near_ties": v["near_ties"],
+                "max_near_tie_margin": v["max_near_tie_margin"], "tokens_checked": v["tokens_checked"],
+                "tokens_generated": v["tokens_generated"], "coverage": v["coverage"],
+                "exact_match": {k: rep["exact_match_rate"] for k, rep in v["references"].items()},
+                "replay_reproduced": f"{v['replay']['reproduced']}/{v['replay']['requests']}",
+                "mismatches": listed[:10]}
 
     def trial(self, config: dict, base: dict, evidence: Path | None = None,
               prompts: list[dict] | None = None) -> dict:
         """Gate and measure a candidate against ``base``; write its records as evidence."""
         cand, base_recs = self.measure(config, base, prompts)
-        verdict = self.gate(cand)
+        verdict = self.gate(cand, prompts)
         if evidence is not None:
             write_records(evidence, cand)
         by_id = {r.request_id: r for r in base_recs}
