@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..benchmarks import select, training_pairs
+from ..prompts import select, training_pairs
 from ..errors import SpecpilotError
 from ..io import write_json
 from ..models.config import TargetConfig
@@ -86,7 +86,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     """Build tokenizer, target and DFlash drafter into ``out_dir``; return the build summary.
 
     Layout: ``{out}/target/`` (checkpoint + tokenizer), ``{out}/drafter-dflash/``, ``{out}/build.json``.
-    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.benchmarks`).
+    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.prompts`).
     """
     t_start = time.time()
     out = Path(out_dir)
@@ -165,7 +165,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
 
 
 def _gsm8k_answers(data_dir, seed):
-    from ..benchmarks import load_rows
+    from ..prompts import load_rows
 
     rows = load_rows("gsm8k", data_dir)
     return [rows[int(r["request_id"].split("/")[1])] for r in select("gsm8k", 200, seed=seed, data_dir=data_dir)]

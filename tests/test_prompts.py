@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot import benchmarks as bm
+from specpilot import prompts as bm
 from specpilot.cli import main as cli_main
 from specpilot.errors import SpecpilotError
 from specpilot.io import read_jsonl
