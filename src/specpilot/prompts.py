@@ -131,6 +131,28 @@ def _resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
     return resolve_data_dir(data_dir)
 
 
+def check_data_id(data_dir: str | os.PathLike | None, data_id: str | None) -> Path | None:
+    """Resolve the data dir and check it is the data the workflow planned with.
+
+    Args:
+        data_dir: as for :func:`resolve_data_dir`.
+        data_id: the expected :func:`data_checksum` (``--data-id``), or None to skip the check.
+
+    Returns:
+        The resolved folder (None = the Hub).
+
+    Raises:
+        SpecpilotError: the data found here has another checksum (both named, and what to set).
+    """
+    root = resolve_data_dir(data_dir)
+    if data_id is not None and data_checksum(root) != data_id:
+        where = str(root) if root is not None else "the Hugging Face Hub"
+        raise SpecpilotError(
+            f"the benchmark data found here ({where}, id {data_checksum(root)}) is not the data the workflow "
+            f"planned with (id {data_id}); set config data_dir or {DATA_DIR_ENV} to that folder")
+    return root
+
+
 def _load_hub(key: str, benchmark: str) -> list[dict]:
     _, repo, config, splits = _SOURCES[key]
     hint = (
@@ -486,15 +508,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-eval", default=None, help="ignored (calibration no longer depends on the eval count)")
     parser.add_argument("--data-dir", default=None, help=f"local benchmark folder (default ${DATA_DIR_ENV}, else "
                         "shared/data/benchmarks beside the repository, else the HF Hub)")
+    parser.add_argument("--data-id", default=None,
+                        help="expected checksum of the data (the workflow passes it): refuse other data")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="fail if a prompt is longer than this")
     parser.add_argument("--out", required=True, help="output .jsonl file")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``specpilot prompts``: write the prompt file; returns 0."""
+    data_dir = check_data_id(args.data_dir, args.data_id)
     rows = write_prompt_file(
         args.benchmark, args.tokenizer, args.out, args.n_prompts, seed=args.seed, role=args.role,
-        data_dir=args.data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,
+        data_dir=data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,
     )
     print(f"wrote {len(rows)} {args.benchmark} prompts to {args.out}")
     return 0
