@@ -13,7 +13,7 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
+include: "rules/config.smk"
 
 
 report: "report/workflow.rst"

@@ -124,14 +124,49 @@ def drafter_dir(wildcards):
     return f"{deployment_dir(wildcards.deployment)}/drafter-{deployment(wildcards)['drafter']}"
 
 
+@functools.cache
 def data_dir():
-    """Benchmark data folder: config data_dir, else $SPECPILOT_DATA_DIR, else None (the Hub)."""
-    return config.get("data_dir") or os.environ.get("SPECPILOT_DATA_DIR") or None
+    """Benchmark data folder (specpilot.prompts.resolve_data_dir): config data_dir, else
+    $SPECPILOT_DATA_DIR, else shared/data/benchmarks beside the repository, else None (the Hub).
+
+    The jobs get the folder through SPECPILOT_DATA_DIR, set here for them, and their params only
+    the data's checksum (data_dir_opt): the DAG does not change with the shell's variables or
+    with where the same data lies. Without local data and without the `datasets` package (the
+    Hub's client) the run stops here with one message naming what to set.
+    """
+    from specpilot.errors import SpecpilotError
+    from specpilot.prompts import DATA_DIR_ENV, resolve_data_dir
+
+    try:
+        d = resolve_data_dir(config.get("data_dir"), workflow.basedir)
+    except SpecpilotError as e:
+        raise WorkflowError(f"specpilot: {e}") from None
+    if d is None:
+        import importlib.util
+
+        if importlib.util.find_spec("datasets") is None:
+            raise WorkflowError(
+                "specpilot: no benchmark data found: set config data_dir (e.g. --config data_dir=/path/to/benchmarks) "
+                f"or the environment variable {DATA_DIR_ENV} to a folder laid out like shared/data/benchmarks, "
+                "or install the 'datasets' package to read the benchmarks from the Hugging Face Hub")
+        os.environ.pop(DATA_DIR_ENV, None)
+        return None
+    os.environ[DATA_DIR_ENV] = str(d.resolve())
+    return str(d.resolve())
+
+
+@functools.cache
+def data_id():
+    """The benchmark data's identity (checksum of its MANIFEST.json, or "hub")."""
+    from specpilot.prompts import data_checksum
+
+    return data_checksum(data_dir())
 
 
 def data_dir_opt():
-    d = data_dir()
-    return f"--data-dir {shlex.quote(d)}" if d else ""
+    """Job option naming the data by checksum (--data-id); the job reads SPECPILOT_DATA_DIR and
+    refuses data with another checksum. A param, so other data means a rerun; a moved folder not."""
+    return f"--data-id {data_id()}"
 
 
 def prompts_path(deployment_name, benchmark):

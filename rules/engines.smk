@@ -58,6 +58,8 @@ rule run_engine:
         device=torch_device,
         weights=weight_opts,
         multi_turn="--multi-turn" if config.get("multi_turn") else "",
+        eos="--stop-at-eos" if config.get("stop_at_eos") else "",
+        repeats=config["timing"]["repeats"],
     threads: TIMING_THREADS
     resources:
         timing_slots=1,
@@ -72,5 +74,5 @@ rule run_engine:
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
         " {params.engine_config} --device {params.device} {params.weights} --threads {threads}"
-        " {params.multi_turn}"
+        " {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
         " > {log} 2>&1"

@@ -14,11 +14,12 @@ rule table:
         "logs/{gpu}/table.log",
     params:
         specpilot_note=SPECPILOT_NOTE,
+        max_spread=config["timing"]["max_spread"],
     conda:
         "../envs/report.yaml"
     shell:
         "python -m specpilot table --records {input.records} --forcing {input.forcing}"
-        " --specpilot-note {params.specpilot_note:q} --out {output} > {log} 2>&1"
+        " --specpilot-note {params.specpilot_note:q} --max-spread {params.max_spread} --out {output} > {log} 2>&1"
 
 
 rule figures:

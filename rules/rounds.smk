@@ -15,7 +15,6 @@ rule calibration_prompts:
     params:
         tokenizer=target_dir,
         n=config["rounds"]["calibration_prompts"],
-        n_eval=config["n_prompts"],
         seed=config.get("seed", 0),
         data=data_dir_opt(),
         benchmarks=" ".join(config["benchmarks"]),
@@ -25,7 +24,7 @@ rule calibration_prompts:
     shell:
         "(mkdir -p {params.tmp} && for b in {params.benchmarks}; do"
         " python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark $b --role calibration"
-        " --n-prompts {params.n} --n-eval {params.n_eval} --seed {params.seed} {params.data}"
+        " --n-prompts {params.n} --seed {params.seed} {params.data}"
         " --out {params.tmp}/$b.jsonl || exit 1; done"
         " && cat {params.tmp}/*.jsonl > {output}.tmp && mv {output}.tmp {output} && rm -r {params.tmp})"
         " > {log} 2>&1"

@@ -42,7 +42,7 @@ def tiny_deployment(data_dir) -> Path:
 @pytest.fixture(scope="session")
 def quick_prompts(tmp_path_factory, quick_deployment, data_dir) -> list[dict]:
     """Two formatted prompts per benchmark for the quick deployment's tokenizer."""
-    from specpilot.benchmarks import BENCHMARKS, write_prompt_file
+    from specpilot.prompts import BENCHMARKS, write_prompt_file
 
     out = tmp_path_factory.mktemp("prompts")
     rows = []

@@ -255,7 +255,7 @@ def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
 def test_multi_turn_chaining_equal_across_engines(quick_deployment, data_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from specpilot.benchmarks import write_prompt_file
+    from specpilot.prompts import write_prompt_file
     from specpilot.engine.serve import serve_turns
 
     prompts = write_prompt_file("mt-bench", quick_deployment / "target", tmp_path / "mt.jsonl", 2, data_dir=data_dir)

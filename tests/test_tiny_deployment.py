@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from specpilot.benchmarks import write_prompt_file
+from specpilot.prompts import write_prompt_file
 from specpilot.engine.serve import EngineSpec, serve
 from specpilot.forcing import check
 from specpilot.models.loading import load_drafter, load_target

@@ -17,6 +17,14 @@ One row per cell (deployment, benchmark, concurrency) plus summary rows. For eac
   verdict over exactly the cell's requests and tokens). A cell whose forcing failed leaves that
   engine's speedup and tau empty: a lossy engine's speed is no result.
 
+``timing_spread`` is the largest relative spread ``max/min - 1`` of one request's repeated
+decode times (``decode_s_repeats``, from ``specpilot run --timing-repeats``) over the cell's
+engines and requests (empty when the cell was timed once); ``timing_warning`` is true when it
+exceeds ``max_spread`` (default 0.25): the machine was busy while the cell was timed, so its
+speedups are not to be trusted. Such cells are also named in the ``note`` and in a warning on
+stderr, and the figures mark them. Values are written at full precision (shortest repr that reads
+back as the same float), so they can be recomputed from the records exactly.
+
 ``forcing`` combines the engines of the cell (``FAIL`` if any failed, ``pass`` if all that ran
 passed, else ``not run``). Summary rows have ``benchmark = geomean``: the geometric mean over the
 benchmarks of each (deployment, concurrency), and over every cell of a concurrency with
@@ -26,6 +34,7 @@ benchmarks of each (deployment, concurrency), and over every cell of a concurren
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 from collections import defaultdict
@@ -46,8 +55,10 @@ ALL = "all"
 COLUMNS = [
     "deployment", "target", "drafter", "benchmark", "concurrency", "n_requests", "ar_tok_s",
     "stock_speedup", "specpilot_speedup", "stock_tau", "specpilot_tau", "forcing", "note",
-    "synthetic",
+    "synthetic", "timing_spread", "timing_warning",
 ]
+MAX_SPREAD = 0.25  # default: repeated timings of one request differing by more => a loaded machine
+log = logging.getLogger("specpilot.table")
 _PER_ENGINE = ["speedup_arith", "tau_req", "tok_s", "forcing"]
 
 _FORCING_NAME = re.compile(r"^(?P<engine>[A-Za-z0-9_]+)-c(?P<concurrency>\d+)\.forcing\.json$")
@@ -63,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output CSV, e.g. results/{gpu}/table.csv")
     parser.add_argument("--specpilot-note", default="specpilot not run",
                         help="note for cells without specpilot records (why it was not run)")
+    parser.add_argument("--max-spread", type=float, default=MAX_SPREAD,
+                        help="relative spread of a request's repeated decode times above which a cell is flagged "
+                             f"as timed on a loaded machine (default {MAX_SPREAD})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +143,16 @@ def tau_per_request(records: list[Record]) -> float:
     return sum(taus) / len(taus) if taus else math.nan
 
 
+def timing_spread(records: list[Record]) -> float:
+    """Largest ``max/min - 1`` over the records' repeated decode times; NaN when none was repeated."""
+    spreads = []
+    for r in records:
+        reps = [t for t in (r.decode_s_repeats or []) if isinstance(t, (int, float))]
+        if len(reps) >= 2 and min(reps) > 0:
+            spreads.append(max(reps) / min(reps) - 1.0)
+    return max(spreads) if spreads else math.nan
+
+
 def tok_s(records: list[Record]) -> float:
     secs = sum(r.decode_s for r in records)
     return sum(r.new_tokens for r in records) / secs if secs > 0 else math.nan
@@ -188,7 +212,7 @@ def combine_forcing(words: Iterable[str]) -> str:
 
 
 def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[Cell, str], dict],
-             specpilot_note: str) -> dict:
+             specpilot_note: str, max_spread: float = MAX_SPREAD) -> dict:
     """One table row for ``cell`` from its records by engine and the forcing verdicts."""
     deployment, benchmark, concurrency = cell
     where = f"cell {deployment}/{benchmark}/c{concurrency}"
@@ -228,6 +252,12 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
         if word == "not run":
             notes.append(f"{eng} forcing not run")
     row["forcing"] = combine_forcing(words)
+    spread = timing_spread([r for recs in engines.values() for r in recs])
+    row["timing_spread"] = spread
+    row["timing_warning"] = bool(spread > max_spread)  # NaN (timed once) compares False
+    if row["timing_warning"]:
+        notes.append(f"loaded machine: repeated timings differ by up to {spread:.0%} "
+                     f"(> {max_spread:.0%}); speedups unreliable")
     row["note"] = "; ".join(notes)
     return row
 
@@ -243,6 +273,9 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
            "drafter": same_or_all("drafter"), "benchmark": SUMMARY, "concurrency": concurrency,
            "n_requests": sum(r["n_requests"] for r in rows),
            "synthetic": any(r["synthetic"] for r in rows)}
+    spreads = [r["timing_spread"] for r in rows if r.get("timing_spread") == r.get("timing_spread")]
+    out["timing_spread"] = max(spreads) if spreads else math.nan
+    out["timing_warning"] = any(r.get("timing_warning") for r in rows)
     notes = []
     for col in value_cols:
         vals = [r[col] for r in rows]
@@ -253,6 +286,9 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
     for col in [c for c in rows[0] if c.endswith("_forcing")]:
         out[col] = combine_forcing(r[col] for r in rows)
     out["forcing"] = combine_forcing(r["forcing"] for r in rows)
+    if out["timing_warning"]:
+        notes.append("loaded machine in " + ", ".join(
+            f"{r['deployment']}/{r['benchmark']}" for r in rows if r.get("timing_warning")))
     if out["forcing"] == "FAIL":
         notes.append("forcing FAIL in " + ", ".join(
             f"{r['deployment']}/{r['benchmark']}" for r in rows if r["forcing"] == "FAIL"))
@@ -265,8 +301,12 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
 
 
 def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict] | None = None,
-                specpilot_note: str = "specpilot not run") -> pd.DataFrame:
-    """The study table (cells and summary rows) as a DataFrame with :data:`COLUMNS` first."""
+                specpilot_note: str = "specpilot not run", max_spread: float = MAX_SPREAD) -> pd.DataFrame:
+    """The study table (cells and summary rows) as a DataFrame with :data:`COLUMNS` first.
+
+    ``max_spread``: see ``timing_warning`` in the module docstring; each flagged cell is also
+    logged as a warning (logger ``specpilot.table``).
+    """
     forcing = forcing or {}
     cells = group_records(records)
     if not cells:
@@ -283,8 +323,13 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
     def bench_key(b):
         return (BENCHMARK_ORDER.index(b), b) if b in BENCHMARK_ORDER else (len(BENCHMARK_ORDER), b)
 
-    rows_by_cell = {cell: cell_row(cell, engines, forcing, specpilot_note)
+    rows_by_cell = {cell: cell_row(cell, engines, forcing, specpilot_note, max_spread)
                     for cell, engines in cells.items()}
+    for cell, row in rows_by_cell.items():
+        if row["timing_warning"]:
+            log.warning("cell %s/%s/c%d: repeated timings differ by up to %.0f%% (> %.0f%%): the machine was "
+                        "loaded while it was timed; its speedups are unreliable (rerun it on an idle machine)",
+                        *cell, 100 * row["timing_spread"], 100 * max_spread)
     candidates = sorted({c[: -len("_forcing")] for r in rows_by_cell.values() for c in r
                          if c.endswith("_forcing")},
                         key=lambda e: (CANDIDATES.index(e) if e in CANDIDATES else len(CANDIDATES), e))
@@ -318,15 +363,21 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
-    """Write the table as CSV atomically; empty cells (NaN) are written as empty fields."""
-    atomic_write_text(path, df.to_csv(index=False, float_format="%.6g", na_rep=""))
+    """Write the table as CSV atomically; empty cells (NaN) are written as empty fields, floats at
+    full precision (Python's shortest round-trip repr: read back, a value is the same float)."""
+    atomic_write_text(path, df.to_csv(index=False, na_rep=""))
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     records: list[Record] = []
     for path in args.records:
         records.extend(read_records(path))
-    df = build_table(records, read_forcing(args.forcing), args.specpilot_note)
+    df = build_table(records, read_forcing(args.forcing), args.specpilot_note,
+                     getattr(args, "max_spread", MAX_SPREAD))
     write_table(df, args.out)
     n_cells = int((df["benchmark"] != SUMMARY).sum())
     print(f"{n_cells} cells, {len(df) - n_cells} summary rows -> {args.out}")

@@ -15,7 +15,7 @@ from .errors import SpecpilotError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "build-tiny": ("specpilot.tiny.build", "build the embedded tiny deployment (tokenizer, target, drafter) on CPU"),
-    "prompts": ("specpilot.benchmarks", "write one benchmark's formatted, tokenized prompts"),
+    "prompts": ("specpilot.prompts", "write one benchmark's formatted, tokenized prompts"),
     "run": ("specpilot.engine.cli", "run one engine over a prompt file into a records file"),
     "force": ("specpilot.forcing", "token forcing: check a candidate's records against reference records"),
     "ceilings": ("specpilot.ceilings", "measure a device's memory bandwidth and matmul rate"),

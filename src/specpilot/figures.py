@@ -4,8 +4,9 @@ Writes ``speedup.png`` (speedup over AR per benchmark, stock vs specpilot), ``ta
 (acceptance length per benchmark) and ``concurrency.png`` (speedup vs concurrency) into the output
 folder. Readable in grayscale: engines differ by gray level and hatching (bars) or line style and
 marker (lines). A value the table leaves empty (engine not run, or token forcing failed) is drawn as
-absent, labelled ``n/a`` or ``FAIL``, never as zero. ``rounds.png`` in the same folder belongs to the
-agent rounds.
+absent, labelled ``n/a`` or ``FAIL``, never as zero. A value from a cell timed on a loaded machine
+(table column ``timing_warning``) is marked ``!`` above its bar or point and explained in the notes.
+``rounds.png`` in the same folder belongs to the agent rounds.
 """
 
 from __future__ import annotations
@@ -57,8 +58,19 @@ def _absent_label(row, engine: str) -> str:
     return "FAIL" if row.get(f"{engine}_forcing") == "FAIL" else "n/a"
 
 
+def _warned(row) -> bool:
+    """The row's cell was timed on a loaded machine (table column ``timing_warning``)."""
+    v = row.get("timing_warning", False)
+    return str(v).strip().lower() == "true" if not isinstance(v, bool) else v
+
+
+LOADED_NOTE = "!: timed on a loaded machine (repeated timings differ, see timing_spread): value unreliable"
+
+
 def _notes(df: pd.DataFrame) -> list[str]:
     notes = []
+    if any(_warned(r) for _, r in df.iterrows()):
+        notes.append(LOADED_NOTE)
     for engine in ENGINE_STYLE:
         col = f"{engine}_speedup"
         if col in df and df[col].isna().all():
@@ -72,8 +84,12 @@ def _notes(df: pd.DataFrame) -> list[str]:
 
 
 def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: Path,
-                  baseline: float | None) -> None:
-    """Grouped bars per benchmark (+ geomean), one panel per deployment, at the lowest concurrency."""
+                  baseline: float | None) -> list[tuple[str, str, str]]:
+    """Grouped bars per benchmark (+ geomean), one panel per deployment, at the lowest concurrency.
+
+    Returns the (deployment, benchmark, engine) bars marked ``!`` (loaded machine).
+    """
+    marked = []
     plt = _plt()
     conc = int(df["concurrency"].min())
     d = df[(df["concurrency"] == conc) & (df["deployment"] != "all")]
@@ -96,6 +112,9 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
                            label=None if labelled else engine)
                     labelled = True
                     top = max(top, v)
+                    if _warned(row):
+                        ax.text(x, v, "!", ha="center", va="bottom", fontsize=9, fontweight="bold")
+                        marked.append((dep, row["benchmark"], engine))
                 else:
                     ax.text(x, 0.02, _absent_label(row, engine), rotation=90, ha="center",
                             va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
@@ -123,6 +142,7 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
+    return marked
 
 
 def speedup_vs_concurrency(df: pd.DataFrame, path: Path) -> None:
@@ -143,6 +163,10 @@ def speedup_vs_concurrency(df: pd.DataFrame, path: Path) -> None:
             pts = [(c, v) for c, v in zip(rows["concurrency"], rows[col]) if _isnum(v)]
             if not pts:
                 continue
+            for (_, r) in rows.iterrows():
+                if _warned(r) and _isnum(r[col]):
+                    ax.annotate("!", (r["concurrency"], r[col]), textcoords="offset points", xytext=(0, 5),
+                                ha="center", fontsize=9, fontweight="bold")
             xs, ys = zip(*pts)
             ax.plot(xs, ys, linestyle=ls, marker=marker, color=gray, markerfacecolor="white"
                     if engine == "specpilot" else gray, label=f"{dep} {engine}")

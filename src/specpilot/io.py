@@ -15,12 +15,24 @@ from typing import Any, Iterable
 from .errors import SpecpilotError
 
 
+def _umask() -> int:
+    """The process's file-mode creation mask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file in the same directory + ``os.replace``)."""
+    """Write ``text`` to ``path`` atomically (temp file in the same directory + ``os.replace``).
+
+    The file gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask, e.g.
+    0o644), not the 0o600 of a temporary file, so others on a shared filesystem can read results.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -4,30 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
 from ..errors import SpecpilotError
 from ..io import read_json
-from ..records import write_records
+from ..records import merge_repeats, write_records
 from .serve import ENGINES, EngineSpec, pick_device, pick_dtype, read_prompts, serve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, choices=ENGINES)
+    p.add_argument("--engine", required=True, choices=ENGINES,
+                   help="ar (autoregressive baseline), stock (block drafter, linear verification), lookup "
+                        "(prompt lookup), specpilot (stock + the mechanisms in --engine-config)")
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--drafter", help="drafter checkpoint directory (stock, specpilot)")
     p.add_argument("--prompts", required=True, help="prompt file from 'specpilot prompts'")
     p.add_argument("--out", required=True, help="records file to write (JSON lines)")
-    p.add_argument("--deployment", default="custom")
+    p.add_argument("--deployment", default="custom", help="deployment name recorded with each request")
     p.add_argument("--target-name", help="target name for the records (default: --target)")
-    p.add_argument("--drafter-name", default="dflash")
+    p.add_argument("--drafter-name", default="dflash", help="drafter name recorded with each request (default dflash)")
     p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests decoded together in one batch (default 1)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="tokens per verify step, anchor/bonus included (default 8; the engine config's wins)")
     p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16")
     p.add_argument("--weight-format", default=None, help="bf16 or w12 (overrides the engine config)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
@@ -36,9 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-turn", action="store_true",
                    help="chain every user turn of multi-turn prompts (mt-bench): turn k+1's prompt is the chat "
                         "so far with the engine's own answers; its records get the request id '<id>/turn<k+1>'")
-    p.add_argument("--max-seq", type=int, help="KV-cache slots per request (default: what the prompts need, "
-                   "at most the target's max_position_embeddings)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq", type=int, help="KV-cache slots per request (default: what the prompts need; "
+                   "more than the target's max_position_embeddings is refused)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed (default 0; greedy decoding does not use it)")
+    p.add_argument("--timing-repeats", type=int, default=1,
+                   help="decode the prompts this many times (default 1): outputs must be identical, each record "
+                        "keeps its fastest run's timings and all decode times as decode_s_repeats (their spread "
+                        "shows a loaded machine in the table)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="CUDA graphs for decode/verify/draft steps (auto: on for CUDA devices)")
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
@@ -61,6 +69,8 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     if args.max_new_tokens < 1:
         raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.timing_repeats < 1:
+        raise SpecpilotError(f"--timing-repeats must be >= 1, got {args.timing_repeats}")
     config = dict(read_json(args.engine_config)) if args.engine_config else {}
     if not isinstance(config, dict):
         raise SpecpilotError(f"{args.engine_config} must hold a JSON object")
@@ -92,22 +102,33 @@ def run(args) -> int:
         from .graphs import step_graphs
 
         step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
+    warm = {"up": True}
+
     def serve_turn(rows):
         return serve(spec, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
                      meta={"deployment": args.deployment, "target": args.target_name or args.target,
                            "drafter": drafter_name, "gpu": args.gpu},
                      eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
                      graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile)
+                     profile=not args.no_profile, warmup=warm["up"])
 
+    tokenizer = None
     if args.multi_turn:
         from transformers import AutoTokenizer
 
-        from .serve import serve_turns
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    runs = []
+    for rep in range(args.timing_repeats):
+        print(f"{args.engine} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+              f"run {rep + 1}/{args.timing_repeats}", file=sys.stderr, flush=True)
+        if tokenizer is not None:
+            from .serve import serve_turns
 
-        records = serve_turns(serve_turn, prompts, AutoTokenizer.from_pretrained(args.target))
-    else:
-        records = serve_turn(prompts)
+            runs.append(serve_turns(serve_turn, prompts, tokenizer))
+        else:
+            runs.append(serve_turn(prompts))
+        warm["up"] = False  # warmed once; later runs are timed as they come
+    records = merge_repeats(runs)
     write_records(args.out, records)
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..benchmarks import select, training_pairs
+from ..prompts import select, training_pairs
 from ..errors import SpecpilotError
 from ..io import write_json
 from ..models.config import TargetConfig
@@ -86,7 +86,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     """Build tokenizer, target and DFlash drafter into ``out_dir``; return the build summary.
 
     Layout: ``{out}/target/`` (checkpoint + tokenizer), ``{out}/drafter-dflash/``, ``{out}/build.json``.
-    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.benchmarks`).
+    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.prompts`).
     """
     t_start = time.time()
     out = Path(out_dir)
@@ -165,7 +165,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
 
 
 def _gsm8k_answers(data_dir, seed):
-    from ..benchmarks import load_rows
+    from ..prompts import load_rows
 
     rows = load_rows("gsm8k", data_dir)
     return [rows[int(r["request_id"].split("/")[1])] for r in select("gsm8k", 200, seed=seed, data_dir=data_dir)]
@@ -173,7 +173,9 @@ def _gsm8k_answers(data_dir, seed):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="deployment directory, e.g. resources/deployments/tiny")
-    p.add_argument("--data-dir", help="local benchmark folder (default: SPECPILOT_DATA_DIR, else the Hub)")
+    p.add_argument("--data-dir", help="local benchmark folder (default: SPECPILOT_DATA_DIR, else "
+                   "shared/data/benchmarks beside the repository, else the Hub)")
+    p.add_argument("--data-id", help="expected checksum of the data (the workflow passes it): refuse other data")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds-long build for tests (not a useful model)")
     p.add_argument("--threads", type=int, default=0)
@@ -182,5 +184,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    build_tiny(args.out, args.data_dir, args.seed, QUICK if args.quick else FULL)
+    from ..prompts import check_data_id
+
+    data_dir = check_data_id(args.data_dir, args.data_id)
+    build_tiny(args.out, data_dir, args.seed, QUICK if args.quick else FULL)
     return 0

@@ -11,19 +11,32 @@ Benchmarks and sources (the DFlash harness, dflash/benchmark.py; see shared/note
 | mt-bench  | 80   | mt_bench/question.jsonl         | HuggingFaceH4/mt_bench_prompts, split train  |
 
 MBPP is the full set's test split (task ids 11..510), not DFlash's "sanitized" subset: the local copy
-holds the full set only. The data dir is ``data_dir`` when given, else ``$SPECPILOT_DATA_DIR``, laid
-out like ``shared/data/benchmarks``; with neither, rows come from the Hub through ``datasets``.
+holds the full set only. The data dir is resolved by :func:`resolve_data_dir`: ``data_dir`` when
+given, else ``$SPECPILOT_DATA_DIR``, else ``shared/data/benchmarks`` beside the repository when it
+exists; with none of them, rows come from the Hub through ``datasets``.
+
+Calibration prompts (the agent rounds) never come from the evaluation rows, whatever ``n_prompts``
+is (:func:`calibration_pool`): gsm8k's come from its train split and mbpp's from its non-test tasks
+(task ids 1-10 and 511-974, minus three whose text repeats a test task), each from a fixed reserve
+of :data:`TRAIN_RESERVE` rows that :func:`training_pairs` leaves out of the tiny deployment's
+training text. humaneval, math500 and mt-bench have no other split: a fixed slice of
+:data:`TEST_RESERVE` rows (half the rows for a benchmark of fewer than ``2 * TEST_RESERVE``) is
+reserved for calibration and is never an evaluation prompt, so ``n_prompts: all`` there means every
+row but the reserve (156 humaneval, 492 math500, 72 mt-bench prompts).
 
 Prompt formats (first user turn): gsm8k and math500 append
 ``"\\nPlease reason step by step, and put your final answer within \\\\boxed{}."``; humaneval wraps the
 prompt as ``"Write a solution to the following problem and make sure that it passes the
 tests:\\n```python\\n" + prompt + "\\n```"``; mbpp uses the task text and mt-bench the first turn raw.
-The chat template is applied with ``add_generation_prompt=True`` and ``enable_thinking=False``.
+The chat template is applied with ``add_generation_prompt=True`` and the settings in
+:data:`CHAT_TEMPLATE_KWARGS` (``enable_thinking=False``); every prompt row records them
+(``chat_template_kwargs``) so that later turns of a conversation are rendered the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 from pathlib import Path
@@ -36,6 +49,13 @@ BENCHMARKS: tuple[str, ...] = ("gsm8k", "humaneval", "math500", "mbpp", "mt-benc
 ROLES: tuple[str, ...] = ("eval", "calibration")
 DATA_DIR_ENV = "SPECPILOT_DATA_DIR"
 MBPP_TEST_TASK_IDS = range(11, 511)  # the full MBPP set's test split (500 tasks)
+# Calibration reserves (see the module docstring). Fixed: they depend neither on the seed nor on
+# n_prompts, so eval and calibration stay disjoint and an eval subset never moves when the
+# calibration count changes.
+TRAIN_RESERVE = 64   # gsm8k train / mbpp non-test rows kept out of the tiny training text
+TEST_RESERVE = 8     # test rows of humaneval, math500, mt-bench never used for evaluation
+RESERVE_SEED = 0     # seed of the fixed permutation the reserves are taken from
+CHAT_TEMPLATE_KWARGS: dict[str, Any] = {"enable_thinking": False}
 
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -58,22 +78,86 @@ def _check_benchmark(benchmark: Any) -> str:
     return benchmark
 
 
-def _resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
-    if data_dir is None or str(data_dir) == "":
-        data_dir = os.environ.get(DATA_DIR_ENV) or None
+def repo_data_dir(repo: str | os.PathLike | None = None) -> Path:
+    """``shared/data/benchmarks`` beside the repository (``repo``: its root; default: the checkout
+    this package was imported from, two levels above ``src/specpilot``)."""
+    root = Path(repo) if repo is not None else Path(__file__).resolve().parents[2]
+    return root.resolve().parent / "shared" / "data" / "benchmarks"
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None, repo: str | os.PathLike | None = None
+                     ) -> Path | None:
+    """Where the benchmark files are read from.
+
+    Order: ``data_dir`` (config ``data_dir`` / ``--data-dir``), else ``$SPECPILOT_DATA_DIR``, else
+    :func:`repo_data_dir` when it holds a ``MANIFEST.json`` (the folder the tests use), else
+    ``None`` (the Hugging Face Hub).
+
+    Raises:
+        SpecpilotError: an explicitly named folder (argument or variable) is not a directory.
+    """
+    for value, what in ((data_dir, "data_dir"), (os.environ.get(DATA_DIR_ENV), f"${DATA_DIR_ENV}")):
+        if value is None or str(value) == "":
+            continue
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise SpecpilotError(f"benchmark data dir {str(path)!r} ({what}) is not a directory")
+        return path
+    beside = repo_data_dir(repo)
+    return beside if (beside / "MANIFEST.json").is_file() else None
+
+
+def data_checksum(data_dir: str | os.PathLike | None) -> str:
+    """Identity of the benchmark data, for the workflow's params (a path would make the DAG
+    depend on where the data lies): ``"hub"`` for the Hugging Face Hub, else the first 16 hex
+    digits of the SHA-256 of the folder's ``MANIFEST.json``, or, without one, of the benchmark
+    files it holds (names and contents)."""
     if data_dir is None:
-        return None
-    path = Path(data_dir)
-    if not path.is_dir():
-        raise SpecpilotError(f"benchmark data dir {str(path)!r} is not a directory")
-    return path
+        return "hub"
+    root = Path(data_dir)
+    h = hashlib.sha256()
+    manifest = root / "MANIFEST.json"
+    if manifest.is_file():
+        h.update(manifest.read_bytes())
+    else:
+        for rel in sorted({v[0] for v in _SOURCES.values()}):
+            f = root / rel
+            if f.is_file():
+                h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def _resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
+    return resolve_data_dir(data_dir)
+
+
+def check_data_id(data_dir: str | os.PathLike | None, data_id: str | None) -> Path | None:
+    """Resolve the data dir and check it is the data the workflow planned with.
+
+    Args:
+        data_dir: as for :func:`resolve_data_dir`.
+        data_id: the expected :func:`data_checksum` (``--data-id``), or None to skip the check.
+
+    Returns:
+        The resolved folder (None = the Hub).
+
+    Raises:
+        SpecpilotError: the data found here has another checksum (both named, and what to set).
+    """
+    root = resolve_data_dir(data_dir)
+    if data_id is not None and data_checksum(root) != data_id:
+        where = str(root) if root is not None else "the Hugging Face Hub"
+        raise SpecpilotError(
+            f"the benchmark data found here ({where}, id {data_checksum(root)}) is not the data the workflow "
+            f"planned with (id {data_id}); set config data_dir or {DATA_DIR_ENV} to that folder")
+    return root
 
 
 def _load_hub(key: str, benchmark: str) -> list[dict]:
     _, repo, config, splits = _SOURCES[key]
     hint = (
-        f"cannot load benchmark {benchmark!r}: no local data dir was configured (pass data_dir / --data-dir, "
-        f"or set {DATA_DIR_ENV}, to a folder laid out like shared/data/benchmarks)"
+        f"cannot load benchmark {benchmark!r}: no local data dir was configured (set config data_dir / "
+        f"--data-dir, or the environment variable {DATA_DIR_ENV}, to a folder laid out like shared/data/benchmarks)"
     )
     try:
         from datasets import load_dataset
@@ -164,6 +248,59 @@ def _parse_n(n: Any, what: str = "n_prompts") -> int | None:
     return n or None
 
 
+def _permutation(total: int, seed: int) -> list[int]:
+    order = list(range(total))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def test_reserve(total: int) -> list[int]:
+    """Row indices (in :func:`load_rows` order) reserved for calibration on a benchmark without a
+    train split: the last ``min(TEST_RESERVE, total // 2)`` indices of the fixed permutation
+    (seed :data:`RESERVE_SEED`), last first."""
+    size = min(TEST_RESERVE, total // 2)
+    return _permutation(total, RESERVE_SEED)[::-1][:size]
+
+
+def _reserved_eval_rows(benchmark: str, total: int) -> set[int]:
+    """Evaluation rows held back for calibration (none where a train split supplies it)."""
+    return set() if benchmark in ("gsm8k", "mbpp") else set(test_reserve(total))
+
+
+def calibration_pool(benchmark: str, data_dir: str | os.PathLike | None = None) -> list[dict]:
+    """Every row calibration prompts of ``benchmark`` may come from, disjoint from evaluation.
+
+    gsm8k: the first :data:`TRAIN_RESERVE` rows of a fixed permutation of its train split;
+    mbpp: the same of its non-test tasks (ids outside 11..510) whose text is no test task's text;
+    humaneval, math500, mt-bench: the :func:`test_reserve` rows of the test split, which
+    :func:`select` never returns for role ``"eval"``.
+
+    Returns:
+        Rows ``{"request_id", "benchmark", "turns"}`` in the reserve's fixed order. Request ids say
+        where a row comes from: ``gsm8k/train-{i:04d}`` (train split row i), ``mbpp/task-{id:04d}``
+        (MBPP task id), ``{benchmark}/{i:04d}`` (reserved test row i).
+
+    Raises:
+        SpecpilotError: as for :func:`load_rows`.
+    """
+    _check_benchmark(benchmark)
+    if benchmark == "gsm8k":
+        rows = _load_source("gsm8k-train", benchmark, data_dir)
+        chosen = _permutation(len(rows), RESERVE_SEED)[:TRAIN_RESERVE]
+        return [{"request_id": f"gsm8k/train-{i:04d}", "benchmark": benchmark,
+                 "turns": _turns(benchmark, rows[i], i)} for i in chosen]
+    if benchmark == "mbpp":
+        test_texts = {r.get("text") for r in load_rows("mbpp", data_dir)}
+        rows = [r for r in _load_source("mbpp-all", benchmark, data_dir)
+                if r.get("task_id") not in MBPP_TEST_TASK_IDS and r.get("text") not in test_texts]
+        chosen = _permutation(len(rows), RESERVE_SEED)[:TRAIN_RESERVE]
+        return [{"request_id": f"mbpp/task-{int(rows[i]['task_id']):04d}", "benchmark": benchmark,
+                 "turns": _turns(benchmark, rows[i], i)} for i in chosen]
+    rows = load_rows(benchmark, data_dir)
+    return [{"request_id": f"{benchmark}/{i:04d}", "benchmark": benchmark, "turns": _turns(benchmark, rows[i], i)}
+            for i in test_reserve(len(rows))]
+
+
 def select(
     benchmark: str,
     n: int | str,
@@ -175,29 +312,32 @@ def select(
 ) -> list[dict]:
     """A deterministic subset of a benchmark's prompts.
 
-    The row indices are permuted with ``random.Random(seed).shuffle`` (stable across Python
-    versions). Role ``"eval"`` takes the first ``n`` indices of the permutation; ``"calibration"``
-    takes ``n`` from its end (last index first). So a smaller subset is a prefix of a larger one of
-    the same role, and eval and calibration prompts are disjoint while ``n_eval + n <= rows``.
+    Role ``"eval"``: the row indices are permuted with ``random.Random(seed).shuffle`` (stable
+    across Python versions), the calibration reserve (:func:`test_reserve`; none for gsm8k and
+    mbpp) is dropped, and the first ``n`` are taken. Role ``"calibration"``: the
+    :func:`calibration_pool` shuffled with the same seed, first ``n``. So a smaller subset is a
+    prefix of a larger one of the same role, and eval and calibration prompts are disjoint for
+    every ``n``, including ``"all"``.
 
     Args:
         benchmark: one of :data:`BENCHMARKS`.
-        n: number of prompts; 0 or ``"all"`` means every row (role ``"eval"`` only).
+        n: number of prompts; 0 or ``"all"`` means every evaluation row (role ``"eval"`` only).
         seed: permutation seed.
         role: ``"eval"`` or ``"calibration"``.
         data_dir: see :func:`load_rows`.
-        n_eval: for role ``"calibration"``, the eval subset size to stay disjoint from (0 or
-            ``"all"`` = every row); ``None`` skips the check.
+        n_eval: accepted for compatibility and checked (an integer or ``"all"``); calibration no
+            longer depends on it.
 
     Returns:
-        Rows ``{"request_id": f"{benchmark}/{i:04d}", "benchmark", "turns": [str, ...]}`` in
-        permutation order, where ``i`` is the row's index in :func:`load_rows` order (for mbpp,
-        ``mbpp/0000`` is task 11). ``turns`` holds the user turns: the first formatted for the
-        benchmark, further ones (mt-bench's second turn) raw.
+        Rows ``{"request_id", "benchmark", "turns": [str, ...]}``. Eval request ids are
+        ``f"{benchmark}/{i:04d}"``, ``i`` the row's index in :func:`load_rows` order (for mbpp,
+        ``mbpp/0000`` is task 11); calibration ids as in :func:`calibration_pool`. ``turns`` holds
+        the user turns: the first formatted for the benchmark, further ones (mt-bench's second
+        turn) raw.
 
     Raises:
-        SpecpilotError: unknown benchmark or role, bad ``n``/``seed``, ``n`` larger than the
-            benchmark, calibration of all rows, or calibration overlapping ``n_eval``.
+        SpecpilotError: unknown benchmark or role, bad ``n``/``seed``/``n_eval``, ``n`` larger than
+            the evaluation rows or the calibration reserve, calibration of all rows.
     """
     _check_benchmark(benchmark)
     if role not in ROLES:
@@ -205,44 +345,46 @@ def select(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SpecpilotError(f"seed must be an integer, got {seed!r}")
     count = _parse_n(n)
+    if n_eval is not None:
+        _parse_n(n_eval, "n_eval")
+    if role == "calibration":
+        if count is None:
+            raise SpecpilotError(f"calibration prompts for {benchmark!r} must be a number, not all rows (n={n!r})")
+        pool = calibration_pool(benchmark, data_dir)
+        if count > len(pool):
+            raise SpecpilotError(
+                f"{count} calibration prompts asked for {benchmark!r}, but {len(pool)} are reserved for "
+                f"calibration (config rounds.calibration_prompts must be <= {len(pool)})")
+        order = _permutation(len(pool), seed)
+        return [pool[i] for i in order[:count]]
     rows = load_rows(benchmark, data_dir)
     total = len(rows)
-    if count is None:
-        if role == "calibration":
-            raise SpecpilotError(f"calibration prompts for {benchmark!r} must be a number, not all rows (n={n!r})")
-        count = total
-    if count > total:
-        raise SpecpilotError(f"{benchmark!r} has {total} prompts, cannot select n={count}")
-    order = list(range(total))
-    random.Random(seed).shuffle(order)
-    if role == "calibration":
-        if n_eval is not None:
-            eval_count = _parse_n(n_eval, "n_eval")
-            eval_count = total if eval_count is None else eval_count
-            if eval_count + count > total:
-                raise SpecpilotError(
-                    f"{benchmark!r}: {count} calibration + {eval_count} eval prompts exceed its {total} rows; they would overlap"
-                )
-        chosen = order[::-1][:count]
-    else:
-        chosen = order[:count]
+    reserved = _reserved_eval_rows(benchmark, total)
+    order = [i for i in _permutation(total, seed) if i not in reserved]
+    count = len(order) if count is None else count
+    if count > len(order):
+        extra = f" ({len(reserved)} of its {total} rows are reserved for calibration)" if reserved else ""
+        raise SpecpilotError(f"{benchmark!r} has {len(order)} evaluation prompts{extra}, cannot select n={count}")
     return [
         {"request_id": f"{benchmark}/{i:04d}", "benchmark": benchmark, "turns": _turns(benchmark, rows[i], i)}
-        for i in chosen
+        for i in order[:count]
     ]
 
 
-def format_prompt(tokenizer: Any, turns_so_far_messages: list[dict]) -> str:
+def format_prompt(tokenizer: Any, turns_so_far_messages: list[dict], template_kwargs: dict | None = None) -> str:
     """Apply the tokenizer's chat template to a conversation, ready for the assistant's reply.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
         turns_so_far_messages: ``[{"role": "user"|"assistant"|"system", "content": str}, ...]``,
             ending with the user turn to answer.
+        template_kwargs: extra chat-template variables; default :data:`CHAT_TEMPLATE_KWARGS`
+            (``enable_thinking=False``). The same settings must be used for every turn of one
+            conversation (prompt rows record them as ``chat_template_kwargs``).
 
     Returns:
         ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-        enable_thinking=False)`` (templates without a thinking switch ignore the flag).
+        **template_kwargs)`` (templates without a thinking switch ignore the flag).
 
     Raises:
         SpecpilotError: the messages are malformed or the tokenizer has no chat template.
@@ -255,9 +397,8 @@ def format_prompt(tokenizer: Any, turns_so_far_messages: list[dict]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
         raise SpecpilotError(f"tokenizer {name!r} has no chat template")
-    return tokenizer.apply_chat_template(
-        turns_so_far_messages, add_generation_prompt=True, tokenize=False, enable_thinking=False
-    )
+    kwargs = dict(CHAT_TEMPLATE_KWARGS if template_kwargs is None else template_kwargs)
+    return tokenizer.apply_chat_template(turns_so_far_messages, add_generation_prompt=True, tokenize=False, **kwargs)
 
 
 def _load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
@@ -268,8 +409,9 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
         raise SpecpilotError(f"tokenizer folder {name!r} not found")
     try:
         return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except (OSError, ValueError, TypeError) as e:
+        # the whole message (transformers explains over several lines what it looked for), on one line
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
         raise SpecpilotError(f"cannot load a tokenizer from {str(tokenizer_dir)!r}: {reason}") from None
 
 
@@ -287,10 +429,12 @@ def write_prompt_file(
 ) -> list[dict]:
     """Write one benchmark's formatted, tokenized prompts as JSON lines (atomically).
 
-    Each line is ``{"request_id", "benchmark", "prompt_text", "prompt_ids", "turns"}``:
-    ``prompt_text`` is the chat-templated first turn (:func:`format_prompt`), ``prompt_ids`` its
-    token ids (list of int, ``add_special_tokens=False`` since the template already holds the
-    special tokens), ``turns`` all user turns (see :func:`select`).
+    Each line is ``{"request_id", "benchmark", "prompt_text", "prompt_ids", "turns",
+    "chat_template_kwargs"}``: ``prompt_text`` is the chat-templated first turn
+    (:func:`format_prompt`), ``prompt_ids`` its token ids (list of int, ``add_special_tokens=False``
+    since the template already holds the special tokens), ``turns`` all user turns (see
+    :func:`select`), ``chat_template_kwargs`` the template settings used (:data:`CHAT_TEMPLATE_KWARGS`),
+    which later turns of a multi-turn prompt must be rendered with too.
 
     Args:
         benchmark, n_prompts, seed, role, data_dir, n_eval: as for :func:`select`.
@@ -313,14 +457,14 @@ def write_prompt_file(
     tokenizer = _load_tokenizer(tokenizer_dir)
     rows = []
     for row in selected:
-        text = format_prompt(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        text = format_prompt(tokenizer, [{"role": "user", "content": row["turns"][0]}], CHAT_TEMPLATE_KWARGS)
         ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             raise SpecpilotError(
                 f"prompt {row['request_id']} has {len(ids)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
             )
         rows.append({"request_id": row["request_id"], "benchmark": benchmark, "prompt_text": text,
-                     "prompt_ids": ids, "turns": row["turns"]})
+                     "prompt_ids": ids, "turns": row["turns"], "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS)})
     write_jsonl(out, rows)
     return rows
 
@@ -331,12 +475,15 @@ def training_pairs(data_dir: str | os.PathLike | None = None) -> list[tuple[str,
     GSM8K train (user = question formatted like the gsm8k prompt, assistant = the worked answer),
     then MBPP tasks outside 11..510 (user = task text, assistant = its ``code`` with ``\\r\\n`` ->
     ``\\n``). A pair whose user text equals a gsm8k or mbpp test prompt is dropped as well (MBPP
-    tasks 602, 704 and 872 repeat the text of test tasks 217, 248 and 216).
+    tasks 602, 704 and 872 repeat the text of test tasks 217, 248 and 216), and so is every
+    calibration prompt (:func:`calibration_pool`: 64 gsm8k train rows, 64 mbpp tasks), so the
+    agent rounds never calibrate on the tiny drafter's training text.
 
     Raises:
         SpecpilotError: a source is missing (see :func:`load_rows`) or a row lacks a field.
     """
-    test_prompts = {t for b in ("gsm8k", "mbpp") for r in select(b, "all", data_dir=data_dir) for t in r["turns"]}
+    held_out = {t for b in ("gsm8k", "mbpp") for r in select(b, "all", data_dir=data_dir) for t in r["turns"]}
+    held_out |= {t for b in ("gsm8k", "mbpp") for r in calibration_pool(b, data_dir) for t in r["turns"]}
     pairs = []
     for i, row in enumerate(_load_source("gsm8k-train", "gsm8k", data_dir)):
         user = _field(row, "question", "gsm8k train", i) + BOXED_SUFFIX
@@ -346,7 +493,7 @@ def training_pairs(data_dir: str | os.PathLike | None = None) -> list[tuple[str,
             continue
         code = _field(row, "code", "mbpp", i).replace("\r\n", "\n")
         pairs.append((_field(row, "text", "mbpp", i), code))
-    return [p for p in pairs if p[0] not in test_prompts]
+    return [p for p in pairs if p[0] not in held_out]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -355,18 +502,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--benchmark", required=True, help=f"one of: {', '.join(BENCHMARKS)}")
     parser.add_argument("--n-prompts", required=True, help="number of prompts; 0 or 'all' = every row (eval only)")
     parser.add_argument("--seed", type=int, default=0, help="subset permutation seed (default 0)")
-    parser.add_argument("--role", choices=ROLES, default="eval", help="eval: start of the permutation; calibration: its end")
-    parser.add_argument("--n-eval", default=None, help="calibration only: eval subset size to stay disjoint from")
-    parser.add_argument("--data-dir", default=None, help=f"local benchmark folder (default ${DATA_DIR_ENV}, else the HF Hub)")
+    parser.add_argument("--role", choices=ROLES, default="eval",
+                        help="eval: evaluation rows; calibration: the rows reserved for the agent rounds (a train "
+                             "split where the benchmark has one), disjoint from every evaluation row")
+    parser.add_argument("--n-eval", default=None, help="ignored (calibration no longer depends on the eval count)")
+    parser.add_argument("--data-dir", default=None, help=f"local benchmark folder (default ${DATA_DIR_ENV}, else "
+                        "shared/data/benchmarks beside the repository, else the HF Hub)")
+    parser.add_argument("--data-id", default=None,
+                        help="expected checksum of the data (the workflow passes it): refuse other data")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="fail if a prompt is longer than this")
     parser.add_argument("--out", required=True, help="output .jsonl file")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``specpilot prompts``: write the prompt file; returns 0."""
+    data_dir = check_data_id(args.data_dir, args.data_id)
     rows = write_prompt_file(
         args.benchmark, args.tokenizer, args.out, args.n_prompts, seed=args.seed, role=args.role,
-        data_dir=args.data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,
+        data_dir=data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,
     )
     print(f"wrote {len(rows)} {args.benchmark} prompts to {args.out}")
     return 0

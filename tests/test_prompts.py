@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot import benchmarks as bm
+from specpilot import prompts as bm
 from specpilot.cli import main as cli_main
 from specpilot.errors import SpecpilotError
 from specpilot.io import read_jsonl
@@ -38,10 +38,12 @@ def _jsonl(rel):
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("name,count", [("gsm8k", 1319), ("humaneval", 164), ("math500", 500), ("mbpp", 500), ("mt-bench", 80)])
-def test_row_counts(name, count):
+@pytest.mark.parametrize("name,count,reserved", [("gsm8k", 1319, 0), ("humaneval", 164, 8), ("math500", 500, 8),
+                                                ("mbpp", 500, 0), ("mt-bench", 80, 8)])
+def test_row_counts(name, count, reserved):
     assert len(bm.load_rows(name, DATA)) == count
-    assert len(bm.select(name, "all", data_dir=DATA)) == count
+    # benchmarks without a train split keep a fixed calibration reserve out of evaluation
+    assert len(bm.select(name, "all", data_dir=DATA)) == count - reserved
 
 
 def test_mbpp_is_test_split_in_file_order():
@@ -87,21 +89,44 @@ def test_subsets_deterministic_and_pinned():
     ids = lambda **kw: [r["request_id"] for r in bm.select("gsm8k", data_dir=DATA, **kw)]  # noqa: E731
     # pinned: changing the permutation silently changes every subset of the study
     assert ids(n=5) == ["gsm8k/1101", "gsm8k/0120", "gsm8k/0474", "gsm8k/0991", "gsm8k/0192"]
-    assert ids(n=3, role="calibration") == ["gsm8k/0788", "gsm8k/0861", "gsm8k/0082"]
+    assert ids(n=3, role="calibration") == ["gsm8k/train-1333", "gsm8k/train-2527", "gsm8k/train-6689"]
     assert ids(n=40) == ids(n=40)
     assert ids(n=40)[:10] == ids(n=10)
     assert ids(n=40, seed=1) != ids(n=40)
     assert ids(n=0) == ids(n="all") and sorted(ids(n=0)) == [f"gsm8k/{i:04d}" for i in range(1319)]
+    assert ids(n=3, role="calibration", seed=5) != ids(n=3, role="calibration")
+    assert ids(n=8, role="calibration")[:3] == ids(n=3, role="calibration")
 
 
-def test_eval_and_calibration_disjoint():
-    ev = {r["request_id"] for r in bm.select("mt-bench", 60, data_dir=DATA)}
-    cal = {r["request_id"] for r in bm.select("mt-bench", 20, role="calibration", data_dir=DATA, n_eval=60)}
-    assert len(ev) == 60 and len(cal) == 20 and not ev & cal and len(ev | cal) == 80
-    with pytest.raises(SpecpilotError, match="overlap"):
-        bm.select("mt-bench", 21, role="calibration", data_dir=DATA, n_eval=60)
+@pytest.mark.parametrize("name", bm.BENCHMARKS)
+def test_calibration_disjoint_from_every_eval_prompt(name):
+    """n_prompts: all (the study config) leaves room for calibration on every benchmark, and no
+    calibration prompt is an evaluation prompt, by id or by text, for any seed."""
+    for seed in (0, 1):
+        ev = bm.select(name, "all", seed=seed, data_dir=DATA, n_eval="all")
+        cal = bm.select(name, 8, role="calibration", seed=seed, data_dir=DATA, n_eval="all")
+        assert len(cal) == 8 and len({r["request_id"] for r in cal}) == 8
+        assert not {r["request_id"] for r in ev} & {r["request_id"] for r in cal}
+        assert not {t for r in ev for t in r["turns"]} & {t for r in cal for t in r["turns"]}
+        # the calibration rows do not depend on how many eval prompts there are
+        assert cal == bm.select(name, 8, role="calibration", seed=seed, data_dir=DATA, n_eval=4)
+    source = {"gsm8k": r"gsm8k/train-\d{4}", "mbpp": r"mbpp/task-\d{4}"}.get(name, rf"{name}/\d{{4}}")
+    assert all(re.fullmatch(source, r["request_id"]) for r in cal)
+    if name == "mbpp":
+        assert all(int(r["request_id"][-4:]) not in bm.MBPP_TEST_TASK_IDS for r in cal)
+    with pytest.raises(SpecpilotError, match="calibration_prompts"):
+        bm.select(name, len(bm.calibration_pool(name, DATA)) + 1, role="calibration", data_dir=DATA)
     with pytest.raises(SpecpilotError, match="calibration"):
-        bm.select("mt-bench", "all", role="calibration", data_dir=DATA)
+        bm.select(name, "all", role="calibration", data_dir=DATA)
+
+
+def test_calibration_cli_with_all_eval_prompts(tok_dir, tmp_path):
+    """`specpilot prompts --role calibration --n-eval all` (what the workflow runs for the study
+    config) writes its prompts; it refused before the calibration rows had a source of their own."""
+    out = tmp_path / "cal.jsonl"
+    rc = cli_main(["prompts", "--tokenizer", str(tok_dir), "--benchmark", "gsm8k", "--role", "calibration",
+                   "--n-prompts", "2", "--n-eval", "all", "--data-dir", str(DATA), "--out", str(out)])
+    assert rc == 0 and [r["request_id"] for r in read_jsonl(out)] == ["gsm8k/train-1333", "gsm8k/train-2527"]
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -133,8 +158,11 @@ def test_training_pairs_exclude_test_rows():
     assert not answers & {r["code"].replace("\r\n", "\n") for r in test_mbpp}
     assert not users & {r["question"] + BOXED for r in _jsonl("gsm8k/test.jsonl")}
     assert not users & {r["question"] for r in _jsonl("gsm8k/test.jsonl")}
+    # calibration prompts are never training text either
+    assert not users & {t for b in ("gsm8k", "mbpp") for r in bm.calibration_pool(b, DATA) for t in r["turns"]}
     # 7473 gsm8k train + 474 mbpp non-test tasks - 3 whose text repeats a test task (602, 704, 872)
-    assert len(pairs) == 7473 + 474 - 3
+    # - 64 + 64 reserved for calibration
+    assert len(pairs) == 7473 + 474 - 3 - 2 * bm.TRAIN_RESERVE
     train0 = _jsonl("gsm8k/train.jsonl")[0]
     assert pairs[0] == (train0["question"] + BOXED, train0["answer"])
     task1 = next(r for r in mbpp if r["task_id"] == 1)
@@ -145,8 +173,12 @@ def test_training_pairs_exclude_test_rows():
 def test_missing_source_is_one_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_DATA_DIR"}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    # as a user without the data folder beside the repository: no local data anywhere
+    script = ("import sys, specpilot.prompts as p; from pathlib import Path; "
+              f"p.repo_data_dir = lambda repo=None: Path({str(tmp_path / 'none')!r}); "
+              "from specpilot.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run(
-        [sys.executable, "-m", "specpilot.cli", "prompts", "--tokenizer", str(tmp_path), "--benchmark", "math500",
+        [sys.executable, "-c", script, "prompts", "--tokenizer", str(tmp_path), "--benchmark", "math500",
          "--n-prompts", "2", "--out", str(tmp_path / "p.jsonl")],
         env=env, capture_output=True, text=True, timeout=120,
     )
@@ -157,7 +189,7 @@ def test_missing_source_is_one_clear_error(tmp_path):
     assert not (tmp_path / "p.jsonl").exists()
 
 
-def test_hub_rows_mapped_to_local_layout(monkeypatch):
+def test_hub_rows_mapped_to_local_layout(monkeypatch, tmp_path):
     """Hub copies differ from the local files: mbpp comes split-wise, mt-bench names turns 'prompt'."""
     calls = []
 
@@ -174,6 +206,7 @@ def test_hub_rows_mapped_to_local_layout(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("SPECPILOT_DATA_DIR", raising=False)
+    monkeypatch.setattr(bm, "repo_data_dir", lambda repo=None: tmp_path / "none")
     assert bm.select("mt-bench", 1) == [{"request_id": "mt-bench/0000", "benchmark": "mt-bench", "turns": ["a", "b"]}]
     assert [r["task_id"] for r in bm.load_rows("mbpp")] == [11, 12]
     assert ("google-research-datasets/mbpp", "full", "train") in calls
@@ -191,7 +224,8 @@ def test_cli_writes_prompt_file(tok_dir, tmp_path, capsys):
     assert [r["request_id"] for r in rows] == [r["request_id"] for r in sel]
     tok = AutoTokenizer.from_pretrained(tok_dir)
     for row, s in zip(rows, sel):
-        assert set(row) == {"request_id", "benchmark", "prompt_text", "prompt_ids", "turns"}
+        assert set(row) == {"request_id", "benchmark", "prompt_text", "prompt_ids", "turns", "chat_template_kwargs"}
+        assert row["chat_template_kwargs"] == {"enable_thinking": False}
         assert row["benchmark"] == "humaneval" and row["turns"] == s["turns"]
         assert row["prompt_text"] == CHAT.format(s["turns"][0])
         tail = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
@@ -232,3 +266,54 @@ def test_format_prompt_multi_turn(tok_dir):
     )
     with pytest.raises(SpecpilotError, match="content"):
         bm.format_prompt(tok, [{"role": "user"}])
+
+
+def test_data_dir_resolution_order(tmp_path, monkeypatch):
+    """config data_dir, else $SPECPILOT_DATA_DIR, else shared/data/benchmarks beside the repo, else the Hub."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.delenv("SPECPILOT_DATA_DIR", raising=False)
+    assert bm.resolve_data_dir(None, repo) is None  # nothing beside the repo: the Hub
+    beside = tmp_path / "shared" / "data" / "benchmarks"
+    beside.mkdir(parents=True)
+    assert bm.resolve_data_dir(None, repo) is None  # a folder without MANIFEST.json is not the data
+    (beside / "MANIFEST.json").write_text("{}")
+    assert bm.resolve_data_dir(None, repo) == beside.resolve()
+    monkeypatch.setenv("SPECPILOT_DATA_DIR", str(DATA))
+    assert bm.resolve_data_dir(None, repo) == DATA
+    assert bm.resolve_data_dir(tmp_path, repo) == tmp_path
+    with pytest.raises(SpecpilotError, match="nowhere.*data_dir"):
+        bm.resolve_data_dir(tmp_path / "nowhere", repo)
+    monkeypatch.setenv("SPECPILOT_DATA_DIR", str(tmp_path / "gone"))
+    with pytest.raises(SpecpilotError, match="gone.*SPECPILOT_DATA_DIR"):
+        bm.resolve_data_dir(None, repo)
+    # the data's identity, not its location: a copy elsewhere has the same checksum
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "MANIFEST.json").write_bytes((DATA / "MANIFEST.json").read_bytes())
+    assert bm.data_checksum(copy) == bm.data_checksum(DATA) != bm.data_checksum(beside)
+    assert bm.data_checksum(None) == "hub"
+
+
+def test_missing_tokenizer_file_error_shown_whole(tmp_path):
+    """A tokenizer folder without tokenizer.json: the whole reason, not its first line only."""
+    import shutil
+
+    src = tmp_path / "src"
+    build_tokenizer(["some text to learn from"] * 4, 300, src)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    for f in broken.iterdir():
+        if f.name not in ("tokenizer_config.json",):
+            f.unlink()
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(broken))
+        pytest.skip("this transformers version loads a tokenizer without its files")
+    except Exception as e:  # what transformers says, in full
+        original = [line.strip() for line in str(e).splitlines() if line.strip()]
+    with pytest.raises(SpecpilotError) as info:
+        bm._load_tokenizer(broken)
+    msg = str(info.value)
+    assert "\n" not in msg and all(line in msg for line in original), (original, msg)
