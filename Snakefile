@@ -1,5 +1,6 @@
 # specpilot: a reproducible speculative-decoding study (AR, stock block drafters, agent-tuned
-# engine). See README.md; contracts (paths, records, table columns, config keys) in DESIGN.md.
+# engine). README.md describes the data flow, the result paths and the record fields;
+# config/README.md every config key. One rules/*.smk file per stage, every input and output declared.
 #
 #   snakemake --cores all                         the embedded default (tiny deployment, CPU)
 #   snakemake results/h100/table.csv              one GPU's table
@@ -28,18 +29,16 @@ wildcard_constraints:
     benchmark=names_regex(BENCHMARK_NAMES),
     engine=names_regex(ENGINE_NAMES),
     concurrency=r"\d+",
+    k=r"[1-9]\d*",
 
 
 include: "rules/deployments.smk"
 include: "rules/prompts.smk"
+include: "rules/kernels.smk"
 include: "rules/engines.smk"
+include: "rules/rounds.smk"
 include: "rules/forcing.smk"
 include: "rules/report.smk"
-
-
-if HAS_ROUNDS:
-
-    include: "rules/rounds.smk"
 
 
 onstart:

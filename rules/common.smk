@@ -1,5 +1,6 @@
 # Helpers shared by the workflow files: config-derived lists, paths, the {gpu} value and the
-# resources of GPU and timing jobs. Functions only (snakemake --lint wants them apart from rules).
+# resources of GPU, timing and model-loading jobs. Functions only (snakemake --lint wants them apart
+# from rules). Every path a rule reads or writes is built here, so the data flow is in one place.
 
 import functools
 import json
@@ -21,11 +22,6 @@ if _SRC.is_dir():
 BENCHMARK_NAMES = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 ENGINE_NAMES = ["ar", "stock", "specpilot"]
 TINY_TARGET = "tiny"
-
-# Agent rounds (rules/rounds.smk) are written separately; until that file exists the workflow runs
-# without them and the table says specpilot was not run.
-ROUNDS_SMK = Path(workflow.basedir) / "rules" / "rounds.smk"
-HAS_ROUNDS = ROUNDS_SMK.is_file()
 
 
 def _deployments():
@@ -49,15 +45,22 @@ DEPLOYMENTS = _deployments()
 TINY_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] == TINY_TARGET]
 LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] != TINY_TARGET]
 
-# Engines whose cells are run: specpilot needs the agent rounds' engine config.
-RUN_ENGINES = [e for e in config["engines"] if e != "specpilot" or HAS_ROUNDS]
+# The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
+ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "concurrency": 1,
+          "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
+          "seed_memory": None, "llm": {}, **config.get("rounds", {})}
+ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
+
+# Engines whose cells are run: specpilot needs the engine config of at least one agent round.
+RUN_ENGINES = [e for e in config["engines"] if e != "specpilot" or ROUNDS["count"] > 0]
 if "specpilot" not in config["engines"]:
     SPECPILOT_NOTE = "specpilot not run: not in config engines"
-elif not HAS_ROUNDS:
-    SPECPILOT_NOTE = "specpilot not run: agent rounds (rules/rounds.smk) not available yet"
+elif ROUNDS["count"] == 0:
+    SPECPILOT_NOTE = "specpilot not run: config rounds.count is 0"
     logger.info(f"specpilot: {SPECPILOT_NOTE}")
 else:
     SPECPILOT_NOTE = "specpilot not run"
+RUN_ROUNDS = "specpilot" in RUN_ENGINES
 
 # Timing jobs (engine runs, ceilings) take every core the run was given, so nothing else runs
 # beside them on this machine; resources: timing_slots=1 (a global limit set in the profile)
@@ -124,6 +127,65 @@ def drafter_dir(wildcards):
     return f"{deployment_dir(wildcards.deployment)}/drafter-{deployment(wildcards)['drafter']}"
 
 
+def target_name(wildcards):
+    return deployment(wildcards)["target"]
+
+
+def drafter_name(wildcards):
+    return deployment(wildcards)["drafter"]
+
+
+def block_size(wildcards):
+    return deployment(wildcards)["block_size"]
+
+
+# ---- memory of a model-loading job (resources: mem_mb; SLURM sizes its jobs from it) ----
+
+# Parameter counts [billions] of the study's targets by Hub id, for the dry run (before the
+# deployment is linked); afterwards the target's config.json decides.
+_KNOWN_PARAMS_B = {"qwen/qwen3-4b": 4.0, "qwen/qwen3-8b": 8.2}
+
+
+def _target_params_b(wildcards):
+    cfg_path = Path(target_dir(wildcards)) / "config.json"
+    if cfg_path.is_file():
+        c = json.loads(cfg_path.read_text())
+        c = c.get("text_config", c)
+        h, i, n, v = (c.get(k, 0) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        heads, kv = c.get("num_attention_heads", 1), c.get("num_key_value_heads", c.get("num_attention_heads", 1))
+        hd = c.get("head_dim") or (h // max(heads, 1))
+        per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * i
+        return (n * per_layer + 2 * h * v) / 1e9
+    name = deployment(wildcards)["target"]
+    if name == TINY_TARGET:
+        return 0.01
+    m = re.search(r"(\d+(?:\.\d+)?)b\b", name.lower())
+    return _KNOWN_PARAMS_B.get(name.lower(), float(m[1]) if m else 30.0)
+
+
+def model_mem_mb(copies=1):
+    """resources: mem_mb -- host memory for ``copies`` of the deployment's target in its weight
+    format (2 bytes a parameter in bf16/w12 loading, 4 in fp32), plus 25% and 4 GB for the drafter,
+    the KV cache and the process; doubled on a retry (``attempt``)."""
+
+    def mem_mb(wildcards, attempt):
+        bytes_per = 4 if deployment(wildcards)["weight_format"] == "fp32" else 2
+        gb = _target_params_b(wildcards) * bytes_per * copies * 1.25 + 4
+        return int(gb * 1024) * attempt
+
+    return mem_mb
+
+
+def round_copies(wildcards):
+    """Target copies a round step holds: two for a bf16 deployment on a GPU (the w12 direction
+    keeps a 12-bit copy beside the bf16 one), else one."""
+    return 2 if wildcards.gpu != "cpu" and deployment(wildcards)["weight_format"] == "bf16" else 1
+
+
+def round_mem_mb(wildcards, attempt):
+    return model_mem_mb(round_copies(wildcards))(wildcards, attempt)
+
+
 @functools.cache
 def data_dir():
     """Benchmark data folder (specpilot.prompts.resolve_data_dir): config data_dir, else
@@ -186,25 +248,37 @@ def engine_config_path(gpu, deployment_name):
     return f"results/{gpu}/{deployment_name}/specpilot.json"
 
 
+def kernels_manifest(wildcards):
+    return f"results/{wildcards.gpu}/kernels/manifest.json"
+
+
+def kernel_agent_path(gpu, deployment_name):
+    return f"results/{gpu}/kernels/{deployment_name}/kernel-agent.json"
+
+
+def kernel_agent(wildcards):
+    """The kernel sub-agent's output for this (gpu, deployment): the tuned kernels every engine uses."""
+    return kernel_agent_path(wildcards.gpu, wildcards.deployment)
+
+
 def run_inputs(wildcards):
-    """Inputs of one engine cell: prompts, the deployment, and for specpilot its engine config."""
+    """Inputs of one engine cell: prompts, the deployment, the per-GPU kernel outputs, and for
+    specpilot its engine config."""
     inputs = {"prompts": prompts_path(wildcards.deployment, wildcards.benchmark),
-              "build": build_marker(wildcards)}
+              "build": build_marker(wildcards), "kernels_manifest": kernels_manifest(wildcards),
+              "kernel_agent": kernel_agent(wildcards)}
     if wildcards.engine == "specpilot":
         inputs["engine_config"] = engine_config_path(wildcards.gpu, wildcards.deployment)
     return inputs
 
 
+def compute_dtype(wildcards):
+    """The compute dtype of the deployment's weight_format (w12 weights compute in bf16)."""
+    return "fp32" if deployment(wildcards)["weight_format"] == "fp32" else "bf16"
+
+
 def dtype_opt(wildcards):
-    """--dtype from the deployment's weight_format (w12 computes in bf16)."""
-    fmt = deployment(wildcards)["weight_format"]
-    return f"--dtype {'fp32' if fmt == 'fp32' else 'bf16'}"
-
-
-def weight_opts(wildcards):
-    """Engine options for the deployment's weight_format: compute dtype, and w12 weights."""
-    fmt = deployment(wildcards)["weight_format"]
-    return dtype_opt(wildcards) + (" --weight-format w12" if fmt == "w12" else "")
+    return f"--dtype {compute_dtype(wildcards)}"
 
 
 def forcing_tolerance(wildcards):
@@ -215,11 +289,13 @@ def forcing_tolerance(wildcards):
     return tol[dtype] if isinstance(tol, dict) else tol
 
 
-def drafter_opt(wildcards):
-    return "" if wildcards.engine == "ar" else f"--drafter {drafter_dir(wildcards)}"
+def weight_format_opt(wildcards):
+    """``--weight-format w12`` for a w12 deployment; nothing for weights used as stored."""
+    return "--weight-format w12" if deployment(wildcards)["weight_format"] == "w12" else ""
 
 
 def engine_config_opt(wildcards, input):
+    """The specpilot cell's engine config (the last round's); ar and stock run without one."""
     return f"--engine-config {input.engine_config}" if wildcards.engine == "specpilot" else ""
 
 
@@ -234,6 +310,7 @@ def forcing_references(wildcards):
 
 
 def reference_opts(wildcards, input):
+    """One ``--reference`` per reference records file (the option repeats)."""
     return " ".join(f"--reference {shlex.quote(r)}" for r in input.references)
 
 
@@ -255,55 +332,80 @@ def table_inputs(wildcards):
 
 
 def figure_paths(gpu):
-    names = ["speedup", "tau", "concurrency"]
-    if HAS_ROUNDS and "specpilot" in config["engines"] and config["rounds"]["count"] > 0:
-        names.append("rounds")
+    names = ["speedup", "tau", "concurrency"] + (["rounds"] if RUN_ROUNDS else [])
     return [f"results/{gpu}/figures/{name}.png" for name in names]
 
 
 def final_outputs(wildcards):
-    """What `snakemake` with no target builds: per target GPU its table, figures, ceilings, kernels."""
+    """What `snakemake` with no target builds: per target GPU its table and figures, and the
+    structured memory of the study (with rounds)."""
     if not DEPLOYMENTS:
         raise ValueError("no available deployment in config deployments")
     out = []
     for gpu in target_gpus():
-        out += [f"results/{gpu}/table.csv", f"results/{gpu}/ceilings.json",
-                f"results/{gpu}/kernels/manifest.json"] + figure_paths(gpu)
-        if HAS_ROUNDS:
-            out += [f"results/{gpu}/kernels/{d}/kernel-agent.json" for d in DEPLOYMENTS]
-    return out
+        out += [f"results/{gpu}/table.csv"] + figure_paths(gpu)
+    return out + (["results/memory.jsonl"] if RUN_ROUNDS else [])
 
 
 # ---- agent rounds (rules/rounds.smk) ----
 
+ROUNDS_DIR = "results/{gpu}/{deployment}/rounds"
 ROUND_DIR = "results/{gpu}/{deployment}/rounds/round-{k}"
-MEMORY = "results/memory.jsonl"
 
 
-def round_common(wildcards):
-    """Options shared by every round step of one (gpu, deployment)."""
-    dep = deployment(wildcards)
-    rc = config["rounds"]
-    llm = rc.get("llm") or {}
-    opts = [
-        f"--target {target_dir(wildcards)} --drafter {drafter_dir(wildcards)}",
-        f"--target-name {shlex.quote(dep['target'])} --drafter-name {dep['drafter']}",
-        f"--deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {torch_device(wildcards)}",
-        dtype_opt(wildcards),
-        f"--block-size {dep['block_size']} --max-new-tokens {rc.get('max_new_tokens', config['max_new_tokens'])}",
-        f"--concurrency {rc.get('concurrency', 1)} --tolerance {forcing_tolerance(wildcards)}",
-        f"--memory {MEMORY} --agents {rc['agents_per_round']} --budget {rc['budget']}",
-    ]
-    if llm.get("base_url") and llm.get("model"):
-        opts.append(f"--llm {shlex.quote(json.dumps(llm))}")
-    return " ".join(opts)
+def calibration_parts(wildcards):
+    """Per-benchmark calibration prompt files of one deployment, gathered into one file."""
+    return [f"results/prompts/{wildcards.deployment}/calibration/{b}.jsonl" for b in config["benchmarks"]]
+
+
+def memory_snapshot(gpu, deployment_name, k):
+    """The memory after round k of (gpu, deployment); round 0 = the memory it starts from."""
+    return f"results/{gpu}/{deployment_name}/rounds/round-{k}/memory.jsonl"
+
+
+def memory_sources(wildcards):
+    """What a deployment's rounds start from (round-0 memory): config rounds.seed_memory if set,
+    and with rounds.transfer = chain the last memory of the deployment listed before it (so each
+    deployment learns from all before it, on the same GPU); with transfer = none only the seed."""
+    src = [ROUNDS["seed_memory"]] if ROUNDS["seed_memory"] else []
+    names = list(DEPLOYMENTS)
+    i = names.index(wildcards.deployment)
+    if ROUNDS["transfer"] == "chain" and i > 0:
+        src.append(memory_snapshot(wildcards.gpu, names[i - 1], ROUNDS["count"]))
+    return src
+
+
+def memory_in(wildcards):
+    """The snapshot round k starts from: round k-1's."""
+    return memory_snapshot(wildcards.gpu, wildcards.deployment, int(wildcards.k) - 1)
+
+
+def final_memories(wildcards):
+    """Every deployment's last snapshot on every target GPU (merged into results/memory.jsonl)."""
+    return [memory_snapshot(g, d, ROUNDS["count"]) for g in target_gpus() for d in DEPLOYMENTS]
+
+
+def references_of(wildcards):
+    base = ROUNDS_DIR.format(gpu=wildcards.gpu, deployment=wildcards.deployment)
+    return {"ar": f"{base}/references/ar.jsonl", "stock": f"{base}/references/stock.jsonl"}
 
 
 def previous_round(wildcards):
+    """Round k-1's integrated config (round k plans from it); none for round 1."""
     k = int(wildcards.k)
     if k <= 1:
         return []
     return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
+
+
+def previous_opt(wildcards, input):
+    return f"--previous {input.previous[0]}" if input.previous else ""
+
+
+def llm_opt(wildcards):
+    """``--llm JSON`` when config rounds.llm names an endpoint and a model; else the offline policy."""
+    llm = ROUNDS.get("llm") or {}
+    return f"--llm {shlex.quote(json.dumps(llm))}" if llm.get("base_url") and llm.get("model") else ""
 
 
 def agent_files(wildcards):
@@ -317,9 +419,9 @@ def agent_files(wildcards):
 
 def last_round(wildcards):
     return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
-            f"round-{config['rounds']['count']}/integrated.json")
+            f"round-{ROUNDS['count']}/integrated.json")
 
 
 def rounds_figure_inputs(wildcards):
     return [f"results/{wildcards.gpu}/{d}/rounds/round-{k}/integrated.json"
-            for d in DEPLOYMENTS for k in range(1, config["rounds"]["count"] + 1)]
+            for d in DEPLOYMENTS for k in range(1, ROUNDS["count"] + 1)]

@@ -17,7 +17,7 @@ rule build_tiny:
         quick=lambda wildcards: "--quick" if deployment(wildcards).get("quick") else "",
     threads: TIMING_THREADS
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot build-tiny {params.data} --out {params.out_dir} --seed {params.seed}"
         " {params.quick} --threads {threads} > {log} 2>&1"
@@ -42,7 +42,7 @@ rule link_deployment:
         drafter=lambda wildcards: deployment(wildcards)["drafter_id"],
         drafter_name=lambda wildcards: deployment(wildcards)["drafter"],
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot.deployment_link --name {wildcards.deployment} --target {params.target:q}"
         " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --out {params.out_dir}"

@@ -1,5 +1,6 @@
-# Device measurements and engine cells. Timing jobs take every core given to the run and one
-# timing slot, so no two cells (or a cell and a measurement) are timed at once on one machine.
+# Stage: device measurements and the engine cells. Timing jobs take
+# every core given to the run and one timing slot, so no two cells (or a cell and a measurement)
+# are timed at once on one machine.
 
 
 rule ceilings:
@@ -15,29 +16,15 @@ rule ceilings:
         gpu=gpu_count,
         gpu_model=gpu_model,
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot ceilings --device {params.device} --expect-gpu {wildcards.gpu}"
         " --threads {threads} --out {output} > {log} 2>&1"
 
 
-rule kernels:
-    output:
-        "results/{gpu}/kernels/manifest.json",
-    log:
-        "logs/{gpu}/kernels.log",
-    params:
-        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
-    resources:
-        gpu=gpu_count,
-        gpu_model=gpu_model,
-    conda:
-        "../envs/torch.yaml"
-    shell:
-        "python -m specpilot kernels --gpu {wildcards.gpu} --out-dir {params.out_dir} > {log} 2>&1"
-
-
-# One cell: one engine over one benchmark's prompts at one concurrency on one device.
+# One cell: one engine over one benchmark's prompts at one concurrency on one device, with the
+# kernels the per-GPU manifest and the kernel sub-agent chose (recorded in engine_config.kernels;
+# on CPU they record that none apply). ar ignores --drafter.
 rule run_engine:
     input:
         unpack(run_inputs),
@@ -46,17 +33,18 @@ rule run_engine:
     log:
         "logs/{gpu}/{deployment}/{benchmark}/{engine}-c{concurrency}.log",
     wildcard_constraints:
-        engine=names_regex(["ar", "stock", "specpilot"] if HAS_ROUNDS else ["ar", "stock"]),
+        engine=names_regex(RUN_ENGINES),
     params:
         target=target_dir,
-        target_name=lambda wildcards: deployment(wildcards)["target"],
-        drafter=drafter_opt,
-        drafter_name=lambda wildcards: deployment(wildcards)["drafter"],
-        block_size=lambda wildcards: deployment(wildcards)["block_size"],
+        target_name=target_name,
+        drafter=drafter_dir,
+        drafter_name=drafter_name,
+        block_size=block_size,
         max_new_tokens=config["max_new_tokens"],
         engine_config=engine_config_opt,
         device=torch_device,
-        weights=weight_opts,
+        dtype=compute_dtype,
+        weight_format=weight_format_opt,
         multi_turn="--multi-turn" if config.get("multi_turn") else "",
         eos="--stop-at-eos" if config.get("stop_at_eos") else "",
         repeats=config["timing"]["repeats"],
@@ -65,14 +53,16 @@ rule run_engine:
         timing_slots=1,
         gpu=gpu_count,
         gpu_model=gpu_model,
+        mem_mb=model_mem_mb(),
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot run --engine {wildcards.engine} --target {params.target}"
-        " --target-name {params.target_name:q} {params.drafter} --prompts {input.prompts} --out {output}"
-        " --deployment {wildcards.deployment} --drafter-name {params.drafter_name}"
+        " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
+        " --prompts {input.prompts} --out {output} --deployment {wildcards.deployment}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
-        " {params.engine_config} --device {params.device} {params.weights} --threads {threads}"
-        " {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
+        " {params.engine_config} --device {params.device} --dtype {params.dtype} {params.weight_format}"
+        " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
+        " --threads {threads} {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
         " > {log} 2>&1"

@@ -30,7 +30,7 @@ rule force:
         gpu=gpu_count,
         gpu_model=gpu_model,
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot force --candidate {input.candidate} {params.references}"
         " --target {params.target} --prompts {input.prompts} --tolerance {params.tolerance}"

@@ -14,7 +14,7 @@ rule prompts:
         seed=config.get("seed", 0),
         data=data_dir_opt(),
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {wildcards.benchmark}"
         " --n-prompts {params.n_prompts} --seed {params.seed} --role eval {params.data}"

@@ -1,108 +1,264 @@
-# Agent rounds (issue 4): per (gpu, deployment), round k = plan (cost model + directions, a
-# checkpoint: the directions chosen decide the agent jobs) -> one agent job per direction ->
-# integrate. Round k+1 plans from round k's integrated config; the last one becomes
-# results/{gpu}/{deployment}/specpilot.json, the specpilot engine's config. Finished agents are
-# files, so a killed round resumes without rerunning them. results/memory.jsonl (structured
-# memory) is shared by all deployments and written under a file lock by plan/integrate.
+# Stage: agent rounds, per (gpu, deployment).
+#
+#   calibration prompts (per benchmark, gathered)          results/prompts/{deployment}/calibration.jsonl
+#   -> references: AR and stock on them (once)             rounds/references/{ar,stock}.jsonl
+#   -> round-0 memory: merge of what this deployment starts from (seed memory, and with
+#      rounds.transfer = chain the last memory of the deployment before it)   rounds/round-0/memory.jsonl
+#   round k = plan (cost model + directions; a checkpoint: the directions decide the agent jobs)
+#             -> one agent per direction -> integrate (round k's config and memory snapshot)
+#   -> specpilot.json (the last round's config, the specpilot engine's) and results/memory.jsonl
+#      (the merge of every deployment's last snapshot: the study's structured memory).
+#
+# Every step reads only declared inputs: round k reads round k-1's memory snapshot and integrated
+# config, the plan's cost model and the references; finished agents are files, so a killed round
+# resumes without rerunning them. (paths: rules/common.smk)
+
 
 rule calibration_prompts:
     input:
         build=build_marker,
     output:
+        "results/prompts/{deployment}/calibration/{benchmark}.jsonl",
+    log:
+        "logs/prompts/{deployment}/calibration/{benchmark}.log",
+    params:
+        tokenizer=target_dir,
+        n_prompts=ROUNDS["calibration_prompts"],
+        seed=config.get("seed", 0),
+        data=data_dir_opt(),
+    conda:
+        "../envs/engine.yaml"
+    shell:
+        "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {wildcards.benchmark}"
+        " --role calibration --n-prompts {params.n_prompts} --seed {params.seed}"
+        " {params.data} --out {output} > {log} 2>&1"
+
+
+rule calibration_gather:
+    input:
+        calibration_parts,
+    output:
         "results/prompts/{deployment}/calibration.jsonl",
     log:
         "logs/prompts/{deployment}/calibration.log",
-    params:
-        tokenizer=target_dir,
-        n=config["rounds"]["calibration_prompts"],
-        seed=config.get("seed", 0),
-        data=data_dir_opt(),
-        benchmarks=" ".join(config["benchmarks"]),
-        tmp=lambda wildcards, output: output[0] + ".parts",
     conda:
-        "../envs/torch.yaml"
+        "../envs/report.yaml"
     shell:
-        "(mkdir -p {params.tmp} && for b in {params.benchmarks}; do"
-        " python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark $b --role calibration"
-        " --n-prompts {params.n} --seed {params.seed} {params.data}"
-        " --out {params.tmp}/$b.jsonl || exit 1; done"
-        " && cat {params.tmp}/*.jsonl > {output}.tmp && mv {output}.tmp {output} && rm -r {params.tmp})"
-        " > {log} 2>&1"
+        "(cat {input} > {output}.tmp && mv {output}.tmp {output}) > {log} 2>&1"
 
 
-checkpoint round_plan:
+rule round_references:
     input:
         build=build_marker,
         prompts="results/prompts/{deployment}/calibration.jsonl",
-        ceilings="results/{gpu}/ceilings.json",
-        previous=previous_round,
+        kernels_manifest=kernels_manifest,
+        kernel_agent=kernel_agent,
     output:
-        plan=f"{ROUND_DIR}/plan.json",
+        ar=f"{ROUNDS_DIR}/references/ar.jsonl",
+        stock=f"{ROUNDS_DIR}/references/stock.jsonl",
     log:
-        "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
+        "logs/{gpu}/{deployment}/rounds/references.log",
     params:
-        common=round_common,
-        previous=lambda wildcards, input: f"--previous {input.previous[0]}" if input.previous else "",
+        target=target_dir,
+        target_name=target_name,
+        drafter=drafter_dir,
+        drafter_name=drafter_name,
+        device=torch_device,
+        dtype=compute_dtype,
+        block_size=block_size,
+        max_new_tokens=ROUNDS["max_new_tokens"],
+        concurrency=ROUNDS["concurrency"],
+        repeats=ROUNDS["timing_repeats"],
     threads: TIMING_THREADS
     resources:
         timing_slots=1,
         gpu=gpu_count,
         gpu_model=gpu_model,
+        mem_mb=model_mem_mb(),
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
-        "python -m specpilot round plan --round {wildcards.k} {params.common} --prompts {input.prompts}"
-        " --ceilings {input.ceilings} {params.previous} --threads {threads} --out {output.plan} > {log} 2>&1"
+        "python -m specpilot round references --target {params.target} --target-name {params.target_name:q}"
+        " --drafter {params.drafter} --drafter-name {params.drafter_name}"
+        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
+        " --concurrency {params.concurrency} --repeats {params.repeats} --prompts {input.prompts}"
+        " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
+        " --threads {threads} --out {output.ar} --out-stock {output.stock} > {log} 2>&1"
+
+
+rule round_memory_start:
+    input:
+        memory_sources,
+    output:
+        f"{ROUNDS_DIR}/round-0/memory.jsonl",
+    log:
+        "logs/{gpu}/{deployment}/rounds/round-0/memory.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m specpilot memory --snapshots {input} --out {output} > {log} 2>&1"
+
+
+checkpoint round_plan:
+    input:
+        unpack(references_of),
+        build=build_marker,
+        prompts="results/prompts/{deployment}/calibration.jsonl",
+        ceilings="results/{gpu}/ceilings.json",
+        kernels_manifest=kernels_manifest,
+        kernel_agent=kernel_agent,
+        memory=memory_in,
+        previous=previous_round,
+    output:
+        plan=f"{ROUND_DIR}/plan.json",
+        costmodel=f"{ROUND_DIR}/costmodel.json",
+        costmodel_text=f"{ROUND_DIR}/costmodel.txt",
+        evidence=directory(f"{ROUND_DIR}/plan-trials"),
+    log:
+        "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
+    params:
+        target=target_dir,
+        target_name=target_name,
+        drafter=drafter_dir,
+        drafter_name=drafter_name,
+        device=torch_device,
+        dtype=compute_dtype,
+        block_size=block_size,
+        max_new_tokens=ROUNDS["max_new_tokens"],
+        concurrency=ROUNDS["concurrency"],
+        tolerance=forcing_tolerance,
+        repeats=ROUNDS["timing_repeats"],
+        min_gain=ROUNDS["min_gain"],
+        agents=ROUNDS["agents_per_round"],
+        previous=previous_opt,
+    threads: TIMING_THREADS
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+        mem_mb=round_mem_mb,
+    conda:
+        "../envs/engine.yaml"
+    shell:
+        "python -m specpilot round plan --round {wildcards.k} --target {params.target}"
+        " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
+        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats}"
+        " --min-gain {params.min_gain} --agents {params.agents} --prompts {input.prompts}"
+        " --references-ar {input.ar} --references-stock {input.stock} --ceilings {input.ceilings}"
+        " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
+        " --memory {input.memory} {params.previous} --threads {threads}"
+        " --out {output.plan} --costmodel {output.costmodel} --costmodel-text {output.costmodel_text}"
+        " --evidence {output.evidence} > {log} 2>&1"
 
 
 rule round_agent:
     input:
+        unpack(references_of),
         build=build_marker,
         prompts="results/prompts/{deployment}/calibration.jsonl",
+        kernels_manifest=kernels_manifest,
+        kernel_agent=kernel_agent,
+        memory=memory_in,
         plan=f"{ROUND_DIR}/plan.json",
+        costmodel_text=f"{ROUND_DIR}/costmodel.txt",
     output:
-        f"{ROUND_DIR}/agent-{{direction}}.json",
+        agent=f"{ROUND_DIR}/agent-{{direction}}.json",
+        evidence=directory(f"{ROUND_DIR}/agent-{{direction}}"),
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/agent-{direction}.log",
     wildcard_constraints:
         direction=r"[a-z0-9_]+",
     params:
-        common=round_common,
+        target=target_dir,
+        target_name=target_name,
+        drafter=drafter_dir,
+        drafter_name=drafter_name,
+        device=torch_device,
+        dtype=compute_dtype,
+        block_size=block_size,
+        max_new_tokens=ROUNDS["max_new_tokens"],
+        concurrency=ROUNDS["concurrency"],
+        tolerance=forcing_tolerance,
+        repeats=ROUNDS["timing_repeats"],
+        min_gain=ROUNDS["min_gain"],
+        budget=ROUNDS["budget"],
+        llm=llm_opt,
     threads: TIMING_THREADS
     resources:
         timing_slots=1,
         gpu=gpu_count,
         gpu_model=gpu_model,
+        mem_mb=round_mem_mb,
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
-        " {params.common} --prompts {input.prompts} --plan {input.plan} --threads {threads}"
-        " --out {output} > {log} 2>&1"
+        " --target {params.target} --target-name {params.target_name:q} --drafter {params.drafter}"
+        " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --gpu {wildcards.gpu}"
+        " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
+        " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
+        " --tolerance {params.tolerance} --repeats {params.repeats} --min-gain {params.min_gain}"
+        " --budget {params.budget} {params.llm} --prompts {input.prompts}"
+        " --references-ar {input.ar} --references-stock {input.stock}"
+        " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
+        " --memory {input.memory} --plan {input.plan} --costmodel-text {input.costmodel_text}"
+        " --threads {threads} --out {output.agent} --evidence {output.evidence} > {log} 2>&1"
 
 
 rule round_integrate:
     input:
+        unpack(references_of),
         build=build_marker,
         prompts="results/prompts/{deployment}/calibration.jsonl",
+        kernels_manifest=kernels_manifest,
+        kernel_agent=kernel_agent,
+        memory=memory_in,
         plan=f"{ROUND_DIR}/plan.json",
+        costmodel=f"{ROUND_DIR}/costmodel.json",
         agents=agent_files,
     output:
-        f"{ROUND_DIR}/integrated.json",
+        integrated=f"{ROUND_DIR}/integrated.json",
+        evidence=f"{ROUND_DIR}/integrated.jsonl",
+        memory=f"{ROUND_DIR}/memory.jsonl",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
     params:
-        common=round_common,
+        target=target_dir,
+        target_name=target_name,
+        drafter=drafter_dir,
+        drafter_name=drafter_name,
+        device=torch_device,
+        dtype=compute_dtype,
+        block_size=block_size,
+        max_new_tokens=ROUNDS["max_new_tokens"],
+        concurrency=ROUNDS["concurrency"],
+        tolerance=forcing_tolerance,
+        repeats=ROUNDS["timing_repeats"],
+        min_gain=ROUNDS["min_gain"],
+        confirm_factor=ROUNDS["confirm_factor"],
     threads: TIMING_THREADS
     resources:
         timing_slots=1,
         gpu=gpu_count,
         gpu_model=gpu_model,
+        mem_mb=round_mem_mb,
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
-        "python -m specpilot round integrate --round {wildcards.k} {params.common} --prompts {input.prompts}"
-        " --plan {input.plan} --agent-files {input.agents} --threads {threads} --out {output} > {log} 2>&1"
+        "python -m specpilot round integrate --round {wildcards.k} --target {params.target}"
+        " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
+        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats}"
+        " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
+        " --references-ar {input.ar} --references-stock {input.stock}"
+        " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
+        " --memory {input.memory} --plan {input.plan} --costmodel {input.costmodel}"
+        " --agent-files {input.agents} --threads {threads} --out {output.integrated}"
+        " --evidence {output.evidence} --memory-out {output.memory} > {log} 2>&1"
 
 
 rule specpilot_config:
@@ -113,9 +269,22 @@ rule specpilot_config:
     log:
         "logs/{gpu}/{deployment}/specpilot-config.log",
     conda:
-        "../envs/torch.yaml"
+        "../envs/engine.yaml"
     shell:
         "python -m specpilot round final --integrated {input} --out {output} > {log} 2>&1"
+
+
+rule memory:
+    input:
+        final_memories,
+    output:
+        "results/memory.jsonl",
+    log:
+        "logs/memory.log",
+    conda:
+        "../envs/report.yaml"
+    shell:
+        "python -m specpilot memory --snapshots {input} --out {output} > {log} 2>&1"
 
 
 rule rounds_figure:
@@ -125,31 +294,9 @@ rule rounds_figure:
         report("results/{gpu}/figures/rounds.png", caption="../report/rounds.rst", category="Figures"),
     log:
         "logs/{gpu}/figures-rounds.log",
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m specpilot figures --rounds {input} --out-dir results/{wildcards.gpu}/figures > {log} 2>&1"
-
-
-# The kernel sub-agent: tunes the kernels furthest from the bandwidth limit on this GPU (on CPU it
-# records that nothing applies); winners go to the per-GPU kernel build output.
-rule kernel_agent:
-    input:
-        build=build_marker,
-        ceilings="results/{gpu}/ceilings.json",
-        manifest="results/{gpu}/kernels/manifest.json",
-    output:
-        "results/{gpu}/kernels/{deployment}/kernel-agent.json",
-    log:
-        "logs/{gpu}/{deployment}/kernel-agent.log",
-    params:
-        target=target_dir,
-    resources:
-        timing_slots=1,
-        gpu=gpu_count,
-        gpu_model=gpu_model,
-    conda:
-        "../envs/torch.yaml"
-    shell:
-        "python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
-        " --ceilings {input.ceilings} --out {output} > {log} 2>&1"
+        "python -m specpilot figures --rounds {input} --out-dir {params.out_dir} > {log} 2>&1"

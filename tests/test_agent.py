@@ -13,6 +13,7 @@ import torch
 
 from specpilot.agent import directions as dirs
 from specpilot.agent import memory
+from specpilot.errors import SpecpilotError
 from specpilot.agent.costmodel import analyze, report_text, step_floors
 from specpilot.agent.policies import LLMPolicy, OfflinePolicy, make_policy
 from specpilot.agent.trial import Evaluator
@@ -67,21 +68,47 @@ def test_direction_schema_and_grid():
 
 
 def test_memory_upsert_invalidate_and_transfer(tmp_path):
-    path = tmp_path / "memory.jsonl"
     base = {"direction": "block_size", "deployment": "a", "gpu": "cpu", "target": "t1", "drafter": "dflash",
             "round": 1, "evidence": []}
-    e1 = memory.record(path, {**base, "params": {"block_size": 6}, "gain": 1.10})
-    memory.record(path, {**base, "params": {"block_size": 6}, "gain": 1.20})  # same key: updated
-    e3 = memory.record(path, {**base, "deployment": "b", "params": {"block_size": 10}, "gain": 1.50})
-    assert len(memory.read(path)) == 2
-    assert memory.read(path)[0]["gain"] == 1.20 and memory.read(path)[0]["id"] == e1["id"]
+    m = memory.record([], {**base, "params": {"block_size": 6}, "gain": 1.10})
+    e1 = m[0]
+    m = memory.record(m, {**base, "params": {"block_size": 6}, "gain": 1.20})  # same key: updated
+    m = memory.record(m, {**base, "deployment": "b", "params": {"block_size": 10}, "gain": 1.50})
+    e3 = m[-1]
+    assert len(m) == 2 and e1["id"] != e3["id"]
+    assert [e["gain"] for e in m if e["id"] == e1["id"]] == [1.20]
     # a new deployment with the same drafter inherits the best entry; its own deployment ranks first
-    assert memory.best_known(path, {"deployment": "c", "gpu": "h100", "drafter": "dflash"})["block_size"]["gain"] == 1.5
-    assert memory.best_known(path, {"deployment": "a", "gpu": "cpu", "drafter": "dflash"})["block_size"]["gain"] == 1.2
-    memory.invalidate(path, e3["id"], "failed token forcing")
-    entries = memory.read(path)
-    assert len(entries) == 2 and entries[1]["status"] == "invalidated" and entries[1]["reason"]
-    assert memory.best_known(path, {"deployment": "c", "gpu": "h100", "drafter": "dflash"})["block_size"]["gain"] == 1.2
+    assert memory.best_known(m, {"deployment": "c", "gpu": "h100", "drafter": "dflash"})["block_size"]["gain"] == 1.5
+    assert memory.best_known(m, {"deployment": "a", "gpu": "cpu", "drafter": "dflash"})["block_size"]["gain"] == 1.2
+    m2 = memory.invalidate(m, e3["id"], "failed token forcing")
+    assert m[-1]["status"] == "valid"  # pure: the input snapshot is unchanged
+    inv = [e for e in m2 if e["id"] == e3["id"]][0]
+    assert len(m2) == 2 and inv["status"] == "invalidated" and inv["reason"]
+    assert memory.best_known(m2, {"deployment": "c", "gpu": "h100", "drafter": "dflash"})["block_size"]["gain"] == 1.2
+    with pytest.raises(SpecpilotError, match="nope"):
+        memory.invalidate(m, "nope", "x")
+    # snapshots on disk: canonical (sorted) files, so equal memories are equal bytes
+    memory.write(tmp_path / "a.jsonl", m2)
+    memory.write(tmp_path / "b.jsonl", list(reversed(m2)))
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert memory.read(tmp_path / "a.jsonl") == sorted(m2, key=lambda e: e["id"])
+    (tmp_path / "bad.jsonl").write_text('{"direction": "block_size"}\n')
+    with pytest.raises(SpecpilotError, match="lacks"):
+        memory.read(tmp_path / "bad.jsonl")
+
+
+def test_memory_merge_is_order_free_and_keeps_invalidations():
+    base = {"direction": "block_size", "gpu": "cpu", "target": "t", "drafter": "dflash", "round": 1, "evidence": []}
+    a = memory.record([], {**base, "deployment": "a", "params": {"block_size": 6}, "gain": 1.3})
+    b = memory.record(a, {**base, "deployment": "b", "params": {"block_size": 5}, "gain": 1.1})  # b learned from a
+    b = memory.invalidate(b, a[0]["id"], "failed token forcing on b/cpu")
+    merged = memory.merge([a, b])
+    assert merged == memory.merge([b, a]) == memory.merge([b, a, a])
+    assert len(merged) == 2
+    by_dep = {e["deployment"]: e for e in merged}
+    assert by_dep["a"]["status"] == "invalidated" and "b/cpu" in by_dep["a"]["reason"]
+    assert by_dep["b"]["status"] == "valid"
+    assert memory.merge([]) == []
 
 
 class _Chat(BaseHTTPRequestHandler):

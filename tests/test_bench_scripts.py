@@ -25,7 +25,7 @@ def _run(args, timeout=1200):
 
 @pytest.mark.slow
 def test_bench_engine_quick_dry_run(tmp_path):
-    _run(["benchmarks/bench_engine.py", "--dry-run", "--quick", "--out-dir", str(tmp_path)])
+    _run(["gpu_bench/bench_engine.py", "--dry-run", "--quick", "--out-dir", str(tmp_path)])
     r = json.loads((tmp_path / "engine.json").read_text())
     assert r["errors"] == [], r["errors"]
     assert set(r["ar"]) == {"b1_ctx48", "b4_ctx48"}
@@ -38,7 +38,7 @@ def test_bench_engine_quick_dry_run(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_bench_w12_quick_dry_run(tmp_path):
     out = tmp_path / "w12.json"
-    _run(["benchmarks/bench_w12.py", "--dry-run", "--quick", "--no-step", "--out", str(out)])
+    _run(["gpu_bench/bench_w12.py", "--dry-run", "--quick", "--no-step", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["shapes"] and all(s["decode_exact"] for s in r["shapes"])
     for s in r["shapes"]:

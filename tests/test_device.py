@@ -79,7 +79,7 @@ def test_ceilings_refuses_wrong_device(tmp_path):
         ceilings.run(args)
 
 
-def test_kernels_manifest_and_registration(tmp_path):
+def test_kernels_manifest_and_use(tmp_path):
     pytest.importorskip("torch")
     import json
 
@@ -87,13 +87,20 @@ def test_kernels_manifest_and_registration(tmp_path):
     from specpilot.errors import SpecpilotError
 
     assert kernels_build.run(_args(kernels_build, ["--gpu", "cpu", "--out-dir", str(tmp_path)])) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # nothing undeclared beside it
     doc = json.loads((tmp_path / "manifest.json").read_text())
     assert doc["gpu"] == "cpu" and doc["applies"] is False and doc["kernels"] == {}
-    kernels_build.register_kernel_results(tmp_path, "w12_gemm", {"configs": [1, 2]})
-    doc = json.loads((tmp_path / "manifest.json").read_text())
-    assert doc["kernels"]["w12_gemm"]["configs"] == [1, 2]
-    with pytest.raises(SpecpilotError):
-        kernels_build.register_kernel_results(tmp_path / "missing", "x", {})
+    agent = tmp_path / "kernel-agent.json"
+    agent.write_text(json.dumps({"gpu": "cpu", "applies": False, "configs": {}, "reason": "no GPU kernels apply on cpu"}))
+    used = kernels_build.use_kernel_outputs(str(tmp_path / "manifest.json"), str(agent))
+    assert used["applies"] is False and "cpu" in used["reason"]
+    agent.write_text(json.dumps({"gpu": "h200", "applies": False, "configs": {}}))
+    with pytest.raises(SpecpilotError, match="h200"):
+        kernels_build.use_kernel_outputs(str(tmp_path / "manifest.json"), str(agent))
+    # the packaged H200 table is found (package data) and counted
+    tables = kernels_build.packaged_tables("h200")
+    assert tables["w12"]["table"] == "w12_h200.json" and tables["w12"]["entries"] > 10
+    assert kernels_build.packaged_tables("cpu") == {}
 
 
 def test_kernels_refuses_gpu_without_cuda(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ below and above 112), plus one-hot rows of x that read every weight back through
 fp32 -> bf16 by truncation (so the tolerance allows one bf16 ulp), and it mis-multiplies bf16
 ``tl.dot`` (the kernel takes an exact fp32 dot when interpreting). The interpreter does not prove
 GPU correctness (a persistent variant once passed here and failed on the H200), so
-benchmarks/bench_w12.py checks every config on the GPU before timing it.
+gpu_bench/bench_w12.py checks every config on the GPU before timing it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 from triton_interp import patch_interpreter
 patch_interpreter()
-from kernels import w12_triton as K
+from specpilot.kernels import w12_triton as K
 from specpilot.w12.format import pack
 
 g = torch.Generator().manual_seed(0)
@@ -165,10 +165,10 @@ def test_tuned_table_lookup():
     """The committed H200 table loads, and M buckets without an entry use the next larger one."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO))
-    from kernels import w12_triton as K
+    from specpilot.kernels import w12_triton as K
 
     try:
-        K.load_tuned(REPO / "kernels" / "tuned" / "w12_h200.json")
+        K.load_tuned(REPO / "src" / "specpilot" / "kernels" / "tuned" / "w12_h200.json")
         assert K.default_config(1, 4096, 4096).kind == "gemv"
         assert K.default_config(2, 4096, 4096) == K.default_config(3, 4096, 4096) == K.default_config(4, 4096, 4096)
         assert K.default_config(8, 4096, 4096) == K.default_config(16, 4096, 4096)  # 8 has no entry
@@ -186,7 +186,7 @@ def test_config_decode_field_keys_and_tables(tmp_path):
     """Config.decode: default "raw", in key() only when not default, round trips, old tables mean raw."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO))
-    from kernels import w12_triton as K
+    from specpilot.kernels import w12_triton as K
 
     old = K.Config("gemv", 8, 128, 1, 8, 1)
     assert old.decode == "raw" and old.key() == "gemv-n8-g128-s1-w8-st1"  # keys written before the field
@@ -210,7 +210,7 @@ def test_config_decode_field_keys_and_tables(tmp_path):
                                                                  "split_k": 1, "num_warps": 8, "num_stages": 1}}}))
         K.load_tuned(legacy)
         assert K._TUNED and all(c.decode == "raw" for c in K._TUNED.values())
-        K.load_tuned(REPO / "kernels" / "tuned" / "w12_h200.json")  # the checked-in table parses
+        K.load_tuned(REPO / "src" / "specpilot" / "kernels" / "tuned" / "w12_h200.json")  # the checked-in table parses
         assert K._TUNED and {c.decode for c in K._TUNED.values()} <= set(K.DECODES)
         K.set_tuned({"1,64,64": dataclasses.asdict(base)})
         assert K.default_config(1, 64, 64) == base

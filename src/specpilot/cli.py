@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("specpilot.kernels_build", "build / tune the per-GPU kernels (records that none apply on CPU)"),
     "table": ("specpilot.aggregate", "aggregate records into the study table (geometric means)"),
     "figures": ("specpilot.figures", "draw the study figures from the table"),
-    "round": ("specpilot.agent.rounds", "agent rounds: plan, run one direction agent, integrate"),
+    "round": ("specpilot.agent.rounds", "agent rounds: references, plan, one direction's agent, integrate"),
+    "memory": ("specpilot.agent.memory", "merge structured-memory snapshots into one file"),
     "convert-w12": ("specpilot.w12.convert", "convert a bf16 checkpoint to the lossless 12-bit format"),
     "random-checkpoint": ("specpilot.models.random_checkpoint", "write a random-weight checkpoint of a named shape"),
 }

@@ -1,20 +1,21 @@
-"""``specpilot kernels``: per-GPU kernel build and tuning output under ``results/{gpu}/kernels/``.
+"""``specpilot kernels``: the per-GPU kernel manifest under ``results/{gpu}/kernels/``, and the
+function that puts the per-GPU kernel outputs to use in an engine process.
 
-This step writes ``manifest.json``. On CPU it records that no GPU kernels apply. On a GPU it
-records the device and, until the 12-bit / kernel-tuning work adds entries, that no tuned configs
-exist yet. That work calls :func:`register_kernel_results` to add its own entry to the manifest.
+``manifest.json`` records the device and which tuned kernel tables shipped with the package
+(``specpilot/kernels/tuned/<kind>_<gpu>.json``) apply to it. On CPU it records that no GPU kernels
+apply. The kernel sub-agent (:mod:`specpilot.agent.kernel_agent`) writes its own file beside it
+per deployment; :func:`use_kernel_outputs` reads both.
 
 Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch``, ``cuda``,
-``timestamp``, ``kernels`` (name -> payload dict, one per registered kernel result).
+``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
-import fcntl
-import os
+import json
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from .errors import SpecpilotError
 from .io import read_json, write_json
 
 MANIFEST = "manifest.json"
+TUNED_KINDS = ("w12",)  # tables the engine installs (kernels/tuned/<kind>_<gpu>.json)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,20 +35,18 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-@contextlib.contextmanager
-def _locked(out_dir: Path):
-    """Hold an exclusive lock on ``{out_dir}/.manifest.lock`` (concurrent registrations)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".manifest.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def packaged_tables(gpu: str) -> dict[str, dict]:
+    """Tuned tables shipped for ``gpu``: kind -> {table: file name, entries: number of tuned shapes}."""
+    out = {}
+    for kind in TUNED_KINDS:
+        f = files("specpilot") / "kernels" / "tuned" / f"{kind}_{gpu}.json"
+        if f.is_file():
+            out[kind] = {"table": f.name, "entries": len(json.loads(f.read_text()).get("configs", {}))}
+    return out
 
 
 def base_manifest(gpu: str) -> dict[str, Any]:
-    """The manifest for ``gpu`` before any kernel results are registered.
+    """The manifest for ``gpu``: the device, and the packaged tuned tables that apply to it.
 
     Raises:
         SpecpilotError: ``gpu`` is not ``cpu`` but this machine has no CUDA device, or a different one.
@@ -65,39 +65,60 @@ def base_manifest(gpu: str) -> dict[str, Any]:
         found = detect_gpu()
         if found != gpu:
             raise SpecpilotError(f"this machine's GPU is {found!r}, not {gpu!r}")
-        manifest.update(device_name=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
-                        applies=True, note="no tuned kernel configs yet")
+        tables = packaged_tables(gpu)
+        manifest.update(device_name=torch.cuda.get_device_name(0), cuda=torch.version.cuda, applies=True,
+                        note=f"packaged tuned tables: {', '.join(tables) or 'none'} (else heuristic configs)")
+        manifest["kernels"] = tables
+        return manifest
     manifest["kernels"] = {}
     return manifest
 
 
-def register_kernel_results(out_dir: str | os.PathLike, name: str, payload: dict[str, Any]) -> Path:
-    """Add (or replace) the entry ``name`` in ``{out_dir}/manifest.json``; returns the manifest path.
+def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dict[str, Any]:
+    """Install the per-GPU kernel outputs in this process; returns what ``engine_config["kernels"]`` records.
 
-    For the kernel build / tuning steps: ``payload`` is any JSON-serializable dict (tuned configs,
-    build flags, timings, paths of files written beside the manifest). The write is atomic and
-    serialized by a lock file, so several steps may register at once. A missing manifest is an
-    error: ``specpilot kernels`` writes it first.
+    ``manifest_path``: ``results/{gpu}/kernels/manifest.json``; ``agent_path``: the kernel
+    sub-agent's ``kernel-agent.json`` of the deployment (either may be None: nothing applies). On a
+    GPU the packaged w12 table for that GPU, overridden by the sub-agent's winners, becomes the w12
+    kernels' tuned table (:func:`specpilot.kernels.w12_triton.set_tuned`).
+
+    Returns:
+        ``{"applies": False, "reason": str}``, or ``{"applies": True, "gpu", "w12_tuned": number of
+        tuned shapes installed, "w12_from_agent": how many came from the sub-agent, "agent": its
+        reason when it did not apply}``.
+
+    Raises:
+        SpecpilotError: a file is missing or not JSON, or the two files name different GPUs.
     """
-    out_dir = Path(out_dir)
-    if not name or "/" in name:
-        raise SpecpilotError(f"kernel result name must be non-empty without '/': {name!r}")
-    if not isinstance(payload, dict):
-        raise SpecpilotError(f"kernel result payload for {name!r} must be a dict, got {type(payload).__name__}")
-    path = out_dir / MANIFEST
-    with _locked(out_dir):
-        manifest = read_json(path)
-        manifest.setdefault("kernels", {})[name] = {**payload, "registered": _now()}
-        if manifest.get("applies"):
-            manifest["note"] = f"{len(manifest['kernels'])} kernel result(s) registered"
-        write_json(path, manifest)
-    return path
+    if manifest_path is None:
+        return {"applies": False, "reason": "no kernel manifest given"}
+    m = read_json(manifest_path)
+    agent = read_json(agent_path) if agent_path else {"applies": False, "configs": {},
+                                                      "reason": "no kernel sub-agent output given"}
+    if agent_path and agent.get("gpu") != m.get("gpu"):
+        raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
+    if not m.get("applies"):
+        return {"applies": False, "reason": m.get("note", "")}
+    table: dict[str, dict] = {}
+    w12 = m.get("kernels", {}).get("w12")
+    if w12:
+        table.update(json.loads((files("specpilot") / "kernels" / "tuned" / w12["table"]).read_text())["configs"])
+    table.update(agent.get("configs") or {})
+    out = {"applies": True, "gpu": m["gpu"], "w12_tuned": len(table), "w12_from_agent": len(agent.get("configs") or {})}
+    if not agent.get("applies"):
+        out["agent"] = agent.get("reason", "")
+    if table:
+        try:
+            from .kernels import w12_triton
+        except ImportError as e:
+            return {**out, "w12_tuned": 0, "reason": f"Triton kernels unavailable: {e}"}
+        w12_triton.set_tuned(table)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     manifest = base_manifest(args.gpu)
-    with _locked(out_dir):
-        write_json(out_dir / MANIFEST, manifest)
+    write_json(out_dir / MANIFEST, manifest)
     print(f"{args.gpu}: {manifest['note']} -> {out_dir / MANIFEST}")
     return 0

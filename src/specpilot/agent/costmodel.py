@@ -10,8 +10,9 @@ Terms reported, each in seconds per committed token (divide per-step seconds by 
 - ``acceptance``: step time x (1/tau - 1/block_size), time lost to rejected drafts;
 - ``verify``, ``draft``, ``host``: measured minus floor;
 - ``weight_bytes``: the weight-read part of the verify floor that a 12-bit format would save
-  (a quarter of it), only for bf16 weights;
-- ``kernels``: verify time above its floor, what kernel tuning may recover (GPU only).
+  (a quarter of it), only for bf16 weights.
+Kernel launch configs are tuned apart from the rounds, by the kernel sub-agent
+(:mod:`specpilot.agent.kernel_agent`), whose winners every round step and engine cell use.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
     terms.append({"term": "weight_bytes", "measured_s_per_token": fl["verify_weight_read"] / tau,
                   "floor_s_per_token": fl["verify_weight_read"] * 0.75 / tau, "gap_s_per_token": saving,
                   "ratio_to_floor": 4 / 3 if saving else 1.0})
-    terms.append(dict(term("kernels", verify, fl["verify"]), term="kernels"))
     terms.sort(key=lambda t: -t["gap_s_per_token"])
     return {"tau": tau, "block_size": block_size, "batch": batch, "context_tokens": context,
             "measured_step_s": {"draft": draft, "verify": verify, "host": host, "total": total},

@@ -3,12 +3,13 @@
 For each linear shape of the deployment's target (in the 12-bit format, the engine's only
 project-owned GEMM kernel today) and each decode/verify row count M, it times the default config,
 ranks shapes by achieved weight bandwidth / measured copy bandwidth (lowest first), and for the
-``top`` furthest shapes tries every candidate config of :func:`kernels.w12_triton.candidate_configs`.
-A config counts only after its output matched the bf16 reference (decoded weights, torch matmul)
-within bf16 accumulation tolerance. Winners go to the per-GPU kernel build output
-(``results/{gpu}/kernels/{deployment}/tuned-w12.json``, loadable with ``kernels.w12_triton.load_tuned``;
-the manifest written by ``specpilot kernels`` is left untouched so finished steps stay finished).
-On CPU it records that nothing applies.
+``top`` furthest shapes tries every candidate config of
+:func:`specpilot.kernels.w12_triton.candidate_configs`. A config counts only after its output matched
+the bf16 reference (decoded weights, torch matmul) within bf16 accumulation tolerance. Winners are
+the ``configs`` table of ``results/{gpu}/kernels/{deployment}/kernel-agent.json`` (the format of
+:func:`specpilot.kernels.w12_triton.set_tuned`), which the engine cells and the round steps read
+(:func:`specpilot.kernels_build.use_kernel_outputs`); the manifest written by ``specpilot kernels``
+is left untouched so finished steps stay finished. On CPU it records that nothing applies.
 """
 
 from __future__ import annotations
@@ -33,20 +34,24 @@ def _time(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters / 1e3
 
 
-def tune(target_dir: str, gpu: str, ceilings_path: str, out_dir: str, rows: tuple[int, ...] = (1, 16),
-         top: int = 3, max_configs: int = 16) -> dict:
-    """Run the sub-agent; returns (and writes) ``{out_dir}/tuned-w12.json``'s content."""
-    out = Path(out_dir)
+def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: tuple[int, ...] = (1, 16),
+         top: int = 3, max_configs: int = 16, manifest: dict | None = None) -> dict:
+    """Run the sub-agent; writes ``out`` (kernel-agent.json) and returns its content.
+
+    Fields: ``gpu``, ``applies`` (bool), ``reason`` (when it does not apply), ``configs`` (tuned
+    table ``"M_BUCKET,N,K" -> config``; empty when nothing applies), ``ranked`` (shapes by achieved
+    fraction of the copy bandwidth), ``trials``.
+    """
     if gpu == "cpu" or not torch.cuda.is_available():
-        res = {"gpu": gpu, "applies": False, "reason": "no GPU kernels apply on cpu" if gpu == "cpu"
-               else "CUDA not available on this node"}
-        write_json(out / "kernel-agent.json", res)
+        res = {"gpu": gpu, "applies": False, "configs": {}, "reason": "no GPU kernels apply on cpu"
+               if gpu == "cpu" else "CUDA not available on this node"}
+        write_json(out, res)
         return res
     try:
-        from kernels import w12_triton as kern  # noqa: F401  (repo-root kernels/ package)
+        from ..kernels import w12_triton as kern
     except ImportError as e:
-        res = {"gpu": gpu, "applies": False, "reason": f"Triton kernels unavailable: {e}"}
-        write_json(out / "kernel-agent.json", res)
+        res = {"gpu": gpu, "applies": False, "configs": {}, "reason": f"Triton kernels unavailable: {e}"}
+        write_json(out, res)
         return res
     from ..models.config import TargetConfig, read_config
     from ..w12 import pack
@@ -98,6 +103,5 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out_dir: str, rows: tupl
             r["tuned_seconds"] = best[1]
     res = {"gpu": gpu, "applies": True, "kernel": "w12 fused decode+matmul", "ranked": measured,
            "configs": table, "trials": trials}
-    write_json(out / "tuned-w12.json", {"configs": table})
-    write_json(out / "kernel-agent.json", res)
+    write_json(out, res)
     return res

@@ -1,14 +1,27 @@
-"""``specpilot round``: one agent round in three resumable steps (Snakemake runs each as a job).
+"""``specpilot round``: the agent rounds as resumable steps (Snakemake runs each as a job).
 
-- ``plan``: measure the round's base config (round 1: stock, or the best memory entries that
-  transfer; round k: round k-1's integrated config) on calibration prompts, run the cost model,
-  and choose the directions registered for the largest gaps (``plan.json``; a Snakemake
-  checkpoint: the directions decide the agent jobs).
+Every file a step reads was written by an earlier step (declared inputs), and every file it writes
+is a declared output:
+
+- ``references``: AR and stock records on the calibration prompts (the token-forcing references and
+  the AR speed every step compares against; measured once per (gpu, deployment)).
+- ``plan``: measure the round's base config (round 1: stock, or the best entries of the memory it
+  starts from that transfer and pass here; round k: round k-1's integrated config), run the cost
+  model (``costmodel.json`` / ``.txt``), and choose the directions registered for the largest gaps
+  (``plan.json``; a Snakemake checkpoint: the directions decide the agent jobs).
 - ``agent``: one direction's agent trials candidates through its policy behind the token-forcing
-  gate (``agent-{direction}.json``, trial records as evidence).
+  gate (``agent-{direction}.json``; the trials' records in ``agent-{direction}/``).
 - ``integrate``: merge the winners into one config, re-validate and re-measure it
-  (``integrated.json``), and record validated mechanisms in the structured memory.
-``final`` copies the last round's integrated config to ``specpilot.json``.
+  (``integrated.json``), and write the round's memory snapshot (``memory.jsonl``: the snapshot it
+  started from, the plan's invalidations, and the mechanisms integrated this round).
+``final`` copies the last round's integrated config to ``specpilot.json``; ``kernels`` is the kernel
+sub-agent (:mod:`specpilot.agent.kernel_agent`).
+
+Method parameters (command-line options, from config ``rounds``): ``min_gain`` (a candidate must
+beat its base by this factor, geometric mean over requests of decode-time ratios, to count as a
+win), ``confirm_factor`` (the merged config of several winners is kept only when its gain is at
+least this fraction of the best single winner's), ``repeats`` (alternating timing repeats per trial;
+integration confirms with one more).
 """
 
 from __future__ import annotations
@@ -21,8 +34,10 @@ from pathlib import Path
 
 import torch
 
+from ..aggregate import geomean
 from ..errors import SpecpilotError
 from ..io import read_json, write_json
+from ..records import read_records, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
@@ -30,7 +45,6 @@ from .policies import make_policy
 from .trial import Evaluator
 
 log = logging.getLogger("specpilot.agent")
-MIN_GAIN = 1.02  # a candidate must beat its base by 2% (geomean decode time) to count as a win
 
 
 def _ctx(args, dtype: str) -> dict:
@@ -38,8 +52,10 @@ def _ctx(args, dtype: str) -> dict:
             "drafter": args.drafter_name, "dtype": dtype, "concurrency": args.concurrency}
 
 
-def _evaluator(args) -> tuple[Evaluator, dict]:
+def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
+    """The loaded deployment + calibration prompts; ``references``: read ``--references-ar/-stock``."""
     from ..deployment import load_deployment
+    from ..kernels_build import use_kernel_outputs
     from ..engine.serve import pick_device, pick_dtype, read_prompts
 
     if args.threads:
@@ -48,14 +64,18 @@ def _evaluator(args) -> tuple[Evaluator, dict]:
     dtype = pick_dtype(args.dtype, device)
     dep = load_deployment(args.target, args.drafter, device=device, dtype=dtype)
     prompts = read_prompts(args.prompts)
+    kernels = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
     meta = {"deployment": args.deployment, "target": args.target_name or args.target,
             "drafter": args.drafter_name, "gpu": args.gpu}
     from ..models.loading import load_target
 
     ev = Evaluator(dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency, meta,
                    args.block_size, args.tolerance, repeats=args.repeats,
-                   reload_target=lambda: load_target(args.target, dtype=dtype, device=device))
+                   reload_target=lambda: load_target(args.target, dtype=dtype, device=device),
+                   references=(read_records(args.references_ar), read_records(args.references_stock))
+                   if references else None)
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
+    ctx["kernels"] = kernels
     return ev, ctx
 
 
@@ -65,53 +85,66 @@ def _base_config(args) -> dict:
     return {"block_size": args.block_size}
 
 
+def references(args) -> int:
+    """AR and stock records on the calibration prompts: ``repeats`` runs each, fastest kept."""
+    ev, _ = _evaluator(args, references=False)
+    write_records(args.out, ev.ar)
+    write_records(args.out_stock, ev.stock)
+    print(f"references: {len(ev.ar)} calibration requests, ar and stock (block {args.block_size})")
+    return 0
+
+
+def _invalidated(entries: list[dict], plan: dict) -> list[dict]:
+    """The snapshot with the plan's invalidations applied."""
+    for inv in plan.get("memory_invalidated", []):
+        entries = memory.invalidate(entries, inv["entry"], inv["reason"])
+    return entries
+
+
 def plan(args) -> int:
-    """Cost model on the base config, memory transfer, and the choice of directions."""
+    """Cost model on the base config, memory transfer (round 1), and the choice of directions."""
     ev, ctx = _evaluator(args)
     out = Path(args.out)
+    evidence = Path(args.evidence)
+    evidence.mkdir(parents=True, exist_ok=True)
     base = _base_config(args)
-    transferred = []
-    if not args.previous:  # a new deployment starts from the best known entries that apply to it
-        best = memory.best_known(args.memory, ctx)
+    transferred, invalidated = [], []
+    if not args.previous:  # round 1 starts from the best entries of its memory that apply here
+        best = memory.best_known(memory.read(args.memory), ctx)
         applicable = {d.name for d in dirs.applicable(ctx)}
-        for name, entry in sorted(best.items(), key=lambda kv: -kv[1]["gain"]):
+        for name, entry in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])):
             if name not in applicable:
                 continue
             cand = dirs.REGISTRY[name].apply(base, entry["params"])
-            res = ev.trial(cand, base, out.parent / f"memory-{name}.jsonl")
+            res = ev.trial(cand, base, evidence / f"memory-{name}.jsonl")
             if not res["gate"]["passed"]:
-                memory.invalidate(args.memory, entry["id"], f"failed token forcing on {args.deployment}/{args.gpu}")
+                invalidated.append({"entry": entry["id"],
+                                    "reason": f"failed token forcing on {args.deployment}/{args.gpu}"})
                 log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
-            elif res["gain"] >= MIN_GAIN:
+            elif res["gain"] >= args.min_gain:
                 base = cand
                 transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                                     "gain": res["gain"]})
     base_recs, _ = ev.measure(base, base)
     block = int(base.get("block_size", args.block_size))
-    target_cfg = ev.target.config
-    drafter_cfg = ev.drafter.config if ev.drafter is not None else None
     ceilings = read_json(args.ceilings)
     dtype_bytes = 2 if ctx["dtype"] == "bf16" else 4
-    analysis = analyze(base_recs, target_cfg, drafter_cfg, ceilings, dtype_bytes, block)
+    analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
+                       ceilings, dtype_bytes, block)
     report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
     ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
     chosen = [d.name for d in ranked if gaps.get(d.cost_term, 0.0) > 0][: args.agents]
-    from .trial import geomean
-
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
     base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
-    write_json(out.parent / "costmodel.json", analysis)
-    (out.parent / "costmodel.txt").write_text(report)
-    from ..records import write_records
-
-    write_records(out.parent / "calib-ar.jsonl", ev.ar)
-    write_records(out.parent / "calib-stock.jsonl", ev.stock)
+    write_json(args.costmodel, analysis)
+    Path(args.costmodel_text).write_text(report)
     write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
                      "directions": chosen, "ranked_terms": [t["term"] for t in analysis["terms"]],
-                     "memory_transferred": transferred, "stock_speedup_vs_ar": stock_speedup,
-                     "base_speedup_vs_ar": base_speedup, "base_tau": analysis["tau"], "context": ctx})
+                     "memory_transferred": transferred, "memory_invalidated": invalidated,
+                     "stock_speedup_vs_ar": stock_speedup, "base_speedup_vs_ar": base_speedup,
+                     "base_tau": analysis["tau"], "context": ctx})
     print(report, end="")
     print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}")
     return 0
@@ -126,7 +159,7 @@ def agent(args) -> int:
     ev, ctx = _evaluator(args)
     base = p["base_config"]
     out = Path(args.out)
-    evid = out.with_suffix("")
+    evid = Path(args.evidence)
     evid.mkdir(parents=True, exist_ok=True)
     half = ev.prompts[::2]
     counter = iter(range(10_000))
@@ -139,11 +172,9 @@ def agent(args) -> int:
         log.info("trial %d %s: %s (tau %.2f)", i, json.dumps(params), verdict, res["tau"])
         return res
 
-    hints = [e["params"] for e in memory.read(args.memory) if e["direction"] == direction.name
-             and e["status"] == "valid"] if Path(args.memory).exists() else []
-    context = {"report": (Path(args.plan).parent / "costmodel.txt").read_text()
-               if (Path(args.plan).parent / "costmodel.txt").exists() else "",
-               "memory": [e for e in memory.read(args.memory)][-20:]}
+    known = _invalidated(memory.read(args.memory), p)
+    hints = [e["params"] for e in memory.valid_for(known, direction.name)]
+    context = {"report": Path(args.costmodel_text).read_text(), "memory": sorted(known, key=lambda e: e["id"])[-20:]}
     policy = make_policy(json.loads(args.llm) if args.llm else None)
     trials = policy.search(direction, base, args.budget, trial, hints, context)
     full = [t for t in trials if t.get("rung") == 1 and t["gain"] is not None]
@@ -151,16 +182,17 @@ def agent(args) -> int:
     rejected = [{"params": t["params"], "gate": t["gate"], "evidence": t["evidence"]}
                 for t in trials if not t["gate"]["passed"]]
     write_json(out, {"direction": direction.name, "cost_term": direction.cost_term, "policy": policy.name,
-                     "base_config": base, "trials": trials, "rejected": rejected,
-                     "best": best if best and best["gain"] >= MIN_GAIN else None})
+                     "base_config": base, "min_gain": args.min_gain, "trials": trials, "rejected": rejected,
+                     "best": best if best and best["gain"] >= args.min_gain else None})
     best_txt = "none" if not best else "%s gain %.3f" % (json.dumps(best["params"]), best["gain"])
     print(f"agent {direction.name}: {len(trials)} trials, {len(rejected)} rejected by token forcing, best {best_txt}")
     return 0
 
 
 def integrate(args) -> int:
-    """Merge the agents' winners, re-validate and re-measure, record validated mechanisms."""
+    """Merge the agents' winners, re-validate and re-measure, write the round's memory snapshot."""
     p = read_json(args.plan)
+    terms = {t["term"]: t["gap_s_per_token"] for t in read_json(args.costmodel)["terms"]}
     base = p["base_config"]
     winners = []
     for f in args.agent_files:
@@ -170,43 +202,48 @@ def integrate(args) -> int:
     winners.sort(key=lambda w: -w[1]["gain"])
     ev, ctx = _evaluator(args)
     out = Path(args.out)
+    evidence = Path(args.evidence)
     chosen, result = base, None
     if winners:
         merged = dict(base)
         for name, w in winners:
             merged = dirs.REGISTRY[name].apply(merged, w["params"])
-        res = ev.trial(merged, base, out.parent / "integrated.jsonl")
+        res = ev.trial(merged, base, evidence)
         best_single = winners[0][1]
-        if res["gate"]["passed"] and res["gain"] >= max(MIN_GAIN, 0.98 * best_single["gain"]):
+        if res["gate"]["passed"] and res["gain"] >= max(args.min_gain, args.confirm_factor * best_single["gain"]):
             chosen, result = merged, res
         else:
             single = dirs.REGISTRY[winners[0][0]].apply(base, best_single["params"])
-            res = ev.trial(single, base, out.parent / "integrated.jsonl")
-            if res["gate"]["passed"] and res["gain"] >= MIN_GAIN:
+            res = ev.trial(single, base, evidence)
+            if res["gate"]["passed"] and res["gain"] >= args.min_gain:
                 chosen, result = single, res
     if result is not None:  # confirm on a fresh, longer measurement before it counts
         ev.repeats = args.repeats + 1
-        result = ev.trial(chosen, base, out.parent / "integrated.jsonl")
-        if not (result["gate"]["passed"] and result["gain"] >= MIN_GAIN):
+        result = ev.trial(chosen, base, evidence)
+        if not (result["gate"]["passed"] and result["gain"] >= args.min_gain):
             log.info("integrated config %s not confirmed (gain %s): the base stays", chosen, result["gain"])
             chosen, result = base, None
     if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
-        result = ev.trial(base, base, out.parent / "integrated.jsonl")
+        result = ev.trial(base, base, evidence)
     if not result["gate"]["passed"]:
         raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
+    known = _invalidated(memory.read(args.memory), p)
     for name, w in winners:
         if all(chosen.get(k) == v for k, v in w["params"].items()):
-            memory.record(args.memory, {
+            known = memory.record(known, {
                 "direction": name, "params": w["params"], "deployment": args.deployment, "gpu": args.gpu,
                 "target": ctx["target"], "drafter": ctx["drafter"], "gain": w["gain"], "round": args.round,
-                "evidence": [w["evidence"], str(out.parent / "integrated.jsonl")]})
+                "evidence": [w["evidence"], str(evidence)]})
+    memory.write(args.memory_out, known)
     write_json(out, {"round": args.round, "config": chosen,
-                     "winners": [{"direction": n, "params": w["params"], "gain": w["gain"]} for n, w in winners],
+                     "winners": [{"direction": n, "params": w["params"], "gain": w["gain"],
+                                  "cost_term": dirs.REGISTRY[n].cost_term,
+                                  "gap_s_per_token": terms.get(dirs.REGISTRY[n].cost_term)} for n, w in winners],
                      "gain_vs_base": result["gain"] if chosen != base else 1.0,
                      "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
-                     "stock_speedup_vs_ar": p["stock_speedup_vs_ar"]})
+                     "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"]})
     print(f"round {args.round} integrated: {json.dumps(chosen)} (speedup vs AR {result['speedup_vs_ar']:.2f}, "
-          f"tau {result['tau']:.2f})")
+          f"tau {result['tau']:.2f}); memory: {len(known)} entries")
     return 0
 
 
@@ -223,15 +260,19 @@ def kernels(args) -> int:
     """The kernel sub-agent (see :mod:`specpilot.agent.kernel_agent`)."""
     from .kernel_agent import tune
 
-    res = tune(args.target, args.gpu, args.ceilings, str(Path(args.out).parent))
+    manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
+    if manifest is not None and manifest.get("gpu") != args.gpu:
+        raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
+    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest)
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
                                                   else f"{len(res['configs'])} shapes tuned"))
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("step", choices=("plan", "agent", "integrate", "final", "kernels"))
+    p.add_argument("step", choices=("references", "plan", "agent", "integrate", "final", "kernels"))
     p.add_argument("--out", required=True)
+    p.add_argument("--out-stock", help="stock references to write (references; --out gets AR's)")
     p.add_argument("--round", type=int, default=1)
     p.add_argument("--plan", help="plan.json of this round (agent, integrate)")
     p.add_argument("--previous", help="integrated.json of the previous round (plan)")
@@ -245,14 +286,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deployment", default="custom")
     p.add_argument("--gpu", default="cpu")
     p.add_argument("--prompts", help="calibration prompt file (disjoint from the evaluation prompts)")
-    p.add_argument("--ceilings", help="ceilings.json of the device")
-    p.add_argument("--memory", default="results/memory.jsonl")
+    p.add_argument("--references-ar", help="AR records on the calibration prompts (round references)")
+    p.add_argument("--references-stock", help="stock records on the calibration prompts (round references)")
+    p.add_argument("--ceilings", help="ceilings.json of the device (plan)")
+    p.add_argument("--costmodel", help="costmodel.json: written by plan, read by integrate")
+    p.add_argument("--costmodel-text", help="costmodel.txt: written by plan, read by agent (policy context)")
+    p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json")
+    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json (tuned kernels used)")
+    p.add_argument("--memory", help="memory snapshot this round starts from (none = empty)")
+    p.add_argument("--memory-out", help="memory snapshot after this round (integrate)")
+    p.add_argument("--evidence", help="trial records written as evidence (a folder for plan and agent, "
+                   "a records file for integrate)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--block-size", type=int, default=8, help="the stock block size")
     p.add_argument("--agents", type=int, default=2, help="directions per round")
     p.add_argument("--budget", type=int, default=6, help="trials per agent")
     p.add_argument("--repeats", type=int, default=2, help="alternating timing repeats per trial")
+    p.add_argument("--min-gain", type=float, default=1.02,
+                   help="a candidate must beat its base by this factor (geomean decode time) to count as a win")
+    p.add_argument("--confirm-factor", type=float, default=0.98,
+                   help="the merged winners are kept when their gain >= this x the best single winner's")
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--llm", help="JSON {base_url, model, api_key_env} for the LLM policy")
     p.add_argument("--device", default="auto")
@@ -262,5 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return {"plan": plan, "agent": agent, "integrate": integrate, "final": final,
+    if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
+        raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
+                             f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")
+    return {"references": references, "plan": plan, "agent": agent, "integrate": integrate, "final": final,
             "kernels": kernels}[args.step](args)

@@ -11,27 +11,32 @@ each the minimum over ``repeats`` alternating runs (robust to a busy machine).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
+from ..aggregate import geomean
 from ..engine.serve import EngineSpec, serve
+from ..errors import SpecpilotError
 from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
 from ..records import Record, write_records
 
 
-def geomean(xs: list[float]) -> float:
-    """Geometric mean of positive numbers (nan for an empty list)."""
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 class Evaluator:
-    """Holds the loaded deployment, the calibration prompts and the AR / stock references."""
+    """Holds the loaded deployment, the calibration prompts and the AR / stock references.
+
+    ``references``: ``(ar, stock)`` records of exactly these prompts (the workflow's
+    ``round_references`` job, read once and shared by every round step); ``None`` measures them
+    here (``repeats`` runs each, fastest kept).
+
+    Raises:
+        SpecpilotError: given references do not cover the prompts' request ids one to one.
+    """
 
     def __init__(self, target, drafter, prompts: list[dict], max_new_tokens: int, concurrency: int,
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
-                 replay_tokens: int = REPLAY_TOKENS):
+                 replay_tokens: int = REPLAY_TOKENS,
+                 references: tuple[list[Record], list[Record]] | None = None):
         self.target, self.drafter, self.prompts = target, drafter, prompts
         self.replay_tokens = replay_tokens
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
@@ -39,8 +44,20 @@ class Evaluator:
         self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
         self._w12_target = None
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
-        self.ar = self.best_of("ar", {})
-        self.stock = self.best_of("stock", {"block_size": stock_block})
+        if references is None:
+            self.ar = self.best_of("ar", {})
+            self.stock = self.best_of("stock", {"block_size": stock_block})
+        else:
+            self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
+
+    def _matching(self, name: str, records: list[Record]) -> list[Record]:
+        """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
+        by_id = {r.request_id: r for r in records}
+        want = [p["request_id"] for p in self.prompts]
+        if sorted(by_id) != sorted(want) or len(records) != len(want) or any(r.engine != name for r in records):
+            raise SpecpilotError(f"{name} references do not match the calibration prompts "
+                                 f"({len(records)} records for {len(want)} prompts)")
+        return [by_id[i] for i in want]
 
     def target_for(self, config: dict):
         """The target in the config's weight format (a 12-bit copy is made once and kept)."""

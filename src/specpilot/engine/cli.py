@@ -52,17 +52,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="step kernels under CUDA graphs (auto: triton with bf16 weights)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key} of tuned matmul blocks "
-                   "(from benchmarks/bench_engine.py)")
+                   "(from gpu_bench/bench_engine.py)")
+    p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json: the packaged tuned tables "
+                   "that apply to this GPU (recorded in engine_config['kernels'])")
+    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json: its tuned w12 configs are "
+                   "installed (recorded in engine_config['kernels'])")
     p.add_argument("--no-profile", action="store_true",
                    help="do not synchronize around the draft step (draft_s stays 0; one sync per verify step)")
     p.add_argument("--replay-profile", help="system benchmarks on random weights: replay drafter with this "
-                   "acceptance profile (JSON path or name under config/profiles); records are synthetic")
+                   "acceptance profile (JSON path or name of a packaged profile, specpilot/replay_profiles); records are synthetic")
     p.add_argument("--replay-reference", help="AR records of the same prompts for the replay drafter "
                    "(default: run AR first)")
 
 
 def run(args) -> int:
     from ..deployment import load_deployment
+    from ..kernels_build import use_kernel_outputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,6 +103,7 @@ def run(args) -> int:
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     dep = load_deployment(args.target, args.drafter if args.engine in ("stock", "specpilot") else None,
                           device=device, dtype=dtype, config=config)
+    kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
     if args.kernel_configs:
         from .graphs import step_graphs
 
@@ -129,6 +135,9 @@ def run(args) -> int:
             runs.append(serve_turn(prompts))
         warm["up"] = False  # warmed once; later runs are timed as they come
     records = merge_repeats(runs)
+    if args.kernels_manifest or args.kernel_agent:
+        for r in records:
+            r.engine_config["kernels"] = kernel_outputs
     write_records(args.out, records)
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),

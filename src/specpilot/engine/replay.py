@@ -16,7 +16,8 @@ position gets a wrong token (reference token + 1 mod vocab), so the target rejec
 
     tau = 1 + E[A] = 1 + sum_{j=1..k} prod_{i=1..j} p_i        (k = block_size - 1)
 
-(:func:`expected_tau`). Profiles are JSON files under ``config/profiles/``.
+(:func:`expected_tau`). Profiles are JSON files shipped in the package (``specpilot/replay_profiles/``,
+listed by :func:`profile_names`) or any path.
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ import torch
 
 from ..errors import SpecpilotError
 
-PROFILE_DIR = Path(__file__).resolve().parents[3] / "config" / "profiles"
+
+
+def _profile_dir():
+    """The packaged replay profiles (``specpilot/replay_profiles``, package data)."""
+    from importlib.resources import files
+
+    return files("specpilot") / "replay_profiles"
+
+
+def profile_names() -> list[str]:
+    """Names of the packaged acceptance profiles (file names without ``.json``)."""
+    return sorted(f.name[:-5] for f in _profile_dir().iterdir() if f.name.endswith(".json"))
 
 
 @dataclass
@@ -76,24 +88,25 @@ def expected_tau(profile: AcceptanceProfile, block_size: int | None = None) -> f
 
 
 def load_profile(path_or_name: str | Path) -> AcceptanceProfile:
-    """Read a profile JSON (a path, or a name under ``config/profiles/``).
+    """Read a profile JSON (a path, or the name of a packaged profile, see :func:`profile_names`).
 
     Raises:
         SpecpilotError: missing file, bad JSON, or no ``conditional_acceptance`` list.
     """
     p = Path(path_or_name)
     if not p.exists() and not p.suffix:
-        p = PROFILE_DIR / f"{path_or_name}.json"
+        p = _profile_dir() / f"{path_or_name}.json"
     try:
         d = json.loads(p.read_text())
     except FileNotFoundError:
-        raise SpecpilotError(f"acceptance profile not found: {path_or_name}") from None
+        raise SpecpilotError(f"acceptance profile not found: {path_or_name} (packaged: "
+                             f"{', '.join(profile_names())})") from None
     except json.JSONDecodeError as e:
         raise SpecpilotError(f"{p} is not valid JSON: {e}") from None
     if not isinstance(d.get("conditional_acceptance"), list):
         raise SpecpilotError(f"{p}: a profile needs a 'conditional_acceptance' list")
     known = {"name", "conditional_acceptance", "block_size", "source", "target_tau", "expected_tau"}
-    return AcceptanceProfile(name=d.get("name", p.stem), rates=[float(x) for x in d["conditional_acceptance"]],
+    return AcceptanceProfile(name=d.get("name", Path(p.name).stem), rates=[float(x) for x in d["conditional_acceptance"]],
                              block_size=int(d.get("block_size", 16)), source=d.get("source", ""),
                              target_tau=d.get("target_tau"), extra={k: v for k, v in d.items() if k not in known})
 

@@ -3,7 +3,7 @@
 A bf16 weight is stored as a sign+mantissa byte plus a 4-bit exponent code relative to a
 per-tensor base (codes 1..15; code 0 = escape, stored exactly on the side), so decoding is
 bit-exact and weight bytes drop by a quarter. After Turbo-Lossless (cenconq25/Turbo-Lossless) and
-NyoomFloat12 (openreview.net/forum?id=yYFj1E1mSZ). Triton kernels live in ``kernels/w12_triton.py``
+NyoomFloat12 (openreview.net/forum?id=yYFj1E1mSZ). Triton kernels live in ``specpilot/kernels/w12_triton.py``
 at the repository root and are imported only on CUDA.
 
 Public API: :func:`pack`, :func:`unpack`, :func:`escape_rate`, :func:`nbytes`, :class:`W12Tensor`,

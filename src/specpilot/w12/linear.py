@@ -3,11 +3,11 @@
 * CPU (and any non-CUDA device): decode the weight to bf16 with :func:`specpilot.w12.format.unpack`
   (bit-identical to the original) and call ``F.linear``: the output is bit-identical to the
   ``nn.Linear`` it replaced. This is the reference path CI tests.
-* CUDA with Triton: the fused decode+matmul kernels of ``kernels/w12_triton.py`` for
+* CUDA with Triton: the fused decode+matmul kernels of :mod:`specpilot.kernels.w12_triton` for
   ``M <= FUSED_MAX_M`` rows of flattened input (decode steps M = 1..32, verify steps up to 256;
   fp32 accumulation, within bf16 accumulation tolerance of cuBLAS, not bit-identical to it), and
-  for larger M the decode kernel followed by ``F.linear``. Without Triton (or without the repo's
-  ``kernels/`` folder) CUDA also uses the reference decode + ``F.linear``.
+  for larger M the decode kernel followed by ``F.linear``. Without Triton CUDA also uses the
+  reference decode + ``F.linear``.
 
 Checkpoint names follow the converter (``specpilot convert-w12``): the weight ``<module>.weight``
 becomes ``<module>.weight.w12_mant``, ``.w12_codes``, ``.w12_esc_idx``, ``.w12_esc_val`` and
@@ -20,9 +20,7 @@ Format after Turbo-Lossless (cenconq25/Turbo-Lossless) and NyoomFloat12
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -44,29 +42,15 @@ _KERNELS_TRIED = False
 
 
 def load_kernels():
-    """The ``kernels.w12_triton`` module, or None when Triton or the repo's ``kernels/`` is missing.
-
-    Tries ``import kernels.w12_triton`` first, then the file ``<repo>/kernels/w12_triton.py``
-    next to this source tree (editable installs). The result is cached.
-    """
+    """The :mod:`specpilot.kernels.w12_triton` module, or None when Triton is missing (cached)."""
     global _KERNELS, _KERNELS_TRIED
     if _KERNELS_TRIED:
         return _KERNELS
     _KERNELS_TRIED = True
     try:
-        _KERNELS = importlib.import_module("kernels.w12_triton")
+        _KERNELS = importlib.import_module("specpilot.kernels.w12_triton")
     except ImportError:
-        path = Path(__file__).resolve().parents[3] / "kernels" / "w12_triton.py"
-        if path.is_file():
-            try:
-                spec = importlib.util.spec_from_file_location("specpilot_kernels_w12_triton", path)
-                mod = importlib.util.module_from_spec(spec)
-                sys.modules[spec.name] = mod
-                spec.loader.exec_module(mod)
-                _KERNELS = mod
-            except ImportError:
-                _KERNELS = None
-    if _KERNELS is None:
+        _KERNELS = None
         warnings.warn("w12: Triton kernels unavailable; CUDA falls back to decode + F.linear", stacklevel=2)
     return _KERNELS
 

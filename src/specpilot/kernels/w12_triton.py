@@ -12,7 +12,7 @@ Three kernels, all reading the packed format directly (layout in ``specpilot/w12
   prefetches the next tile into registers), ``mmx`` puts x on the left (``x @ W.T``).
 
 Which config runs: :func:`default_config` (the tuned table for (M bucket, N, K), loaded on first
-use from ``kernels/tuned/w12_<gpu>.json`` when present, else a heuristic). On the H200 the fused
+use from ``src/specpilot/kernels/tuned/w12_<gpu>.json`` when present, else a heuristic). On the H200 the fused
 kernels beat cuBLAS bf16 at M = 1 (1.23-1.47x per shape, 1.33x over a 36-layer step) but not at
 M >= 4 (0.73-0.89x): see BENCHMARKS.md, section "12-bit weights (issue 6)".
 
@@ -38,7 +38,7 @@ two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT decode
   model's activations and weights. Tensor cores: their products are exact and their
   alignment/truncation is relative to the largest exponent in the sum, so they should commute
   with the scaling as well; the interpreter checks only the IEEE fp32 case, so
-  benchmarks/bench_w12.py also compares "raw" with "base" bit for bit on the GPU (all 162 pairs
+  gpu_bench/bench_w12.py also compares "raw" with "base" bit for bit on the GPU (all 162 pairs
   equal on the H200, 2026-11-30, tensor-core kinds included). The
   tensor-core kinds turn the raw pair words into the bf16 tile by truncation to int16 lanes and
   a bitcast (no fp32 round trip, no F2FP).
@@ -635,7 +635,7 @@ MM_MAX_BM = 64
 MM_KINDS = ("mm", "mmr", "mmx")  # W left + Triton pipelining; W left + register prefetch; x left + prefetch
 
 # tuned table: "M_BUCKET,N,K" -> Config (set by load_tuned / set_tuned; written by the benchmark).
-# On first use without a table, kernels/tuned/w12_<gpu>.json (gpu as in specpilot.device, e.g. h200)
+# On first use without a table, src/specpilot/kernels/tuned/w12_<gpu>.json (gpu as in specpilot.device, e.g. h200)
 # is loaded when present.
 _TUNED: dict[str, Config] = {}
 _TUNED_TRIED = False
@@ -728,7 +728,7 @@ _GEMV_SHAPES = ((2, 128, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4), (16, 64, 4), (
 _MM_SHAPES = (("mm", 64, 16, 4, 3), ("mm", 64, 16, 4, 2), ("mm", 16, 32, 4, 2), ("mm", 64, 32, 4, 2),
               ("mmr", 64, 16, 4, 1), ("mmr", 64, 32, 4, 1), ("mmr", 128, 16, 8, 1), ("mmr", 32, 32, 4, 1),
               ("mmx", 64, 16, 4, 1), ("mmx", 128, 16, 4, 1), ("mmx", 64, 32, 4, 1), ("mmx", 256, 16, 8, 1))
-# the H200's frequent winners (kernels/tuned/w12_h200.json): the quick subset, and the shapes also
+# the H200's frequent winners (src/specpilot/kernels/tuned/w12_h200.json): the quick subset, and the shapes also
 # tried with the "base" and "prmt" decodes, side by side with "raw"
 _GEMV_QUICK = ((2, 128, 4), (16, 32, 4), (16, 64, 4), (32, 32, 4), (8, 128, 8))
 _MM_QUICK = (("mm", 16, 32, 4, 2), ("mmr", 32, 32, 4, 1), ("mmx", 64, 16, 4, 1), ("mmx", 64, 32, 4, 1))

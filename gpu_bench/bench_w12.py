@@ -20,10 +20,10 @@ decode+matmul kernels", issue 6):
    best configs, w12 vs bf16, each in one CUDA graph;
 5. prints a table and writes everything as JSON (``--out``, default ``$OUT/w12.json``), and the
    best config per (M bucket, N, K) as ``w12_tuned.json`` beside it (the format of
-   ``kernels/tuned/w12_h200.json``).
+   ``src/specpilot/kernels/tuned/w12_h200.json``).
 
 Decodes: every kernel shape is tried with the default "raw" decode (exponent 112 + c, fp32
-accumulator scaled by 2**(base - 112); see kernels/w12_triton.py), and a few shapes also with the
+accumulator scaled by 2**(base - 112); see src/specpilot/kernels/w12_triton.py), and a few shapes also with the
 old "base" decode and the PTX "prmt" variant. Each (M, shape) row of the JSON has
 ``best_us_by_decode`` and ``decode_compare`` (each non-raw config against its raw twin: both times
 and whether their outputs are bit-identical, which they should be).
@@ -36,7 +36,7 @@ this script's logic and measures nothing.
 
 Run on the GPU machine from the repository root::
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_w12.py --out $OUT/w12.json
+    PYTHONUNBUFFERED=1 python gpu_bench/bench_w12.py --out $OUT/w12.json
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def log(*a):
 def _worker(jobs):
     import torch
 
-    from kernels import w12_triton as K
+    from specpilot.kernels import w12_triton as K
     from specpilot.w12.format import pack
 
     out = []
@@ -440,7 +440,7 @@ def main(argv=None):
 
     import torch
 
-    from kernels import w12_triton as K
+    from specpilot.kernels import w12_triton as K
 
     if args.dry_run:
         import triton.runtime.interpreter as interp

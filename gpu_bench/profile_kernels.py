@@ -17,7 +17,7 @@ machine from the repository root (the report text goes to ``$OUT``)::
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section WarpStateStats --section Occupancy --section LaunchStats \\
-        python3 benchmarks/profile_kernels.py > $OUT/ncu.txt
+        python3 gpu_bench/profile_kernels.py > $OUT/ncu.txt
 
 Without ncu it just runs (and prints each label with its launch order), which checks the script.
 """
@@ -51,7 +51,7 @@ def main() -> int:
         return (torch.randn(*shape, generator=g, device=dev) * std).to(torch.bfloat16)
 
     if args.only in ("w12", "all"):
-        from kernels import w12_triton as K
+        from specpilot.kernels import w12_triton as K
         from specpilot.w12.format import pack
 
         n, k = 12288, 4096

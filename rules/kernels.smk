@@ -1,0 +1,43 @@
+# Stage: per-GPU kernels. The manifest names the device and the tuned tables shipped in the
+# package for it; the kernel sub-agent tunes, per deployment, the launch configs of the kernels
+# furthest from the bandwidth limit. Both are inputs of every engine cell and round step, which
+# record what they used (engine_config.kernels); on CPU both record that nothing applies.
+
+
+rule kernels:
+    output:
+        "results/{gpu}/kernels/manifest.json",
+    log:
+        "logs/{gpu}/kernels.log",
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
+    resources:
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/engine.yaml"
+    shell:
+        "python -m specpilot kernels --gpu {wildcards.gpu} --out-dir {params.out_dir} > {log} 2>&1"
+
+
+rule kernel_agent:
+    input:
+        build=build_marker,
+        ceilings="results/{gpu}/ceilings.json",
+        manifest="results/{gpu}/kernels/manifest.json",
+    output:
+        "results/{gpu}/kernels/{deployment}/kernel-agent.json",
+    log:
+        "logs/{gpu}/{deployment}/kernel-agent.log",
+    params:
+        target=target_dir,
+    resources:
+        timing_slots=1,
+        gpu=gpu_count,
+        gpu_model=gpu_model,
+        mem_mb=model_mem_mb(),
+    conda:
+        "../envs/engine.yaml"
+    shell:
+        "python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
+        " --ceilings {input.ceilings} --kernels-manifest {input.manifest} --out {output} > {log} 2>&1"
