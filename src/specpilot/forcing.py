@@ -303,6 +303,10 @@ def replay_check(candidate: list[Record], prompt_of: Callable[[Record], list[int
                                    "detail": f"engine config {recs[0].engine_config} could not be re-run: {e}"})
             continue
         for r, x in zip(recs, rerun):
+            if not all(isinstance(c, int) and c >= 1 for c in r.committed_per_step):
+                violations.append({"check": "replay", "request_id": r.request_id,
+                                   "detail": "committed_per_step is not a list of positive integers"})
+                continue
             claim, total = [], 0
             for c in r.committed_per_step:
                 if total + c > budget - 1:
@@ -380,7 +384,7 @@ def compare_reference(candidate: list[Record], reference: list[Record], classify
                             "reference_token": r.output_ids[i], **classify(rid, i)})
     report = {"requests_reference": len(ref), "requests_candidate": len(cand),
               "missing": missing[:LISTED], "extra": extra[:LISTED],
-              "exact_match_rate": identical / len(ref) if ref else float("nan"),
+              "exact_match_rate": identical / len(ref) if ref else None,
               "identical_requests": identical,
               "tokens_before_divergence": prefix_tokens, "reference_tokens": ref_tokens,
               "divergences": divergences[:LISTED], "diverging_requests": len(divergences),
