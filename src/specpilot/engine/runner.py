@@ -1,7 +1,9 @@
-"""Target runner: the static-cache target model plus per-row committed lengths.
+"""Target runner: the static-state target model plus per-row committed lengths.
 
 Operations (all shapes static per batch): prefill prompts, decode one token, verify a block or
-tree of candidates, commit/roll back to a committed length.
+tree of candidates, commit the accepted path and roll back the rest. The per-layer state behind
+commit/rollback (KV truncation and tree compaction, sliding-window rings, Gated DeltaNet
+checkpoint + replay) lives in :mod:`specpilot.models.state`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 
 from ..errors import SpecpilotError
 from ..models.layers import chain_ancestors, tree_ancestors
-from ..models.qwen3 import Transformer
+from ..models.state import check_width
+from ..models.target import Transformer
 
 
 def clock(device: torch.device) -> float:
@@ -38,7 +41,8 @@ class TargetRunner:
 
     On CUDA (``graphs`` None or True) chain verify and decode steps replay captured CUDA graphs
     (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); prefill and tree
-    verification stay eager. The runner never reads ``length`` on the host inside a step: a host
+    verification stay eager. Targets other than dense full attention (hybrid GDN, sliding window,
+    softcapped heads) always run eager. The runner never reads ``length`` on the host inside a step: a host
     upper bound of it decides whether the cache has room, and only when that bound is too loose
     is the exact length read (a synchronization).
     """
@@ -51,7 +55,7 @@ class TargetRunner:
         model.setup_cache(batch, max_seq)
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.graphs = None
-        if use_graphs(graphs, self.device):
+        if use_graphs(graphs, self.device) and model.config.is_dense:
             from .graphs import step_graphs
 
             self.graphs = step_graphs(model, kernels)
@@ -87,7 +91,9 @@ class TargetRunner:
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         self.length.zero_()
-        logits, feats = self.model(tokens, self.length, chain_ancestors(B, T, self.device), capture=self.capture)
+        self.model.state.reset()
+        logits, feats = self.model(tokens, self.length, chain_ancestors(B, T, self.device), capture=self.capture,
+                                   lengths=lengths, write=True)
         self.length.copy_(lengths)
         self._bound, self._pending = T, 0
         return logits[torch.arange(B, device=self.device), lengths - 1], feats, lengths
@@ -101,7 +107,9 @@ class TargetRunner:
         """
         B, N = block.shape
         self._check_room(N)
+        check_width(self.model.state, N)
         self._pending = N
+        self.model.state.discard()
         if parents is None and self.graphs is not None:
             return self.graphs.run(block, self.length, self.capture)
         if parents is None:
@@ -111,32 +119,32 @@ class TargetRunner:
             if getattr(self, "_tree_key", None) != key:
                 self._tree_key, self._tree = key, tree_ancestors(parents)
             anc, depth = self._tree
-        return self.model(block, self.length, anc, depth, capture=self.capture)
+        return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
 
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor):
         """Decode one token per row (tokens int64 [B]); commits it. Returns logits [B, vocab]."""
-        logits, _ = self.verify(tokens[:, None])
+        if self.graphs is not None:
+            logits, _ = self.verify(tokens[:, None])
+        else:
+            self._check_room(1)
+            self.model.state.discard()
+            B = tokens.shape[0]
+            logits, _ = self.model(tokens[:, None], self.length, chain_ancestors(B, 1, self.device),
+                                   capture=self.capture, write=True)
         self.length += 1
         self._bound, self._pending = self._bound + 1, 0
         return logits[:, 0]
 
+    @torch.inference_mode()
     def commit(self, counts: torch.Tensor, path_slots: torch.Tensor | None = None) -> None:
         """Keep ``counts[b]`` block entries of row b and roll back the rest.
 
         For a tree, ``path_slots`` int64 [B, P] lists the accepted nodes' block indices in order;
-        their K/V are moved to contiguous slots so the cache stays chain-shaped.
+        their K/V are moved to contiguous slots so the cache stays chain-shaped, and a recurrent
+        (GDN) state replays exactly that path from the committed state.
         """
-        if path_slots is not None:
-            rows, src, dst = [], [], []
-            lengths, paths = self.length.tolist(), path_slots.tolist()
-            for b, n in enumerate(counts.tolist()):
-                for j, s in enumerate(paths[b][:n]):
-                    if s != j:
-                        rows.append(b), src.append(lengths[b] + s), dst.append(lengths[b] + j)
-            if rows:
-                dev = self.device
-                self.model.cache.move(torch.tensor(rows, device=dev), torch.tensor(src, device=dev),
-                                      torch.tensor(dst, device=dev))
+        self.model.commit(self.length, counts, path_slots)
         if isinstance(counts, torch.Tensor) and counts.device.type == "cpu":
             self._bound += int(counts.max()) if counts.numel() else 0
         elif self._pending:
@@ -147,6 +155,17 @@ class TargetRunner:
         self.length += counts.to(self.device)
 
     def rollback(self, length: torch.Tensor) -> None:
-        """Set the committed length of every row (int64 [B]); later slots become invisible."""
+        """Set the committed length of every row (int64 [B]); later slots become invisible.
+
+        Raises:
+            SpecpilotError: a target with recurrent or sliding-window state cannot go below its
+                committed length (only an uncommitted verify can be dropped).
+        """
+        cfg = self.model.config
+        if (cfg.is_recurrent or "sliding_attention" in cfg.layer_types) and \
+                bool((length.to(self.device) != self.length).any()):
+            raise SpecpilotError("a target with recurrent or sliding-window layers can only roll back an "
+                                 "uncommitted verify, not committed tokens")
+        self.model.state.discard()
         self.length.copy_(length.to(self.device))
         self._bound, self._pending = int(length.max()), 0

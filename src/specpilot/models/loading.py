@@ -18,7 +18,30 @@ from ..errors import SpecpilotError
 from ..io import atomic_write_text
 from .config import TargetConfig, read_config
 from .dflash import DFlashDrafter, DrafterConfig
-from .qwen3 import Transformer
+from .target import Transformer
+
+# vision-language checkpoints keep the text model under this prefix (Qwen3_5ForConditionalGeneration,
+# MuseGlimmerForConditionalGeneration); everything else under ``model.`` there is the vision tower
+VL_TEXT_PREFIX = "model.language_model."
+DROPPED_PREFIXES = ("mtp.",)  # Qwen3.5 multi-token-prediction head: not part of the target
+
+
+def text_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors under our names (``model.*``, ``lm_head.*``).
+
+    Drops MTP weights (``mtp.*``); for a vision-language layout (``model.language_model.*``)
+    renames the text model to ``model.*`` and drops the vision tower, adapter and projector.
+    """
+    state = {k: v for k, v in state.items() if not k.startswith(DROPPED_PREFIXES)}
+    if not any(k.startswith(VL_TEXT_PREFIX) for k in state):
+        return state
+    out = {}
+    for k, v in state.items():
+        if k.startswith(VL_TEXT_PREFIX):
+            out["model." + k[len(VL_TEXT_PREFIX):]] = v
+        elif not k.startswith("model."):
+            out[k] = v
+    return out
 
 
 def load_state(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -55,16 +78,20 @@ def _load_into(module: torch.nn.Module, state: dict, where: str, ignore_missing:
 
 def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Transformer:
-    """Load a Qwen3/Llama checkpoint directory into our :class:`Transformer`.
+    """Load a target checkpoint directory into our :class:`Transformer` (built by layer type).
+
+    Layouts: text-only causal LMs (Qwen3, Llama, ``Qwen3_5ForCausalLM``, ``MuseGlimmerForCausalLM``)
+    and the text model of vision-language checkpoints (``Qwen3_5ForConditionalGeneration``,
+    ``MuseGlimmerForConditionalGeneration``: ``model.language_model.*``; vision and MTP weights dropped).
 
     Args:
         checkpoint_dir: folder with config.json and *.safetensors.
-        dtype: parameter dtype (fp32 on CPU, bf16 on CUDA by convention).
+        dtype: parameter dtype (fp32 on CPU, bf16 on CUDA by convention). GDN state stays fp32.
     Raises:
-        SpecpilotError: missing/corrupt checkpoint, unsupported architecture, tensor mismatch.
+        SpecpilotError: missing/corrupt checkpoint, unsupported layer type, tensor mismatch.
     """
     cfg = TargetConfig.from_hf_dict(read_config(checkpoint_dir), f"{checkpoint_dir}/config.json")
-    state = load_state(checkpoint_dir)
+    state = text_state(load_state(checkpoint_dir))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):

@@ -17,12 +17,27 @@ Shapes (``--shape``):
 - ``qwen3-27b-dense``: a 27B-class dense Qwen3 shape (hidden 5120, intermediate 17408, 64
   layers, 40 q / 8 kv heads of 128, vocab 151936), 22.7 B parameters (45.4 GB in bf16: the
   dense layout of that width and depth); drafter: 5 layers.
+- ``qwen3.8-27b``: the Qwen3.8-27B / Qwen3.5-27B hybrid (``qwen3_5_text``: hidden 5120,
+  intermediate 17408, 64 layers = [3 Gated DeltaNet, 1 gated full attention] x 16; attention 24 q /
+  4 kv heads of 256, partial RoPE 0.25, rope_theta 1e7; GDN 16 key / 48 value heads of 128, conv 4;
+  vocab 248320, untied), about 26.9 B parameters; drafter: 5 DFlash layers (32 q / 8 kv heads of 128).
+- ``muse-glimmer-30b``: Muse-Glimmer-30B's text model (``muse_glimmer_text``: hidden 6656,
+  intermediate 19968, 52 layers = [3 sliding (window 2048, RoPE), 1 global NoPE] x 13; 32 q / 2 kv
+  heads of 128; vocab 202048; softcap 20, output multiplier 0.196, qk_scale_factor 3.87,
+  rope_theta 5e5, untied), about 29.6 B parameters; drafter: 5 DFlash layers (32 q / 8 kv of 128).
 - ``tiny``: 6 layers of width 128 and vocab 1024 (tests, CPU).
+- ``tiny-hybrid`` / ``tiny-muse``: the two families at width 128 (tests, CPU).
+
+Sources for the two study shapes: ``shared/notes/mechanisms.md`` section A (config fixtures,
+NeMo AutoModel coverage pages) and transformers 5.17's ``Qwen3_5TextConfig`` /
+``MuseGlimmerTextConfig`` conventions.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import json
 import zlib
 from pathlib import Path
@@ -42,11 +57,47 @@ SHAPES: dict[str, dict] = {
     "qwen3-27b-dense": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                             num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
                             max_position_embeddings=40960, draft_layers=5, mask_token_id=151669),
+    "qwen3.8-27b": dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, rope_theta=10_000_000.0,
+                        max_position_embeddings=262144, family="qwen3_5", architecture="Qwen3_5ForCausalLM",
+                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, norm_offset=True,
+                        final_norm_offset=True, attn_gate="interleaved", partial_rotary_factor=0.25,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, draft_layers=5,
+                        mask_token_id=248319, draft_heads=(32, 8, 128)),
+    "muse-glimmer-30b": dict(vocab_size=202048, hidden_size=6656, intermediate_size=19968, num_hidden_layers=52,
+                             num_attention_heads=32, num_key_value_heads=2, head_dim=128, rope_theta=500_000.0,
+                             rms_norm_eps=1e-5, max_position_embeddings=131072, family="muse_glimmer",
+                             architecture="MuseGlimmerForCausalLM", qk_norm=False,
+                             layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 13,
+                             layer_rope=([True] * 3 + [False]) * 13, sliding_window=2048, norm_offset=True,
+                             attn_gate="proj", qk_scaleless=True, qk_scale_factor=3.87, sandwich_norm=True,
+                             post_norm_eps=1e-8, embed_norm=True, final_logit_softcapping=20.0,
+                             output_multiplier=0.19611613513818404, draft_layers=5, mask_token_id=202047,
+                             draft_heads=(32, 8, 128)),
+    "tiny-hybrid": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+                        max_position_embeddings=4096, family="qwen3_5", architecture="Qwen3_5ForCausalLM",
+                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, norm_offset=True,
+                        final_norm_offset=True, attn_gate="interleaved", partial_rotary_factor=0.25,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                        linear_value_head_dim=32, draft_layers=2, mask_token_id=1023),
+    "tiny-muse": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+                      max_position_embeddings=4096, family="muse_glimmer", architecture="MuseGlimmerForCausalLM",
+                      qk_norm=False, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+                      layer_rope=([True] * 3 + [False]) * 2, sliding_window=64, norm_offset=True, attn_gate="proj",
+                      qk_scaleless=True, qk_scale_factor=3.87, sandwich_norm=True, post_norm_eps=1e-8,
+                      embed_norm=True, final_logit_softcapping=20.0, output_multiplier=0.5, draft_layers=2,
+                      mask_token_id=1023),
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
                  max_position_embeddings=4096, draft_layers=2, mask_token_id=1023),
 }
 STD = 0.02
+# which family's norm convention random_tensor fills (None: plain w = 1; "qwen3_5": every norm but the
+# GDN output norm stores 1 + w; "muse": every layer norm stores 1 + w, the final norm plain w)
+ZERO_CENTRED: contextvars.ContextVar = contextvars.ContextVar("zero_centred", default=None)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16}
 
@@ -59,7 +110,8 @@ def _shape(name: str) -> dict:
 
 def target_config(shape: str) -> TargetConfig:
     """The :class:`TargetConfig` of a named shape (Qwen3 layout, untied embeddings)."""
-    d = {k: v for k, v in _shape(shape).items() if k not in ("draft_layers", "mask_token_id")}
+    d = {k: v for k, v in _shape(shape).items() if k not in ("draft_layers", "mask_token_id", "draft_heads")}
+    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
     return TargetConfig(**d, tie_word_embeddings=False)
 
 
@@ -68,9 +120,10 @@ def drafter_config(shape: str, block_size: int = 16) -> DrafterConfig:
     s = _shape(shape)
     t = target_config(shape)
     n = s["draft_layers"]
+    heads, kv_heads, head_dim = s.get("draft_heads", (t.num_attention_heads, t.num_key_value_heads, t.head_dim))
     return DrafterConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=n,
-                         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                         head_dim=t.head_dim, vocab_size=t.vocab_size,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, vocab_size=t.vocab_size,
                          target_layer_ids=build_target_layer_ids(t.num_hidden_layers, n),
                          mask_token_id=s["mask_token_id"], block_size=block_size, rms_norm_eps=t.rms_norm_eps,
                          rope_theta=t.rope_theta, num_target_layers=t.num_hidden_layers)
@@ -79,16 +132,26 @@ def drafter_config(shape: str, block_size: int = 16) -> DrafterConfig:
 def hf_config(cfg: TargetConfig) -> dict:
     """config.json of a random target (``TargetConfig.to_hf_dict`` plus the rope_parameters form)."""
     d = cfg.to_hf_dict()
-    d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": cfg.rope_theta})
     d["bos_token_id"], d["eos_token_id"] = None, None
     return d
 
 
 
 def random_tensor(name: str, shape, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The tensor ``name`` of a random checkpoint: ones for norms (1-D), else N(0, 0.02) seeded by (seed, name)."""
-    if len(shape) == 1 or "norm" in name:
+    """The tensor ``name`` of a random checkpoint, seeded by (seed, name): N(0, 0.02) for matrices;
+    for vectors the value that makes them neutral or typical: norms 1 (0 where the family stores
+    ``1 + w``, see :data:`ZERO_CENTRED`), GDN ``dt_bias`` 1 and ``A_log`` log(U(1, 16))."""
+    if name.endswith("A_log"):
+        g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log().to(dtype=dtype, device=device)
+    if name.endswith("dt_bias"):
         return torch.ones(shape, dtype=dtype, device=device)
+    if len(shape) == 1 or "norm" in name:
+        fill = 0.0 if ZERO_CENTRED.get() and not name.endswith("linear_attn.norm.weight") else 1.0
+        if ZERO_CENTRED.get() == "muse" and name == "model.norm.weight":
+            fill = 1.0
+        return torch.full(shape, fill, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
     return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * STD).to(dtype)
 
@@ -105,12 +168,23 @@ def fill_random_(module: nn.Module, seed: int = 0) -> nn.Module:
     return module
 
 
+@contextlib.contextmanager
+def _norm_convention(cfg: TargetConfig):
+    tok = ZERO_CENTRED.set({"qwen3_5": "qwen3_5", "muse_glimmer": "muse"}.get(cfg.family) if cfg.norm_offset else None)
+    try:
+        yield
+    finally:
+        ZERO_CENTRED.reset(tok)
+
+
 def build_target(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Transformer:
     """A random target built directly on ``device`` (no checkpoint files), as loading would give."""
+    cfg = target_config(shape)
     with torch.device("meta"):
-        model = Transformer(target_config(shape))
+        model = Transformer(cfg)
     model = model.to(dtype).to_empty(device=device)
-    return fill_random_(model, seed).eval()
+    with _norm_convention(cfg):
+        return fill_random_(model, seed).eval()
 
 
 def build_drafter(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -171,7 +245,8 @@ def write_random_checkpoint(shape: str, out: str | Path, drafter_out: str | Path
     config = hf_config(tcfg)
     config["torch_dtype"] = dname
     config["specpilot_random"] = {"shape": shape, "seed": seed, "std": STD}
-    _write(lambda: Transformer(tcfg), config, out, seed, dtype, shard_bytes)
+    with _norm_convention(tcfg):
+        _write(lambda: Transformer(tcfg), config, out, seed, dtype, shard_bytes)
     dcfg = drafter_config(shape)
     dconf = dcfg.to_hf_dict()
     dconf["torch_dtype"] = dname
