@@ -11,6 +11,8 @@ rule force:
         references=forcing_references,
         prompts="results/prompts/{deployment}/{benchmark}.jsonl",
         build=build_marker,
+        engine_config=lambda wildcards: (engine_config_path(wildcards.gpu, wildcards.deployment)
+                                         if wildcards.engine == "specpilot" else []),
     output:
         "results/{gpu}/{deployment}/{benchmark}/{engine}-c{concurrency}.forcing.json",
     log:
@@ -21,6 +23,8 @@ rule force:
         references=reference_opts,
         target=target_dir,
         drafter=drafter_dir,
+        engine_config=lambda wildcards, input: (f"--engine-config {input.engine_config}"
+                                                if wildcards.engine == "specpilot" else ""),
         tolerance=forcing_tolerance,
         max_new_tokens=config["max_new_tokens"],
         device=torch_device,
@@ -35,5 +39,5 @@ rule force:
         "python -m specpilot force --candidate {input.candidate} {params.references}"
         " --target {params.target} --prompts {input.prompts} --tolerance {params.tolerance}"
         " --device {params.device} {params.dtype} --drafter {params.drafter}"
-        " --max-new-tokens {params.max_new_tokens} --threads {threads}"
+        " --max-new-tokens {params.max_new_tokens} {params.engine_config} --threads {threads}"
         " --out {output} --report-only > {log} 2>&1"

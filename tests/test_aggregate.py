@@ -93,9 +93,18 @@ def test_forcing_fail_with_different_tokens_is_not_an_error():
     assert cells(df).iloc[0].forcing == "FAIL"
 
 
+PASSED = {"passed": True, "violations": 0, "coverage": 1.0, "tokens_checked": 20, "tokens_generated": 20,
+          "requests": 2}  # a verdict of specpilot.forcing over the two 10-token stock records
+
+
 def test_forcing_pass_and_not_run():
-    df = build_table(cell_records(), {(("tiny", "gsm8k", 1), "stock"): {"passed": True, "violations": 0}})
+    df = build_table(cell_records(), {(("tiny", "gsm8k", 1), "stock"): PASSED})
     assert cells(df).iloc[0].forcing == "pass"
+    # "passed" alone is not enough: a verdict without full coverage, or over other records, fails
+    for doc in ({"passed": True, "violations": 0}, {**PASSED, "coverage": 0.5, "tokens_checked": 10},
+                {**PASSED, "tokens_generated": 30, "tokens_checked": 30}):
+        row = cells(build_table(cell_records(), {(("tiny", "gsm8k", 1), "stock"): doc})).iloc[0]
+        assert row.forcing == "FAIL" and math.isnan(row.stock_speedup)
     df = build_table(cell_records())
     row = cells(df).iloc[0]
     assert row.forcing == "not run" and row.stock_speedup == pytest.approx(2.0)

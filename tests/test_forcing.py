@@ -109,6 +109,13 @@ def test_honest_cell_passes_with_full_coverage(cell):
     assert verdict["tolerance"] == 0.001 and verdict["dtype"] == "float32"
     row = table_row(cell, cell.stock)
     assert row.stock_forcing == "pass" and row.stock_speedup > 0
+    # records that ran another engine config than the one the cell was given
+    other = cell.dir / "engine.json"
+    other.write_text(json.dumps({"engine_config": {"block_size": BLOCK + 1, "weight_format": "w12"}}))
+    verdict, rc = force_cli(cell, cell.stock, "--engine-config", str(other), "--replay-tokens", "0")
+    assert rc == 1 and verdict["violations_by_check"] == {"engine_config": 2}
+    assert verdict["violation_list"][0]["expected"] == {"block_size": BLOCK + 1}
+    assert verdict["replay"]["skipped"] == ["not run"]
 
 
 def test_chunked_teacher_forcing_equals_one_forward(cell):
@@ -275,10 +282,12 @@ def test_cheat_d_stale_kv_cache(cell, monkeypatch):
 
 
 def test_cheat_e_records_not_produced_by_the_engine(cell):
+    from specpilot.forcing import REPLAY_TOKENS
+
     honest = cell.stock[1]
     window = []
     for c in honest.committed_per_step:  # the engine's real steps inside the re-executed window
-        if sum(window) + c > 16:
+        if sum(window) + c > REPLAY_TOKENS:
             break
         window.append(c)
     assert max(window) > 1, "premise: the drafter commits more than one token early on this request"
@@ -297,7 +306,7 @@ def test_cheat_e_records_not_produced_by_the_engine(cell):
     # invented but consistent step counts (sum = new_tokens - 1): also not what the engine does
     from specpilot.forcing import force
 
-    invented = dataclasses.replace(fake, committed_per_step=[BLOCK] * 5 + [1], verify_steps=6)
+    invented = dataclasses.replace(fake, committed_per_step=[4] * 7 + [3], verify_steps=8)
     verdict = force([cell.stock[0], invented], {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, replay_for(cell))
     assert verdict["violations_by_check"] == {"replay": 1}
     # and inconsistent ones fail on the record's own evidence

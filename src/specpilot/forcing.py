@@ -51,7 +51,7 @@ from .errors import SpecpilotError
 from .io import write_json
 from .records import Record, read_records
 
-REPLAY_TOKENS = 16  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
+REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
 CHUNK = 512  # tokens per teacher-forced forward
 LISTED = 100  # violations / near-ties listed in a verdict (the counts are always complete)
 
@@ -572,6 +572,30 @@ def verdict_word(doc: dict | None, records: list[Record] | None = None) -> tuple
 # command line
 
 
+def _check_engine_config(verdict: dict, candidate: list[Record], path: str) -> None:
+    """Add an ``engine_config`` violation for every record whose config lacks a key/value of the
+    file's (``{"engine_config": {...}}`` or the config itself), i.e. that ran something else.
+    ``weight_format`` is left out: ``specpilot run --weight-format`` sets it from the deployment."""
+    from .io import read_json
+
+    doc = read_json(path)
+    want = doc.get("engine_config", doc) if isinstance(doc, dict) else None
+    if not isinstance(want, dict):
+        raise SpecpilotError(f"{path} must hold a JSON object (the engine config)")
+    for r in candidate:
+        got = r.engine_config or {}
+        diff = {k: v for k, v in want.items() if k != "weight_format" and got.get(k) != v}
+        if diff:
+            v = {"check": "engine_config", "request_id": r.request_id, "expected": diff,
+                 "recorded": {k: got.get(k) for k in diff},
+                 "detail": f"engine_config differs from {path}: expected {diff}, recorded {({k: got.get(k) for k in diff})}"}
+            if len(verdict["violation_list"]) < LISTED:
+                verdict["violation_list"].append(v)
+            verdict["violations"] += 1
+            verdict["violations_by_check"]["engine_config"] = verdict["violations_by_check"].get("engine_config", 0) + 1
+    verdict["passed"] = verdict["passed"] and verdict["violations"] == 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate", required=True, help="records file of the engine under test")
     p.add_argument("--reference", action="append", default=[],
@@ -579,6 +603,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target checkpoint dir: checks every token")
     p.add_argument("--prompts", required=True, help="the cell's prompt file")
     p.add_argument("--drafter", help="drafter checkpoint dir (to re-execute a drafter engine's first steps)")
+    p.add_argument("--engine-config", help="JSON file of the engine config the cell was run with (specpilot: "
+                   "results/{gpu}/{deployment}/specpilot.json): every record's engine_config must hold it")
     p.add_argument("--max-new-tokens", type=int,
                    help="the cell's token budget (default: the largest new_tokens of the references)")
     p.add_argument("--replay-tokens", type=int, default=REPLAY_TOKENS,
@@ -635,6 +661,8 @@ def run(args) -> int:
         replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
     verdict = force(candidate, references, prompts, target, args.tolerance, replay, args.chunk,
                     candidate_name=str(args.candidate))
+    if args.engine_config:
+        _check_engine_config(verdict, candidate, args.engine_config)
     write_json(args.out, verdict)
     mx = verdict["max_near_tie_margin"]
     print(f"token forcing {Path(args.candidate).name}: {'pass' if verdict['passed'] else 'FAIL'} "
