@@ -75,4 +75,4 @@ rule run_engine:
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
         " {params.engine_config} --device {params.device} {params.weights} --threads {threads}"
         " {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
-        " > {log} 2>&1"
+        " 2>&1 | tee {log}"

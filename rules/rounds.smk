@@ -52,7 +52,7 @@ checkpoint round_plan:
         "../envs/torch.yaml"
     shell:
         "python -m specpilot round plan --round {wildcards.k} {params.common} --prompts {input.prompts}"
-        " --ceilings {input.ceilings} {params.previous} --threads {threads} --out {output.plan} > {log} 2>&1"
+        " --ceilings {input.ceilings} {params.previous} --threads {threads} --out {output.plan} 2>&1 | tee {log}"
 
 
 rule round_agent:
@@ -78,7 +78,7 @@ rule round_agent:
     shell:
         "python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
         " {params.common} --prompts {input.prompts} --plan {input.plan} --threads {threads}"
-        " --out {output} > {log} 2>&1"
+        " --out {output} 2>&1 | tee {log}"
 
 
 rule round_integrate:
@@ -102,7 +102,7 @@ rule round_integrate:
         "../envs/torch.yaml"
     shell:
         "python -m specpilot round integrate --round {wildcards.k} {params.common} --prompts {input.prompts}"
-        " --plan {input.plan} --agent-files {input.agents} --threads {threads} --out {output} > {log} 2>&1"
+        " --plan {input.plan} --agent-files {input.agents} --threads {threads} --out {output} 2>&1 | tee {log}"
 
 
 rule specpilot_config:

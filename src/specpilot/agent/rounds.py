@@ -67,6 +67,7 @@ def _base_config(args) -> dict:
 
 def plan(args) -> int:
     """Cost model on the base config, memory transfer, and the choice of directions."""
+    log.info("round %d plan for %s on %s: AR and stock references first", args.round, args.deployment, args.gpu)
     ev, ctx = _evaluator(args)
     out = Path(args.out)
     base = _base_config(args)
@@ -86,7 +87,9 @@ def plan(args) -> int:
                 base = cand
                 transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                                     "gain": res["gain"]})
+    log.info("measuring the round's base config %s", json.dumps(base))
     base_recs, _ = ev.measure(base, base)
+    log.info("cost model")
     block = int(base.get("block_size", args.block_size))
     target_cfg = ev.target.config
     drafter_cfg = ev.drafter.config if ev.drafter is not None else None

@@ -8,6 +8,7 @@ each the minimum over ``repeats`` alternating runs (robust to a busy machine).
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from ..records import Record, write_records
 def geomean(xs: list[float]) -> float:
     """Geometric mean of positive numbers (nan for an empty list)."""
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+log = logging.getLogger("specpilot.agent")
 
 
 class Evaluator:
@@ -56,6 +60,9 @@ class Evaluator:
         cfg = dict(config)
         block = int(cfg.pop("block_size", self.stock_block))
         spec = EngineSpec(engine, block, cfg)
+        n = len(prompts or self.prompts)
+        log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
+                 {"block_size": block, **cfg}, n, self.max_new)
         with torch.inference_mode():
             return serve(spec, self.target_for(config), self.drafter, prompts or self.prompts, self.max_new,
                          self.concurrency, self.meta, progress=False, warmup=True)
