@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from specpilot.engine.serve import EngineSpec, kv_slots_needed, serve, serve_turns
+from specpilot.engine.serve import EngineSpec, serve, serve_turns
 from specpilot.errors import SpecpilotError
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import Record
@@ -28,6 +28,8 @@ def models(quick_deployment):
     ("ar", {}, 1), ("stock", {}, 1), ("stock", {"tree_branch": 2, "tree_depth": 2}, 1), ("stock", {}, 2),
 ])
 def test_prompt_that_fits_exactly_runs(models, quick_prompts, engine, config, concurrency):
+    from specpilot.engine.serve import kv_slots_needed
+
     target, drafter = models
     spec = EngineSpec(engine, 4, config)
     rows = quick_prompts[:concurrency]
@@ -44,6 +46,8 @@ def test_prompt_that_fits_exactly_runs(models, quick_prompts, engine, config, co
 
 
 def test_kv_slots_needed_counts():
+    from specpilot.engine.serve import kv_slots_needed
+
     assert kv_slots_needed(10, 1, 8, False) == 10          # nothing decoded
     assert kv_slots_needed(10, 5, 1, False) == 14          # AR: 4 decode steps after prefill
     assert kv_slots_needed(10, 5, 8, False) == 10 + 3 + 8  # last verify from 13 cached tokens
@@ -67,12 +71,12 @@ QWEN3_LIKE = (  # Qwen3's switch: with enable_thinking false the reply starts wi
     "{%- endif %}")
 
 
-def test_every_turn_rendered_with_the_recorded_template_settings(quick_deployment, data_dir, tmp_path):
-    from transformers import AutoTokenizer
+def test_every_turn_rendered_with_the_recorded_template_settings(data_dir, tmp_path):
+    from specpilot.prompts import load_rows, write_prompt_file
+    from specpilot.tiny.tokenizer import build_tokenizer
 
-    from specpilot.prompts import write_prompt_file
-
-    tok = AutoTokenizer.from_pretrained(quick_deployment / "target")
+    texts = [t for r in load_rows("mt-bench", data_dir)[:20] for t in r["turns"]] + ["fine"]
+    tok = build_tokenizer(texts, 600, tmp_path / "base")
     tok.chat_template = QWEN3_LIKE
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(tok_dir)
@@ -103,7 +107,7 @@ def test_every_turn_rendered_with_the_recorded_template_settings(quick_deploymen
     assert not any("<think>" in tok.decode(r["prompt_ids"]) for r in seen[1])
 
 
-def test_replay_drafter_draws_per_request(models):
+def test_replay_drafter_draws_per_request():
     from specpilot.engine.replay import ReplayProposer, load_profile
 
     profile = load_profile("study_stock")
