@@ -82,7 +82,6 @@ def test_every_turn_rendered_with_the_recorded_template_settings(data_dir, tmp_p
     tok.save_pretrained(tok_dir)
     prompts = write_prompt_file("mt-bench", tok_dir, tmp_path / "mt.jsonl", 2, data_dir=data_dir)
     assert all(p["prompt_text"].endswith("<think>\n\n</think>\n\n") for p in prompts)
-    assert all(p["chat_template_kwargs"] == {"enable_thinking": False} for p in prompts)
     seen = []
 
     def fake_serve(rows):  # an engine that answers "fine" to everything
@@ -99,6 +98,7 @@ def test_every_turn_rendered_with_the_recorded_template_settings(data_dir, tmp_p
     for row in turn2:
         text = tok.decode(row["prompt_ids"])
         assert text.count("<|im_start|>user") == 2 and text.endswith("<think>\n\n</think>\n\n"), text[-80:]
+    assert all(p["chat_template_kwargs"] == {"enable_thinking": False} for p in prompts)
     assert all(r.chat_template_kwargs == {"enable_thinking": False} for r in records)
     # a prompt file that asks for thinking gets it on every turn
     thinking = [{**p, "chat_template_kwargs": {"enable_thinking": True}} for p in prompts]
@@ -114,7 +114,8 @@ def test_replay_drafter_draws_per_request():
     refs = [list(range(100, 160)), list(range(200, 260))]
 
     def planted(rows, keys=None, steps=6, k=5):
-        prop = ReplayProposer([refs[i] for i in rows], profile, 1000, seed=0, row_keys=keys)
+        kw = {} if keys is None else {"row_keys": keys}
+        prop = ReplayProposer([refs[i] for i in rows], profile, 1000, seed=0, **kw)
         prop.start(None, [[7, 8, 9 + i] for i in rows], None, torch.zeros(len(rows), dtype=torch.long))
         per_row = [[] for _ in rows]
         for _ in range(steps):
@@ -125,8 +126,10 @@ def test_replay_drafter_draws_per_request():
             prop.observe(None, None, None, [list(range(a + 1)) for a in drawn])
         return per_row
 
+    # concurrency 1: each request alone in its batch, the proposer made anew for each
+    assert planted([0]) != planted([1])             # different requests, different sequences
     both = planted([0, 1])
-    assert both[0] != both[1]                       # different requests, different sequences
+    assert both[0] != both[1]
     assert planted([0, 1]) == both                  # deterministic
     assert planted([0]) == [both[0]] and planted([1]) == [both[1]]  # independent of batch mates
     assert planted([0, 1], keys=["gsm8k/0001", "gsm8k/0002"]) != both  # keyed by request id when given
