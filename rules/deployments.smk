@@ -20,7 +20,7 @@ rule build_tiny:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot build-tiny {params.data} --out {params.out_dir} --seed {params.seed}"
-        " {params.quick} --threads {threads} > {log} 2>&1"
+        " {params.quick} --threads {threads} 2>&1 | tee {log}"
 
 
 # Real deployments: link a local folder or a Hugging Face Hub download (run on the submitting

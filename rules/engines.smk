@@ -65,4 +65,4 @@ rule run_engine:
         " {params.engine_config} --device {params.device} --dtype {params.dtype} {params.weight_format}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --threads {threads} {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
-        " > {log} 2>&1"
+        " 2>&1 | tee {log}"

@@ -84,7 +84,7 @@ rule round_references:
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {params.concurrency} --repeats {params.repeats} --prompts {input.prompts}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
-        " --threads {threads} --out {output.ar} --out-stock {output.stock} > {log} 2>&1"
+        " --threads {threads} --out {output.ar} --out-stock {output.stock} 2>&1 | tee {log}"
 
 
 rule round_memory_start:
@@ -97,7 +97,7 @@ rule round_memory_start:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m specpilot memory --snapshots {input} --out {output} > {log} 2>&1"
+        "python -m specpilot memory --snapshots {input} --out {output} 2>&1 | tee {log}"
 
 
 checkpoint round_plan:
@@ -151,7 +151,7 @@ checkpoint round_plan:
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} {params.previous} --threads {threads}"
         " --out {output.plan} --costmodel {output.costmodel} --costmodel-text {output.costmodel_text}"
-        " --evidence {output.evidence} > {log} 2>&1"
+        " --evidence {output.evidence} 2>&1 | tee {log}"
 
 
 rule round_agent:
@@ -205,7 +205,7 @@ rule round_agent:
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} --plan {input.plan} --costmodel-text {input.costmodel_text}"
-        " --threads {threads} --out {output.agent} --evidence {output.evidence} > {log} 2>&1"
+        " --threads {threads} --out {output.agent} --evidence {output.evidence} 2>&1 | tee {log}"
 
 
 rule round_integrate:
@@ -258,7 +258,7 @@ rule round_integrate:
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} --plan {input.plan} --costmodel {input.costmodel}"
         " --agent-files {input.agents} --threads {threads} --out {output.integrated}"
-        " --evidence {output.evidence} --memory-out {output.memory} > {log} 2>&1"
+        " --evidence {output.evidence} --memory-out {output.memory} 2>&1 | tee {log}"
 
 
 rule specpilot_config:

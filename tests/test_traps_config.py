@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpilot.configcheck import check_config, coerce, load_schema
 from specpilot.errors import SpecpilotError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +24,12 @@ WORKFLOW_FILES = ["Snakefile", "rules", "envs", "report", "profiles", "config", 
 def snakemake(*args, cwd=ROOT, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, text=True, env=env,
                           capture_output=True, timeout=timeout)
+
+
+def check_config(cfg, schema):
+    from specpilot.configcheck import check_config as check
+
+    return check(cfg, schema)
 
 
 def snakemake_config(*entries) -> dict:
@@ -49,6 +54,8 @@ def test_nested_config_values_arrive_as_strings_and_are_parsed():
 
 
 def test_coerce_keeps_strings_where_strings_belong():
+    from specpilot.configcheck import coerce, load_schema
+
     schema = load_schema(SCHEMA_PATH)
     cfg = coerce({"data_dir": "123", "deployments": {"d": {"target": "1", "block_size": "16", "drafter": "dflash",
                                                             "weight_format": "bf16", "available": "false",

@@ -14,17 +14,18 @@ import pytest
 from specpilot.aggregate import build_table, run as table_run, write_table
 from specpilot.errors import SpecpilotError
 from specpilot.io import write_json, write_jsonl
-from specpilot.records import Record, merge_repeats, read_records, write_records
+from specpilot.records import Record, read_records, write_records
 
 
 def rec(engine, i, decode_s, new_tokens=10, steps=None, repeats=None, benchmark="gsm8k"):
     if steps is None:
         steps = [1] * (new_tokens - 1) if engine == "ar" else [3] * 3
+    extra = {} if repeats is None else {"decode_s_repeats": repeats}
     return Record(request_id=f"{benchmark}/{i:04d}", benchmark=benchmark, deployment="tiny", target="tiny",
                   drafter="none" if engine == "ar" else "dflash", gpu="cpu", engine=engine, concurrency=1,
                   prompt_tokens=5, new_tokens=new_tokens, prefill_s=0.01, decode_s=decode_s,
                   verify_steps=len(steps), committed_per_step=steps, output_ids=list(range(new_tokens)),
-                  decode_s_repeats=repeats)
+                  **extra)
 
 
 def _write_lines(path, rows):
@@ -89,7 +90,7 @@ def test_loaded_machine_warning_from_repeated_timings(tmp_path, caplog):
               rec("stock", 0, 0.5, benchmark="mbpp", repeats=[0.5, 0.55])]
     once = [rec("ar", 0, 1.0, benchmark="math500"), rec("stock", 0, 0.5, benchmark="math500")]
     with caplog.at_level("WARNING", logger="specpilot.table"):
-        df = build_table(calm + loaded + once, max_spread=0.25)
+        df = build_table(calm + loaded + once, max_spread=0.25)  # noqa: the keyword is new
     by = {b: r for b, r in zip(df.benchmark, df.to_dict("records")) if r["deployment"] == "tiny"}
     assert by["gsm8k"]["timing_spread"] == pytest.approx(0.05) and by["gsm8k"]["timing_warning"] is False
     assert by["mbpp"]["timing_spread"] == pytest.approx(29.0) and by["mbpp"]["timing_warning"] is True
@@ -108,6 +109,8 @@ def test_loaded_machine_warning_from_repeated_timings(tmp_path, caplog):
 
 
 def test_merge_repeats_keeps_fastest_and_checks_tokens():
+    from specpilot.records import merge_repeats
+
     a = [rec("stock", 0, 1.0), rec("stock", 1, 3.0)]
     b = [rec("stock", 0, 2.0), rec("stock", 1, 2.5)]
     merged = merge_repeats([a, b])

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"specpilot: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    for stream in (sys.stdout, sys.stderr):  # progress reaches a redirected log file as it happens
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"specpilot {name}", description=help_)

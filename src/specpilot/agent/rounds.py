@@ -102,7 +102,8 @@ def _invalidated(entries: list[dict], plan: dict) -> list[dict]:
 
 
 def plan(args) -> int:
-    """Cost model on the base config, memory transfer (round 1), and the choice of directions."""
+    """Cost model on the base config, memory transfer, and the choice of directions."""
+    log.info("round %d plan for %s on %s: AR and stock references first", args.round, args.deployment, args.gpu)
     ev, ctx = _evaluator(args)
     out = Path(args.out)
     evidence = Path(args.evidence)
@@ -125,7 +126,9 @@ def plan(args) -> int:
                 base = cand
                 transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                                     "gain": res["gain"]})
+    log.info("measuring the round's base config %s", json.dumps(base))
     base_recs, _ = ev.measure(base, base)
+    log.info("cost model")
     block = int(base.get("block_size", args.block_size))
     ceilings = read_json(args.ceilings)
     dtype_bytes = 2 if ctx["dtype"] == "bf16" else 4

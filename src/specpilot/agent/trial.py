@@ -11,6 +11,7 @@ each the minimum over ``repeats`` alternating runs (robust to a busy machine).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,9 @@ from ..engine.serve import EngineSpec, serve
 from ..errors import SpecpilotError
 from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
 from ..records import Record, write_records
+
+
+log = logging.getLogger("specpilot.agent")
 
 
 class Evaluator:
@@ -78,6 +82,9 @@ class Evaluator:
         cfg = dict(config)
         block = int(cfg.pop("block_size", self.stock_block))
         spec = EngineSpec(engine, block, cfg)
+        n = len(prompts or self.prompts)
+        log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
+                 {"block_size": block, **cfg}, n, self.max_new)
         with torch.inference_mode():
             return serve(spec, self.target_for(config), self.drafter, prompts or self.prompts, self.max_new,
                          self.concurrency, self.meta, progress=False, warmup=True)

@@ -134,24 +134,42 @@ class ReplayProposer:
         network: optional proposer whose forward runs each step for its cost only (a
             :class:`~specpilot.engine.proposers.DFlashProposer` of the real drafter's shape).
         seed: of the acceptance draws.
+        row_keys: one string per row naming its request (e.g. the request id); default: the
+            row's prompt tokens. Each row draws from its own generator seeded by (``seed``, key),
+            so requests get different acceptance sequences, the same ones on every run, whichever
+            requests share their batch.
     """
 
     synthetic = True
 
     def __init__(self, references: list[list[int]], profile: AcceptanceProfile, vocab_size: int,
-                 network=None, seed: int = 0):
+                 network=None, seed: int = 0, row_keys: list[str] | None = None):
         self.refs = [list(r) for r in references]
         self.profile = profile
         self.vocab = vocab_size
         self.network = network
-        self.rng = random.Random(seed)
+        self.seed = int(seed)
+        self.row_keys = None if row_keys is None else [str(k) for k in row_keys]
+        self.rngs: list[random.Random] = []
         self.planted: list[int] = []  # accepted count drawn per step and row (for tests)
+
+    @staticmethod
+    def _row_rng(seed: int, key: str) -> random.Random:
+        """A generator seeded from (seed, key) through SHA-256 (stable across runs and Pythons)."""
+        import hashlib
+
+        digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
+        return random.Random(int.from_bytes(digest[:8], "big"))
 
     def start(self, runner, prompts, features, first) -> None:
         if len(prompts) != len(self.refs):
             raise SpecpilotError(f"replay: {len(prompts)} prompts but {len(self.refs)} reference outputs")
         self.device = first.device
         self.pos = [1] * len(prompts)  # output tokens so far (the first came from prefill)
+        keys = self.row_keys if self.row_keys is not None else [",".join(map(str, p)) for p in prompts]
+        if len(keys) != len(prompts):
+            raise SpecpilotError(f"replay: {len(prompts)} prompts but {len(keys)} row keys")
+        self.rngs = [self._row_rng(self.seed, k) for k in keys]
         if self.network is not None:
             self.network.start(runner, prompts, features, first)
 
@@ -159,10 +177,10 @@ class ReplayProposer:
         if self.network is not None:
             self.network.propose(last, start, k)  # the real draft cost; its tokens are not used
         rows = []
-        for ref, i in zip(self.refs, self.pos):
+        for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
             d = d + [ref[-1] if ref else 0] * (k - len(d))
-            a = self.profile.sample(k, self.rng)
+            a = self.profile.sample(k, rng)
             self.planted.append(a)
             if a < k:
                 d[a] = (d[a] + 1) % self.vocab

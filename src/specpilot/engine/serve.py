@@ -52,6 +52,27 @@ class EngineSpec:
             self.accept = ACCEPT_RULES[rule]
 
 
+def kv_slots_needed(prompt_tokens: int, max_new_tokens: int, verify_width: int, batched: bool) -> int:
+    """KV-cache slots one request needs: prompt + every position a decode/verify step writes.
+
+    Prefill writes ``P`` slots and yields the first new token. A verify step runs when a row has
+    ``n < max_new_tokens`` output tokens, of which ``n - 1`` are in the cache, and writes
+    ``verify_width`` slots from there, so the last one ends at ``P + max_new_tokens - 2 + W``
+    (AR: ``W = 1``, so ``P + max_new_tokens - 1``). In a batch of several rows a finished row is
+    verified again with the others (committing nothing) from ``P + max_new_tokens - 1``, one slot
+    more. With ``max_new_tokens == 1`` nothing is decoded: ``P``.
+
+    Args:
+        prompt_tokens: ``P`` [tokens]; max_new_tokens: per request; verify_width: ``W``, tokens
+            per verify forward (:attr:`EngineSpec.verify_width`); batched: more than one row per batch.
+    Returns:
+        The number of slots [int].
+    """
+    if max_new_tokens <= 1:
+        return prompt_tokens
+    return prompt_tokens + max_new_tokens - 2 + verify_width + (1 if batched and verify_width > 1 else 0)
+
+
 def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None,
                    prompts: list[list[int]], max_new_tokens: int, max_seq: int,
                    eos_id: int | None = None, profile: bool = True, graphs: bool | None = None,
@@ -108,10 +129,12 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             the AR engine runs first on each batch).
         profile: synchronize around the draft step to time it (``draft_s``); off = one
             synchronization per verify step only.
-        max_seq: KV-cache slots; default = longest prompt + max_new_tokens + block size, capped at
-            the target's ``max_position_embeddings``.
+        max_seq: KV-cache slots; default = what the longest prompt needs (:func:`kv_slots_needed`),
+            capped at the target's ``max_position_embeddings``.
     Raises:
-        SpecpilotError: empty prompt list, a prompt that does not fit the KV cache, bad concurrency.
+        SpecpilotError: empty prompt list, a prompt that does not fit the KV cache (exactly as
+            much room as :func:`kv_slots_needed` is required), ``max_seq`` beyond the target's
+            ``max_position_embeddings`` (positions it was not trained for), bad concurrency.
     """
     if not prompts:
         raise SpecpilotError("the prompt file holds no prompts")
@@ -120,14 +143,22 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     for p in prompts:
         if not p.get("prompt_ids"):
             raise SpecpilotError(f"request {p.get('request_id')!r} has an empty prompt")
-    room = max_new_tokens + spec.verify_width + 1
-    longest = max(len(p["prompt_ids"]) for p in prompts)
-    max_seq = max_seq or min(longest + room, target.config.max_position_embeddings)
+    limit = int(target.config.max_position_embeddings)
+    if max_seq is not None and max_seq > limit:
+        raise SpecpilotError(f"--max-seq {max_seq} exceeds the target's max_position_embeddings {limit}: "
+                             f"it has no positions beyond that")
+    if max_seq is not None and max_seq < 1:
+        raise SpecpilotError(f"--max-seq must be >= 1, got {max_seq}")
+    batched = concurrency > 1 and len(prompts) > 1
+    needs = {p["request_id"]: kv_slots_needed(len(p["prompt_ids"]), max_new_tokens, spec.verify_width, batched)
+             for p in prompts}
+    max_seq = max_seq or min(max(needs.values()), limit)
     for p in prompts:
-        if len(p["prompt_ids"]) + room > max_seq:
+        if needs[p["request_id"]] > max_seq:
+            what = f"the target's max_position_embeddings {limit}" if max_seq == limit else f"{max_seq} KV-cache slots"
             raise SpecpilotError(
-                f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {room} decode slots "
-                f"exceeds the KV cache of {max_seq} slots")
+                f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {max_new_tokens} new tokens "
+                f"(verify width {spec.verify_width}) needs {needs[p['request_id']]} positions, more than {what}")
     opts = dict(graphs=graphs, kernels=kernels)
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         first = [p["prompt_ids"] for p in prompts[:concurrency]]
@@ -195,10 +226,26 @@ def serve_turns(serve_rows: Callable[[list[dict]], list[Record]], prompts: list[
 
     Turn 1 is served as given; for every row with more user ``turns``, turn k+1's prompt is the chat
     template over [user 1, assistant 1 (the decoded answer), ..., user k+1], so each engine chains
-    its own (token-identical) answers. Later turns' records carry ``prompt_ids`` and the request id
+    its own (token-identical) answers. Every turn is rendered with the template settings the prompt
+    row recorded (``chat_template_kwargs``, e.g. ``enable_thinking=False`` for Qwen3; rows without
+    them get :data:`specpilot.prompts.CHAT_TEMPLATE_KWARGS`, what turn 1 was rendered with), and
+    every record carries them. Later turns' records carry ``prompt_ids`` and the request id
     ``"{request_id}/turn{k+1}"``.
+
+    Raises:
+        SpecpilotError: a row's ``chat_template_kwargs`` is not a JSON object.
     """
+    from ..prompts import CHAT_TEMPLATE_KWARGS
+
+    settings = {}
+    for p in prompts:
+        kw = p.get("chat_template_kwargs", CHAT_TEMPLATE_KWARGS)
+        if not isinstance(kw, dict):
+            raise SpecpilotError(f"request {p['request_id']}: chat_template_kwargs must be an object, got {kw!r:.60}")
+        settings[p["request_id"]] = dict(kw)
     records = serve_rows(prompts)
+    for r in records:
+        r.chat_template_kwargs = settings.get(r.request_id)
     done = {r.request_id: r for r in records}
     chats = {p["request_id"]: [{"role": "user", "content": p["turns"][0]}] for p in prompts if p.get("turns")}
     turn = 1
@@ -212,16 +259,18 @@ def serve_turns(serve_rows: Callable[[list[dict]], list[Record]], prompts: list[
             chat = chats[p["request_id"]]
             chat.append({"role": "assistant", "content": tokenizer.decode(done[prev].output_ids, skip_special_tokens=True)})
             chat.append({"role": "user", "content": turns[turn]})
-            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                **settings[p["request_id"]])
             if hasattr(ids, "keys"):  # a BatchEncoding on newer transformers
                 ids = ids["input_ids"]
             nxt.append({"request_id": f"{p['request_id']}/turn{turn + 1}", "benchmark": p["benchmark"],
-                        "prompt_ids": list(ids)})
+                        "prompt_ids": list(ids), "chat_template_kwargs": settings[p["request_id"]]})
         if not nxt:
             return records
         more = serve_rows(nxt)
         for row, r in zip(nxt, more):
             r.prompt_ids = row["prompt_ids"]
+            r.chat_template_kwargs = row["chat_template_kwargs"]
             done[r.request_id] = r
         records += more
         turn += 1
