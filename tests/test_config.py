@@ -215,3 +215,22 @@ def test_every_rule_names_an_existing_env():
     for smk in (ROOT / "rules").glob("*.smk"):
         for env in re.findall(r'"\.\./envs/([\w.-]+)"', smk.read_text()):
             assert (ROOT / "envs" / env).is_file(), (smk.name, env)
+
+
+def test_model_jobs_ask_for_memory_sized_from_the_deployment():
+    """mem_mb of every model-loading rule follows the target: Qwen3-8B bf16 = 8.2e9 params x 2 bytes
+    x 1.25 + 4 GB; a 30B target asks for more; the round steps of a bf16 GPU deployment hold two
+    copies (the w12 direction keeps a 12-bit copy beside the bf16 one)."""
+    r = snakemake("-n", "results/h100/table.csv", "--configfile", "config/paper.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    mem: dict[tuple[str, str], int] = {}
+    for m in re.finditer(r"^(?:local)?(?:rule|checkpoint) (\w+):\n((?:    .*\n)+)", r.stdout, re.M):
+        dep = re.search(r"deployment=([^,\s]+)", m[2])
+        res = re.search(r"mem_mb=(\d+)", m[2])
+        if dep and res:
+            mem[(m[1], dep[1])] = int(res[1])
+    one_copy = int((8.2 * 2 * 1.25 + 4) * 1024)
+    for rule in ("run_engine", "force", "kernel_agent", "round_references"):
+        assert mem[(rule, "qwen3-8b_dspark")] == one_copy, rule
+        assert mem[(rule, "muse-glimmer-30b_dflash")] > 3 * mem[(rule, "qwen3-8b_dspark")] // 2 > 0, rule
+    assert mem[("round_plan", "qwen3-8b_dspark")] == int((8.2 * 2 * 1.25 * 2 + 4) * 1024)

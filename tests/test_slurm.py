@@ -299,7 +299,7 @@ def sbatch_gpu_args(resources: dict[str, str]) -> str:
     return set_gres_string(_Job(res)).strip()
 
 
-GPU_RULES = {"run_engine", "force", "ceilings", "kernels"}
+GPU_RULES = {"run_engine", "force", "ceilings", "kernels", "kernel_agent", "round_references", "round_plan"}
 CPU_RULES = {"prompts", "table", "figures", "link_deployment", "build_tiny", "all"}
 
 
