@@ -234,3 +234,20 @@ def test_model_jobs_ask_for_memory_sized_from_the_deployment():
         assert mem[(rule, "qwen3-8b_dspark")] == one_copy, rule
         assert mem[(rule, "muse-glimmer-30b_dflash")] > 3 * mem[(rule, "qwen3-8b_dspark")] // 2 > 0, rule
     assert mem[("round_plan", "qwen3-8b_dspark")] == int((8.2 * 2 * 1.25 * 2 + 4) * 1024)
+
+
+def test_report_steps_run_without_torch(tmp_path):
+    """The rules on envs/report.yaml (table, figures, memory merge) never import torch."""
+    import os
+
+    snap = tmp_path / "a.jsonl"
+    snap.write_text('{"id": "m1", "direction": "block_size", "params": {"block_size": 6}, "deployment": "d", '
+                    '"gpu": "cpu", "gain": 1.1, "round": 1, "status": "valid", "reason": ""}\n')
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import specpilot.aggregate, specpilot.figures\n"
+            "from specpilot.cli import main\n"
+            f"sys.exit(main(['memory', '--snapshots', {str(snap)!r}, {str(snap)!r}, '--out', {str(tmp_path / 'm.jsonl')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1
