@@ -33,6 +33,7 @@ rule force:
     resources:
         gpu=gpu_count,
         gpu_model=gpu_model,
+        mem_mb=model_mem_mb(),
     conda:
         "../envs/engine.yaml"
     shell:

@@ -10,6 +10,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("SPECPILOT_DATA_DIR") or REPO.parent / "shared" / "data" / "benchmarks")
 TINY = Path(os.environ.get("SPECPILOT_TINY_DIR") or REPO / "resources" / "deployments" / "tiny")
+# a quick deployment built before (read only), e.g. by a run of .test/config/config.yaml
+QUICK_DIR = os.environ.get("SPECPILOT_QUICK_DIR")
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +23,12 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def quick_deployment(tmp_path_factory, data_dir) -> Path:
-    """A deployment built with the QUICK recipe (a few seconds; not a useful model)."""
+    """A deployment built with the QUICK recipe (a few seconds; not a useful model), or the one at
+    $SPECPILOT_QUICK_DIR when that names a finished build."""
     from specpilot.tiny.build import QUICK, build_tiny
 
+    if QUICK_DIR and (Path(QUICK_DIR) / "build.json").is_file():
+        return Path(QUICK_DIR)
     out = tmp_path_factory.mktemp("quick")
     build_tiny(out, data_dir, seed=0, recipe=QUICK, log=lambda *_: None)
     return out

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())
 DEFAULT = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
 PAPER = yaml.safe_load((ROOT / "config" / "paper.yaml").read_text())
-HAS_ROUNDS = (ROOT / "rules" / "rounds.smk").is_file()
+TEST_CONFIGS = sorted((ROOT / ".test" / "config").glob("*.yaml"))
 
 
 def merged(base, over):
@@ -29,9 +29,16 @@ def validate(cfg):
     jsonschema.Draft202012Validator(SCHEMA).validate(cfg)
 
 
-def snakemake(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=ROOT, text=True,
+def snakemake(*args, timeout=300, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def fresh_dry_run(tmp_path, *args):
+    """`snakemake -n` in an empty working directory (--directory): the whole DAG is pending, whatever
+    results/ the checkout holds."""
+    return snakemake("-n", "--quiet", "rules", "--directory", str(tmp_path), "--snakefile",
+                     str(ROOT / "Snakefile"), *args)
 
 
 def job_counts(output: str) -> dict[str, int]:
@@ -90,15 +97,42 @@ def test_workflow_rejects_typo_naming_it():
     assert "n_promts" in r.stdout + r.stderr
 
 
-def test_dry_run_default():
-    r = snakemake("-n", "--quiet", "rules")
+def test_dry_run_default(tmp_path):
+    r = fresh_dry_run(tmp_path, "--configfile", str(ROOT / "config" / "config.yaml"))
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = job_counts(r.stdout + r.stderr)
-    n_engines = len([e for e in DEFAULT["engines"] if e != "specpilot" or HAS_ROUNDS])
     n_cells = len(DEFAULT["deployments"]) * len(DEFAULT["benchmarks"]) * len(DEFAULT["concurrency"])
-    if not Path(ROOT, "results").exists():  # a fresh checkout: the whole DAG is pending
-        assert jobs["run_engine"] == n_cells * n_engines
-        assert jobs["table"] == 1 and jobs["figures"] == 1
+    assert jobs["run_engine"] == n_cells * len(DEFAULT["engines"])
+    assert jobs["force"] == n_cells * (len(DEFAULT["engines"]) - 1)
+    assert jobs["table"] == 1 and jobs["figures"] == 1 and jobs["memory"] == 1
+    # rounds: references once, round 0's memory, plan and integrate per round (agents follow the plan)
+    assert jobs["round_references"] == jobs["round_memory_start"] == 1
+    assert jobs["round_plan"] == jobs["round_integrate"] == DEFAULT["rounds"]["count"]
+    assert jobs["calibration_prompts"] == len(DEFAULT["benchmarks"]) and jobs["calibration_gather"] == 1
+
+
+@pytest.mark.parametrize("cfg", TEST_CONFIGS, ids=lambda p: p.stem)
+def test_test_configs_lint_and_dry_run(tmp_path, cfg):
+    """The .test/ configs CI runs: they validate, lint clean and dry-run with the expected jobs."""
+    spec = yaml.safe_load(cfg.read_text())
+    full = merged(DEFAULT, spec)
+    validate(full)
+    r = fresh_dry_run(tmp_path, "--configfile", str(cfg))
+    assert r.returncode == 0, r.stdout + r.stderr
+    jobs = job_counts(r.stdout + r.stderr)
+    n_cells = len(full["deployments"]) * len(full["benchmarks"]) * len(full["concurrency"])
+    assert jobs["run_engine"] == n_cells * len(full["engines"])
+    assert jobs["build_tiny"] == len(full["deployments"])
+    assert ("round_plan" in jobs) == ("specpilot" in full["engines"] and full["rounds"]["count"] > 0)
+    lint = snakemake("--lint", "--configfile", str(cfg))
+    assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+
+
+def test_test_configs_cover_rounds_and_concurrency():
+    specs = [merged(DEFAULT, yaml.safe_load(p.read_text())) for p in TEST_CONFIGS]
+    assert any("specpilot" in s["engines"] and s["rounds"]["count"] > 0 and len(s["deployments"]) > 1 for s in specs)
+    assert any(max(s["concurrency"]) > 1 for s in specs)
+    assert any(s["deployments"] == {"tiny": {**DEFAULT["deployments"]["tiny"], "quick": True}} for s in specs)
 
 
 def test_dry_run_paper_h100():
@@ -110,7 +144,7 @@ def test_dry_run_paper_h100():
     cfg = merged(DEFAULT, PAPER)
     available = [d for d, v in cfg["deployments"].items() if v.get("available", True)]
     assert len(available) == 8
-    n_engines = 3 if HAS_ROUNDS else 2
+    n_engines = 3
     jobs = job_counts(out)
     assert jobs["run_engine"] == len(available) * 5 * 4 * n_engines
     assert jobs["force"] == len(available) * 5 * 4 * (n_engines - 1)
@@ -129,7 +163,8 @@ def test_dry_run_paper_shell_commands():
     assert ("python -m specpilot run --engine stock --target resources/deployments/qwen3-8b_dspark/target"
             " --target-name Qwen/Qwen3-8B --drafter resources/deployments/qwen3-8b_dspark/drafter-dspark") in out
     assert "--gpu h100 --max-new-tokens 2048 --concurrency 16 --block-size 7" in out
-    assert "--device cuda --dtype bf16 --threads" in out
+    assert "--device cuda --dtype bf16  --kernels-manifest results/h100/kernels/manifest.json" in out
+    assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/kernel-agent.json --threads" in out
     assert "gpu=1, gpu_model=h100" in out
     assert ("--reference results/h100/qwen3-8b_dspark/gsm8k/ar-c16.jsonl --target "
             "resources/deployments/qwen3-8b_dspark/target --prompts results/prompts/qwen3-8b_dspark/gsm8k.jsonl"
@@ -144,15 +179,75 @@ def test_lint_is_clean():
     assert "Lints for" not in out
 
 
-def test_envs_match_pyproject():
+def _pins(env: Path) -> dict[str, str]:
+    spec = yaml.safe_load(env.read_text())
+    pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
+    out = {}
+    for p in pip:
+        name, sep, version = p.partition("==")
+        assert sep and version, f"{env.name}: {p!r} is not pinned (name==version)"
+        out[name.lower().replace("_", "-")] = version
+    return out
+
+
+def test_envs_are_pinned_within_pyproject_and_ci():
+    """Every env pin satisfies pyproject.toml's requirement of that package; the engine env pins
+    the torch CI installs; the report env has no torch."""
     import tomllib
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {re.split(r"[<>=!~ \[]", d)[0].lower().replace("_", "-") for d in deps}
-    for env in (ROOT / "envs").glob("*.yaml"):
-        spec = yaml.safe_load(env.read_text())
-        pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
-        assert "torch==2.13.0" in pip, env
-        env_names = {re.split(r"[<>=!~ \[]", p)[0].lower().replace("_", "-") for p in pip}
-        assert env_names <= names, (env, env_names - names)
-        assert names - {"snakemake"} <= env_names, (env, names - env_names)
+    from packaging.requirements import Requirement
+
+    reqs = {Requirement(d).name.lower().replace("_", "-"): Requirement(d)
+            for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    engine, report = _pins(ROOT / "envs" / "engine.yaml"), _pins(ROOT / "envs" / "report.yaml")
+    for env, pins in (("engine", engine), ("report", report)):
+        for name, version in pins.items():
+            assert name in reqs, f"envs/{env}.yaml pins {name}, which pyproject.toml does not require"
+            assert reqs[name].specifier.contains(version), f"envs/{env}.yaml: {name}=={version} outside {reqs[name]}"
+    ci_torch = re.search(r"pip install torch==(\S+)", (ROOT / ".ci" / "run").read_text())[1]
+    assert engine["torch"] == ci_torch
+    assert "torch" not in report and {"pandas", "matplotlib"} <= set(report)
+    # the engine env carries every runtime requirement but the workflow manager and plotting
+    assert set(reqs) - {"snakemake", "matplotlib"} <= set(engine), set(reqs) - set(engine)
+
+
+def test_every_rule_names_an_existing_env():
+    for smk in (ROOT / "rules").glob("*.smk"):
+        for env in re.findall(r'"\.\./envs/([\w.-]+)"', smk.read_text()):
+            assert (ROOT / "envs" / env).is_file(), (smk.name, env)
+
+
+def test_model_jobs_ask_for_memory_sized_from_the_deployment():
+    """mem_mb of every model-loading rule follows the target: Qwen3-8B bf16 = 8.2e9 params x 2 bytes
+    x 1.25 + 4 GB; a 30B target asks for more; the round steps of a bf16 GPU deployment hold two
+    copies (the w12 direction keeps a 12-bit copy beside the bf16 one)."""
+    r = snakemake("-n", "results/h100/table.csv", "--configfile", "config/paper.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    mem: dict[tuple[str, str], int] = {}
+    for m in re.finditer(r"^(?:local)?(?:rule|checkpoint) (\w+):\n((?:    .*\n)+)", r.stdout, re.M):
+        dep = re.search(r"deployment=([^,\s]+)", m[2])
+        res = re.search(r"mem_mb=(\d+)", m[2])
+        if dep and res:
+            mem[(m[1], dep[1])] = int(res[1])
+    one_copy = int((8.2 * 2 * 1.25 + 4) * 1024)
+    for rule in ("run_engine", "force", "kernel_agent", "round_references"):
+        assert mem[(rule, "qwen3-8b_dspark")] == one_copy, rule
+        assert mem[(rule, "muse-glimmer-30b_dflash")] > 3 * mem[(rule, "qwen3-8b_dspark")] // 2 > 0, rule
+    assert mem[("round_plan", "qwen3-8b_dspark")] == int((8.2 * 2 * 1.25 * 2 + 4) * 1024)
+
+
+def test_report_steps_run_without_torch(tmp_path):
+    """The rules on envs/report.yaml (table, figures, memory merge) never import torch."""
+    import os
+
+    snap = tmp_path / "a.jsonl"
+    snap.write_text('{"id": "m1", "direction": "block_size", "params": {"block_size": 6}, "deployment": "d", '
+                    '"gpu": "cpu", "gain": 1.1, "round": 1, "status": "valid", "reason": ""}\n')
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import specpilot.aggregate, specpilot.figures\n"
+            "from specpilot.cli import main\n"
+            f"sys.exit(main(['memory', '--snapshots', {str(snap)!r}, {str(snap)!r}, '--out', {str(tmp_path / 'm.jsonl')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1

@@ -72,15 +72,21 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     for f in work.glob("results/cpu/tiny/*/specpilot-c1.forcing.json"):
         v = json.loads(f.read_text())
         assert v["passed"] and v["tokens_checked"] > 0
-    # every winner of a round is in the memory with its gain and evidence
-    mem = [json.loads(line) for line in (work / "results" / "memory.jsonl").read_text().splitlines()] \
-        if (work / "results" / "memory.jsonl").exists() else []
-    for integ in (integ1, integ2):
-        for w in integ["winners"]:
-            kept = all(integ["config"].get(k) == v for k, v in w["params"].items())
-            entries = [e for e in mem if e["direction"] == w["direction"] and e["round"] == integ["round"]
-                       and e["params"] == w["params"]]
-            assert bool(entries) == kept, (w, entries)  # recorded exactly when integrated
-            assert all(e["gain"] > 1 and e["evidence"] and e["status"] == "valid" for e in entries)
+    # memory: round k's snapshot = round k-1's plus exactly the winners integrated in round k, each
+    # with its gain and evidence; results/memory.jsonl is the merge of the last snapshot
+    rounds = work / "results/cpu/tiny/rounds"
+    snaps = [[json.loads(line) for line in (rounds / f"round-{k}/memory.jsonl").read_text().splitlines()]
+             for k in range(3)]
+    assert snaps[0] == []  # the only deployment starts from no memory
+    for k, integ in ((1, integ1), (2, integ2)):
+        new = [e for e in snaps[k] if e["id"] not in {p["id"] for p in snaps[k - 1]}]
+        kept = [w for w in integ["winners"] if all(integ["config"].get(p) == v for p, v in w["params"].items())]
+        assert sorted((e["direction"], json.dumps(e["params"])) for e in new) == \
+            sorted((w["direction"], json.dumps(w["params"])) for w in kept), (k, new, kept)
+        assert all(e["round"] == k and e["gain"] >= 1.02 and e["evidence"] and e["status"] == "valid" for e in new)
+    shared = [json.loads(line) for line in (work / "results" / "memory.jsonl").read_text().splitlines()]
+    assert shared == sorted(snaps[2], key=lambda e: e["id"])
     assert (work / "results" / "cpu" / "figures" / "rounds.png").stat().st_size > 0
     assert json.loads((work / "results/cpu/kernels/tiny/kernel-agent.json").read_text())["applies"] is False
+    for f in work.glob("results/cpu/tiny/*/*-c1.jsonl"):  # every cell recorded the kernels it used
+        assert json.loads(f.read_text().splitlines()[0])["engine_config"]["kernels"]["applies"] is False

@@ -299,8 +299,10 @@ def sbatch_gpu_args(resources: dict[str, str]) -> str:
     return set_gres_string(_Job(res)).strip()
 
 
-GPU_RULES = {"run_engine", "force", "ceilings", "kernels"}
-CPU_RULES = {"prompts", "table", "figures", "link_deployment", "build_tiny", "all"}
+GPU_RULES = {"run_engine", "force", "ceilings", "kernels", "kernel_agent", "round_references", "round_plan",
+             "round_agent", "round_integrate"}
+CPU_RULES = {"prompts", "table", "figures", "link_deployment", "build_tiny", "all", "calibration_prompts",
+             "calibration_gather", "round_memory_start", "specpilot_config", "memory", "rounds_figure"}
 
 
 def test_paper_dry_run_requests_h100(tmp_path, plugin, capsys):

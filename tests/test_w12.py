@@ -359,9 +359,32 @@ def test_converter_refuses_fp16_and_missing_config(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
-def test_direction_constant():
-    assert DIRECTION == {"name": "w12_weights", "cost_term": "weight_bytes",
-                         "space": {"weight_format": ["bf16", "w12"]}}
+def test_direction_constant_matches_the_registry_and_the_cost_model():
+    """w12.DIRECTION is what the agent loop registers, its cost term is one the cost model reports
+    with a saving exactly for bf16 weights (a quarter of the weight read), and applying it gives a
+    config the deployment loader takes."""
+    from specpilot.agent import directions as dirs
+    from specpilot.agent.costmodel import analyze
+    from types import SimpleNamespace
+
+    from specpilot.records import Record
+
+    reg = dirs.REGISTRY[DIRECTION["name"]]
+    assert (reg.cost_term, reg.space) == (DIRECTION["cost_term"], DIRECTION["space"])
+    assert DIRECTION["cost_term"] in dirs.COST_TERMS
+    cfg = SimpleNamespace(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    rec = Record(request_id="x/0", benchmark="x", deployment="d", target="t", drafter="dflash", gpu="h200",
+                 engine="stock", concurrency=1, prompt_tokens=8, new_tokens=9, prefill_s=0.0, decode_s=0.01,
+                 verify_steps=2, committed_per_step=[4, 4], output_ids=list(range(9)))
+    rec.draft_s, rec.verify_s = 0.002, 0.006
+    ceil = {"memory_bandwidth_bytes_per_s": 1e9, "matmul_flop_per_s": 1e12}
+    terms = {b: {t["term"]: t for t in analyze([rec], cfg, None, ceil, b, 8)["terms"]} for b in (2, 4)}
+    wb = terms[2][DIRECTION["cost_term"]]
+    assert wb["gap_s_per_token"] == pytest.approx(wb["measured_s_per_token"] / 4) and wb["gap_s_per_token"] > 0
+    assert terms[4][DIRECTION["cost_term"]]["gap_s_per_token"] == 0.0
+    assert reg.apply({"block_size": 8}, {"weight_format": "w12"}) == {"block_size": 8, "weight_format": "w12"}
+    assert reg.apply({"block_size": 8}, {"weight_format": "bf16"}) == {"block_size": 8}  # bf16 = off
 
 
 def test_engine_with_w12_passes_token_forcing_against_bf16(quick_deployment, quick_prompts):

@@ -109,7 +109,7 @@ def plan(args) -> int:
     evidence = Path(args.evidence)
     evidence.mkdir(parents=True, exist_ok=True)
     base = _base_config(args)
-    transferred, invalidated = [], []
+    transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
         best = memory.best_known(memory.read(args.memory), ctx)
         applicable = {d.name for d in dirs.applicable(ctx)}
@@ -118,6 +118,9 @@ def plan(args) -> int:
                 continue
             cand = dirs.REGISTRY[name].apply(base, entry["params"])
             res = ev.trial(cand, base, evidence / f"memory-{name}.jsonl")
+            tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
+                          "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
+                          "gain": res["gain"]})
             if not res["gate"]["passed"]:
                 invalidated.append({"entry": entry["id"],
                                     "reason": f"failed token forcing on {args.deployment}/{args.gpu}"})
@@ -145,7 +148,7 @@ def plan(args) -> int:
     Path(args.costmodel_text).write_text(report)
     write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
                      "directions": chosen, "ranked_terms": [t["term"] for t in analysis["terms"]],
-                     "memory_transferred": transferred, "memory_invalidated": invalidated,
+                     "memory_tried": tried, "memory_transferred": transferred, "memory_invalidated": invalidated,
                      "stock_speedup_vs_ar": stock_speedup, "base_speedup_vs_ar": base_speedup,
                      "base_tau": analysis["tau"], "context": ctx})
     print(report, end="")

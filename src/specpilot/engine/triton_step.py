@@ -303,9 +303,9 @@ def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_
     tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def attn_chunk(max_seq: int) -> int:
-    """KV slots per attention program; depends on the cache size only (row independence)."""
-    return 128
+# KV slots per attention program. Fixed, so a request's partial sums never depend on the cache
+# size or the batch it is served in (row independence).
+ATTN_CHUNK = 128
 
 
 class AttnWorkspace:
@@ -313,7 +313,7 @@ class AttnWorkspace:
 
     def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device):
         G = n_heads // n_kv
-        self.chunk = attn_chunk(max_seq)
+        self.chunk = ATTN_CHUNK
         self.n_chunks = triton.cdiv(max_seq, self.chunk)
         self.row_tiles = triton.cdiv(G * T, BR)
         self.r_pad = self.row_tiles * BR
