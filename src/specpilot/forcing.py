@@ -30,13 +30,11 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 @torch.inference_mode()
 def top2_margin(target, prompt_ids: list[int], prefix: list[int]) -> tuple[float, int, int]:
     """Teacher-forced target logits after prompt + prefix: (top1 - top2 margin, top1, top2)."""
-    from .models.layers import chain_ancestors
-
     seq = list(prompt_ids) + list(prefix)
     dev = target.lm_head.weight.device
-    target.setup_cache(1, len(seq) + 1)
-    logits, _ = target(torch.tensor([seq], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                       chain_ancestors(1, len(seq), dev))
+    # cache-free causal forward: exact from an empty state for every layer type (a recurrent
+    # state left by an earlier request must not leak in)
+    logits, _ = target.forward_causal(torch.tensor([seq], device=dev))
     top = logits[0, -1].float().topk(2)
     return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])
 
