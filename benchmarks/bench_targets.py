@@ -77,6 +77,8 @@ class Bench:
             self.torch.cuda.synchronize()
 
     def median(self, fn, iters=10, warmup=2) -> float:
+        if self.args.quick:
+            iters, warmup = min(iters, 3), 1
         for _ in range(warmup):
             fn()
         self.sync()
@@ -201,7 +203,7 @@ class Bench:
             r._bound = int(ctx)
             r.decode(tok)
 
-        d = {"B": B, "ctx": ctx, "eager_s": self.median(step, 5 if self.args.quick else 10)}
+        d = {"B": B, "ctx": ctx, "eager_s": self.median(step)}
         if self.cuda:
             from specpilot.models.layers import chain_ancestors
 
@@ -354,12 +356,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=None)
     p.add_argument("--quick", action="store_true", help="CPU dry run on tiny shapes (checks the script)")
-    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--budget-s", type=float, default=None, help="wall budget [s] (default 540; --quick 3000)")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--profiles", nargs="+", default=["study_stock"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 3000.0 if args.quick else 540.0
     if args.shapes is None:
         args.shapes = ["tiny-hybrid", "tiny-muse"] if args.quick else ["qwen3.8-27b", "muse-glimmer-30b"]
     return Bench(args).run()
