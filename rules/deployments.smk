@@ -15,12 +15,13 @@ rule build_tiny:
         data=data_dir_opt(),
         seed=config.get("seed", 0),
         quick=lambda wildcards: "--quick" if deployment(wildcards).get("quick") else "",
+        kind=lambda wildcards: deployment(wildcards).get("tiny_kind", "dense"),
     threads: TIMING_THREADS
     conda:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot build-tiny {params.data} --out {params.out_dir} --seed {params.seed}"
-        " {params.quick} --threads {threads} 2>&1 | tee {log}"
+        " {params.quick} --target-kind {params.kind} --threads {threads} 2>&1 | tee {log}"
 
 
 # Real deployments: link a local folder or a Hugging Face Hub download (run on the submitting

@@ -46,3 +46,19 @@ def test_bench_w12_quick_dry_run(tmp_path):
             assert row["w12_cfg"] and row["w12_us"] > 0
             # every decode twin (old "base" decode, PRMT) gives the raw decode's bits
             assert row["decode_compare"] and all(c["bits_equal"] for c in row["decode_compare"])
+
+
+@pytest.mark.slow
+def test_bench_targets_quick_dry_run(tmp_path):
+    """gpu_bench/bench_targets.py --quick on the CPU: tiny hybrid and Muse shapes, every phase runs,
+    the replay-drafter stock run equals AR, and the state-memory accounting is there."""
+    _run(["gpu_bench/bench_targets.py", "--quick", "--out-dir", str(tmp_path)], timeout=3000)
+    r = json.loads((tmp_path / "targets.json").read_text())
+    assert r["errors"] == [], r["errors"]
+    for shape in ("tiny-hybrid", "tiny-muse"):
+        s = r["shapes"][shape]
+        assert s["correctness"]["prefill_decode_vs_block_rel_err"] < 1e-4
+        assert s["ar_b1"]["step_s"] > 0 and s["verify16"]["x_ar"] > 0
+        e = s["e2e"]["study_stock"]
+        assert e["outputs_equal_ar"] and e["tau"] > 1
+    assert r["shapes"]["tiny-hybrid"]["state_memory_per_request"]["gdn"] > 0

@@ -17,7 +17,6 @@ import torch
 from specpilot.engine.runner import TargetRunner
 from specpilot.errors import SpecpilotError
 from specpilot.models.config import TargetConfig
-from specpilot.models.layers import tree_ancestors  # noqa: F401  (runner builds masks from parents)
 from specpilot.models.target import Transformer
 
 V = 128

@@ -297,3 +297,47 @@ def test_unsupported_layer_type_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecpilotError, match="unsupported layer type 'chunked_attention'"):
         load_target(tmp_path)
+
+
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-muse"])
+def test_random_checkpoint_of_new_shapes_round_trips(tmp_path, shape):
+    """``specpilot random-checkpoint`` writes the family's text layout; our loader reads back the
+    same tensors; the hybrid one also loads in transformers' Qwen3_5ForCausalLM with equal logits."""
+    from specpilot.cli import main
+    from specpilot.models.random_checkpoint import build_target, target_config
+
+    out = tmp_path / "t"
+    assert main(["random-checkpoint", "--shape", shape, "--out", str(out), "--dtype", "fp32"]) == 0
+    ours = load_target(out)
+    ref = build_target(shape, dtype=torch.float32)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    assert ours.config.layer_types == target_config(shape).layer_types
+    ids = torch.randint(0, 1024, (1, 40))
+    with torch.no_grad():
+        got, _ = ours.forward_causal(ids)
+    assert torch.isfinite(got).all() and got.std() > 0
+    if shape == "tiny-hybrid":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(hf).__name__ == "Qwen3_5ForCausalLM"
+        with torch.no_grad():
+            assert max_rel(got, hf(ids).logits) < TOL
+    else:
+        assert ours.config.final_logit_softcapping == 20.0 and got.abs().max() <= 20.0
+
+
+def test_study_shapes_have_the_published_structure():
+    from specpilot.models.random_checkpoint import target_config
+    from specpilot.models.target import Transformer
+
+    q = target_config("qwen3.8-27b")
+    assert q.layer_types.count("linear_attention") == 48 and q.layer_types.count("full_attention") == 16
+    m = target_config("muse-glimmer-30b")
+    assert m.layer_types.count("sliding_attention") == 39 and sum(not r for r in m.layer_rope) == 13
+    with torch.device("meta"):
+        nq = sum(p.numel() for p in Transformer(q).parameters())
+        nm = sum(p.numel() for p in Transformer(m).parameters())
+    assert 26e9 < nq < 28e9, nq  # Qwen3.8-27B class
+    assert 27e9 < nm < 28.5e9, nm  # Muse-Glimmer-30B text model: 27.8 B (+ the 1.8 B vision encoder = 29.6 B)

@@ -52,7 +52,7 @@ from .io import write_json
 from .records import Record, read_records
 
 REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
-CHUNK = 512  # tokens per teacher-forced forward
+CHUNK = 512  # output positions whose logits are reduced at once (fp32) in the teacher-forced check
 LISTED = 100  # violations / near-ties listed in a verdict (the counts are always complete)
 
 
@@ -102,13 +102,14 @@ def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: 
                    ) -> tuple[list[int], list[float]]:
     """The target's greedy choice and the candidate token's margin at every output position.
 
-    One forward of the target over ``prompt_ids + output_ids[:-1]`` (the last output token is
-    predicted, never fed), in chunks of ``chunk`` tokens against a batch-1 KV cache. The target's
-    own cache (and RoPE tables) are restored afterwards, so an engine's captured CUDA graphs stay
-    valid.
+    One cache-free causal forward of the target over ``prompt_ids + output_ids[:-1]`` (the last
+    output token is predicted, never fed): exact from an empty state for every layer type, so no
+    KV entry or recurrent (GDN) state left by an engine run can leak in. The logits of the output
+    positions are reduced ``chunk`` rows at a time (fp32). The target's decoding state and RoPE
+    tables are put back afterwards, so an engine's captured CUDA graphs stay valid.
 
     Args:
-        target: a loaded :class:`~specpilot.models.qwen3.Transformer` (any dtype/device).
+        target: a loaded target model (:mod:`specpilot.models.target`; any dtype/device).
         prompt_ids, output_ids: token ids, each inside the vocabulary; output_ids non-empty.
     Returns:
         (top1, margin), each of length ``len(output_ids)``: the target's argmax token id and
@@ -126,38 +127,23 @@ def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: 
     dev = target.lm_head.weight.device
     tokens = torch.tensor([seq], dtype=torch.long, device=dev)
     cand = torch.tensor(output_ids, dtype=torch.long, device=dev)
-    saved = (target.cache, target.cos, target.sin)
+    saved = {k: getattr(target, k, None) for k in ("cache", "state", "cos", "sin")}
     top1, margin = [], []
     try:
-        target.cache = None  # a fresh batch-1 cache; the engine's own is put back below
-        target.setup_cache(1, len(seq))
-        for s in range(0, len(seq), chunk):
-            top, mg = _chunk_margins(target, tokens, cand, s, min(s + chunk, len(seq)), P)
-            top1 += top
-            margin += mg
+        with torch.inference_mode():
+            logits, _ = target.forward_causal(tokens)
+            out = logits[0, P - 1:]  # row j predicts output token j
+            for s in range(0, n, chunk):
+                lg = out[s:s + chunk].float()
+                best = lg.max(-1)
+                top1 += best.indices.tolist()
+                margin += (best.values - lg.gather(1, cand[s:s + chunk, None])[:, 0]).tolist()
     finally:
-        target.cache, target.cos, target.sin = saved
+        for k, v in saved.items():
+            if hasattr(target, k):
+                setattr(target, k, v)
     assert len(top1) == n
     return top1, margin
-
-
-def _chunk_margins(target, tokens, cand, s: int, e: int, P: int) -> tuple[list[int], list[float]]:
-    """Forward of sequence positions s..e-1; argmax and candidate margin where they predict output."""
-    import torch
-
-    from .models.layers import chain_ancestors
-
-    with torch.inference_mode():
-        dev = tokens.device
-        logits, _ = target(tokens[:, s:e], torch.tensor([s], dtype=torch.long, device=dev),
-                           chain_ancestors(1, e - s, dev))
-        lo = max(s, P - 1)  # logits at sequence position t predict output token t - (P - 1)
-        if lo >= e:
-            return [], []
-        lg = logits[0, lo - s:].float()
-        c = cand[lo - (P - 1): e - (P - 1)]
-        best = lg.max(-1)
-        return best.indices.tolist(), (best.values - lg.gather(1, c[:, None])[:, 0]).tolist()
 
 
 def _finite(x: float) -> float | None:
@@ -611,7 +597,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leading new tokens per request whose verify steps are re-executed (0: none)")
     p.add_argument("--tolerance", type=float, default=1e-3,
                    help="near-tie tolerance: top-1 logit margin (config forcing.tolerance for the dtype)")
-    p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced forward")
+    p.add_argument("--chunk", type=int, default=CHUNK, help="output positions whose logits are reduced at once in the teacher-forced check")
     p.add_argument("--out", required=True, help="verdict JSON to write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")

@@ -24,7 +24,7 @@ Shapes (``--shape``):
 - ``muse-glimmer-30b``: Muse-Glimmer-30B's text model (``muse_glimmer_text``: hidden 6656,
   intermediate 19968, 52 layers = [3 sliding (window 2048, RoPE), 1 global NoPE] x 13; 32 q / 2 kv
   heads of 128; vocab 202048; softcap 20, output multiplier 0.196, qk_scale_factor 3.87,
-  rope_theta 5e5, untied), about 29.6 B parameters; drafter: 5 DFlash layers (32 q / 8 kv of 128).
+  rope_theta 5e5, untied), about 27.8 B parameters (29.6 B with the 1.8 B vision encoder it omits); drafter: 5 DFlash layers (32 q / 8 kv of 128).
 - ``tiny``: 6 layers of width 128 and vocab 1024 (tests, CPU).
 - ``tiny-hybrid`` / ``tiny-muse``: the two families at width 128 (tests, CPU).
 

@@ -22,10 +22,10 @@ from torch import nn
 from ..prompts import select, training_pairs
 from ..errors import SpecpilotError
 from ..io import write_json
-from ..models.config import TargetConfig
 from ..models.dflash import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from ..models.loading import save_checkpoint
 from ..models.qwen3 import Transformer
+from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
 from .train import greedy_continuations, heldout_loss, train_drafter, train_target
 
@@ -82,10 +82,11 @@ def _stream(tok, docs: list[str]) -> torch.Tensor:
 
 
 def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: int = 0,
-               recipe: TinyRecipe = FULL, log=print) -> dict:
+               recipe: TinyRecipe = FULL, log=print, target_kind: str = "dense") -> dict:
     """Build tokenizer, target and DFlash drafter into ``out_dir``; return the build summary.
 
     Layout: ``{out}/target/`` (checkpoint + tokenizer), ``{out}/drafter-dflash/``, ``{out}/build.json``.
+    ``target_kind``: ``dense`` (default), ``hybrid`` or ``muse`` (:mod:`specpilot.tiny.targets`).
     Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.prompts`).
     """
     t_start = time.time()
@@ -108,12 +109,10 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     stream = _stream(tok, docs)
     log(f"tokenizer: vocab {len(tok)}, training stream {len(stream)} tokens")
 
-    cfg = TargetConfig(vocab_size=len(tok), hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
-                       num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
-                       num_key_value_heads=recipe.kv_heads, head_dim=recipe.hidden // recipe.heads,
-                       rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096)
+    cfg = tiny_target_config(target_kind, recipe, len(tok))
     target = Transformer(cfg)
     init_weights(target)
+    init_family_params(target)
     t0 = time.time()
     tlosses = train_target(target, stream, recipe.target_steps, recipe.batch, recipe.seq_len, seed=seed, log=log)
     t_target = time.time() - t0
@@ -151,7 +150,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     save_checkpoint(drafter, dcfg.to_hf_dict(), drafter_dir)
 
     summary = {
-        "seed": seed, "recipe": recipe.__dict__, "torch": torch.__version__,
+        "seed": seed, "recipe": recipe.__dict__, "target_kind": target_kind, "torch": torch.__version__,
         "target_params": sum(p.numel() for p in target.parameters()),
         "drafter_params": sum(p.numel() for p in drafter.parameters()),
         "training_tokens": len(stream), "target_final_loss": sum(tlosses[-20:]) / len(tlosses[-20:]),
@@ -179,6 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds-long build for tests (not a useful model)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--target-kind", default="dense", choices=TARGET_KINDS,
+                   help="tiny target family: dense Qwen3, hybrid Gated DeltaNet, or Muse-Glimmer-style")
 
 
 def run(args) -> int:
@@ -187,5 +188,6 @@ def run(args) -> int:
     from ..prompts import check_data_id
 
     data_dir = check_data_id(args.data_dir, args.data_id)
-    build_tiny(args.out, data_dir, args.seed, QUICK if args.quick else FULL)
+    build_tiny(args.out, data_dir, args.seed, QUICK if args.quick else FULL,
+               target_kind=getattr(args, "target_kind", "dense"))
     return 0
