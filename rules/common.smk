@@ -21,6 +21,10 @@ if _SRC.is_dir():
 BENCHMARK_NAMES = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 ENGINE_NAMES = ["ar", "stock", "specpilot"]
 TINY_TARGET = "tiny"
+# Every deployment with target "tiny" shares one build, resources/deployments/tiny: one target and
+# one drafter of each of these kinds (specpilot build-tiny).
+TINY_BUILD = "tiny"
+TINY_DRAFTERS = ("dflash", "dflash2", "dspark")
 
 # Agent rounds (rules/rounds.smk) are written separately; until that file exists the workflow runs
 # without them and the table says specpilot was not run.
@@ -35,9 +39,9 @@ def _deployments():
         if dep.get("available", True) is False:
             logger.info(f"specpilot: skipping deployment {name}: {dep.get('reason', 'no reason given')}")
             continue
-        if dep["target"] == TINY_TARGET and dep["drafter"] != "dflash":
-            raise ValueError(f"deployment {name}: target 'tiny' is built with a dflash drafter, "
-                             f"not {dep['drafter']!r}")
+        if dep["target"] == TINY_TARGET and dep["drafter"] not in TINY_DRAFTERS:
+            raise ValueError(f"deployment {name}: target 'tiny' is built with drafters "
+                             f"{', '.join(TINY_DRAFTERS)}, not {dep['drafter']!r}")
         if dep["target"] != TINY_TARGET and not dep.get("drafter_id"):
             raise ValueError(f"deployment {name}: a real target needs drafter_id "
                              f"(a local folder or Hugging Face Hub id of the drafter)")
@@ -109,6 +113,8 @@ def deployment(wildcards):
 
 
 def deployment_dir(name):
+    if name in DEPLOYMENTS and DEPLOYMENTS[name]["target"] == TINY_TARGET:
+        return f"resources/deployments/{TINY_BUILD}"
     return f"resources/deployments/{name}"
 
 

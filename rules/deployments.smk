@@ -2,19 +2,20 @@
 # .../drafter-{drafter}; build.json (written last) marks it ready.
 
 
-# The tiny deployment: tokenizer, target and drafter trained locally on CPU.
+# The tiny build (shared by every deployment whose target is "tiny"): tokenizer, one target and
+# one drafter per kind trained locally on CPU.
 rule build_tiny:
     output:
         "resources/deployments/{deployment}/build.json",
     log:
         "logs/deployments/{deployment}.log",
     wildcard_constraints:
-        deployment=names_regex(TINY_DEPLOYMENTS),
+        deployment=names_regex([TINY_BUILD] if TINY_DEPLOYMENTS else []),
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
         data=data_dir_opt(),
         seed=config.get("seed", 0),
-        quick=lambda wildcards: "--quick" if deployment(wildcards).get("quick") else "",
+        quick="--quick" if any(DEPLOYMENTS[d].get("quick") for d in TINY_DEPLOYMENTS) else "",
     threads: TIMING_THREADS
     conda:
         "../envs/torch.yaml"
