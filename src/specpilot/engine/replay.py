@@ -158,7 +158,8 @@ class ReplayProposer:
 
         k = self.block_size - 1
         if self.network is not None:
-            self.network.block_size = self.block_size
+            if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
+                self.network.block_size = self.block_size
             self.network.propose(last, start)  # the real draft cost; its tokens are not used
         rows = []
         for ref, i in zip(self.refs, self.pos):

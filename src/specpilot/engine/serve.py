@@ -78,8 +78,9 @@ def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter
         from .replay import ReplayProposer
 
         net = make_proposer(drafter, spec.block_size, {}, graphs, kernels) if drafter is not None else None
+        width = net.verify_width if net is not None else spec.block_size  # the drafter's counting
         proposer = ReplayProposer(references, replay, target.config.vocab_size, net,
-                                  seed=int(spec.config.get("replay_seed", 0)), block_size=spec.block_size)
+                                  seed=int(spec.config.get("replay_seed", 0)), block_size=width)
     elif spec.engine == "lookup":
         proposer = LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
     else:
