@@ -164,7 +164,8 @@ class DSparkProposer(DFlashProposer):
     ``survival`` = running product is what the load-aware verify length ranks). With
     ``confidence_threshold`` > 0 a row stops at its first draft whose survival falls below the
     threshold (the offline rule of the paper; at least one draft is kept); the verify width is
-    then the longest row's length.
+    then the longest row's length. Trees (``tree_branch`` > 0: Markov-corrected spine plus
+    next-best side branches) carry no confidence and ignore the threshold.
     """
 
     kind = "dspark"

@@ -21,6 +21,15 @@ and ``num_target_layers`` also read), ``architectures: ["DFlashDraftModel"]``; t
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
 ``norm.weight``, ``fc.weight``, ``hidden_norm.weight``. Optional ``input_embedding_scale`` and
 ``output_multiplier`` / ``final_logit_softcapping`` are honoured as in the release.
+
+Attention per layer follows the reference package ``dflash`` 0.1.0 (which wins where our reading
+of the paper differs): ``layer_types`` entries ``full_attention`` / ``sliding_attention``; a
+sliding layer sees keys within ``sliding_window`` positions (both directions when non-causal);
+a layer is causal inside the block when ``is_causal`` is true, or when ``is_causal`` is unset and
+the layer is sliding (the reference's rule); ``sliding_window`` counts only with
+``use_sliding_window: true`` (transformers' Qwen3Config, on which the reference builds, drops it
+otherwise). Parity: tests/test_dflash_parity.py. Unsupported (one SpecpilotError naming it):
+other layer types, attention_bias, non-default RoPE, activations other than silu.
 """
 
 from __future__ import annotations
