@@ -22,6 +22,10 @@ if _SRC.is_dir():
 BENCHMARK_NAMES = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 ENGINE_NAMES = ["ar", "stock", "specpilot"]
 TINY_TARGET = "tiny"
+# Every deployment with target "tiny" shares one build, resources/deployments/tiny: one target and
+# one drafter of each of these kinds (specpilot build-tiny).
+TINY_BUILD = "tiny"
+TINY_DRAFTERS = ("dflash", "dflash2", "dspark")
 
 
 def _deployments():
@@ -31,9 +35,9 @@ def _deployments():
         if dep.get("available", True) is False:
             logger.info(f"specpilot: skipping deployment {name}: {dep.get('reason', 'no reason given')}")
             continue
-        if dep["target"] == TINY_TARGET and dep["drafter"] != "dflash":
-            raise ValueError(f"deployment {name}: target 'tiny' is built with a dflash drafter, "
-                             f"not {dep['drafter']!r}")
+        if dep["target"] == TINY_TARGET and dep["drafter"] not in TINY_DRAFTERS:
+            raise ValueError(f"deployment {name}: target 'tiny' is built with drafters "
+                             f"{', '.join(TINY_DRAFTERS)}, not {dep['drafter']!r}")
         if dep["target"] != TINY_TARGET and not dep.get("drafter_id"):
             raise ValueError(f"deployment {name}: a real target needs drafter_id "
                              f"(a local folder or Hugging Face Hub id of the drafter)")
@@ -111,7 +115,30 @@ def deployment(wildcards):
     return DEPLOYMENTS[wildcards.deployment]
 
 
+def tiny_build(dep):
+    """Build folder of a tiny deployment: one per tiny target family (config tiny_kind), shared by
+    every drafter paired with it ("tiny" for the dense Qwen3 target, "tiny-hybrid", "tiny-muse")."""
+    kind = dep.get("tiny_kind", "dense")
+    return TINY_BUILD if kind == "dense" else f"{TINY_BUILD}-{kind}"
+
+
+def _tiny_builds():
+    """Tiny build name -> its target kind, the drafter kinds it trains, and whether it is quick."""
+    builds = {}
+    for d in TINY_DEPLOYMENTS:
+        dep = DEPLOYMENTS[d]
+        b = builds.setdefault(tiny_build(dep), {"kind": dep.get("tiny_kind", "dense"), "drafters": set(), "quick": False})
+        b["drafters"].add(dep["drafter"])
+        b["quick"] = b["quick"] or bool(dep.get("quick"))
+    return builds
+
+
+TINY_BUILDS = _tiny_builds()
+
+
 def deployment_dir(name):
+    if name in DEPLOYMENTS and DEPLOYMENTS[name]["target"] == TINY_TARGET:
+        return f"resources/deployments/{tiny_build(DEPLOYMENTS[name])}"
     return f"resources/deployments/{name}"
 
 

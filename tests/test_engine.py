@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.engine.generate import generate_ar, generate_speculative
-from specpilot.engine.proposers import DFlashProposer, LookupProposer
+from specpilot.drafters.dflash import DFlashProposer
+from specpilot.drafters.lookup import LookupProposer
+from specpilot.engine.generate import accept_greedy, generate, generate_ar
 from specpilot.engine.runner import TargetRunner
 from specpilot.engine.serve import EngineSpec, serve
 from specpilot.errors import SpecpilotError
@@ -130,8 +131,8 @@ def test_eos_option_stops_at_eos(quick_deployment, quick_prompts):
     stopped = generate_ar(TargetRunner(target, 1, len(prompt) + 50), [prompt], 40, eos_id=eos)[0].output_ids
     assert stopped == full[: full.index(eos) + 1]
     drafter = load_drafter(quick_deployment / "drafter-dflash")
-    spec = generate_speculative(TargetRunner(target, 1, len(prompt) + 60, drafter.config.target_layer_ids),
-                                DFlashProposer(drafter), [prompt], 40, 6, eos_id=eos)[0].output_ids
+    spec = generate(TargetRunner(target, 1, len(prompt) + 60, drafter.config.target_layer_ids),
+                    DFlashProposer(drafter, block_size=6), [prompt], 40, eos_id=eos)[0].output_ids
     assert spec == stopped
 
 

@@ -28,8 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--concurrency", type=int, default=1, help="requests decoded together in one batch (default 1)")
-    p.add_argument("--block-size", type=int, default=8,
-                   help="tokens per verify step, anchor/bonus included (default 8; the engine config's wins)")
+    p.add_argument("--block-size", default="8",
+                   help="block size in the drafter's own counting (dflash/dflash2: verify width, anchor/bonus "
+                        "included; dspark: gamma drafts); 'auto' = the drafter config's block_size (default 8; "
+                        "the engine config's wins)")
     p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16")
@@ -82,7 +84,18 @@ def run(args) -> int:
     config = config.get("engine_config", config)
     if args.weight_format:
         config["weight_format"] = args.weight_format
-    block = int(config.pop("block_size", args.block_size))
+    block = config.pop("block_size", args.block_size)
+    if str(block) == "auto":
+        from ..models.config import read_config
+        from ..models.loading import drafter_config
+
+        if not args.drafter:
+            raise SpecpilotError("--block-size auto needs --drafter (its config.json holds the block size)")
+        block = drafter_config(read_config(args.drafter), f"{args.drafter}/config.json").block_size
+    try:
+        block = int(block)
+    except ValueError:
+        raise SpecpilotError(f"--block-size must be an integer or 'auto', got {block!r}") from None
     spec = EngineSpec(engine=args.engine, block_size=block, config=config)
     prompts = read_prompts(args.prompts, args.limit)
     device = pick_device(args.device)

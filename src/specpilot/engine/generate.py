@@ -1,6 +1,8 @@
-"""Generation loops: AR greedy decoding and draft-then-verify speculative decoding.
+"""Generation loops: AR greedy decoding and ONE draft-then-verify loop for any drafter.
 
-Both produce exactly ``max_new_tokens`` per row (EOS ignored, as the study does) unless
+:func:`generate` verifies any :class:`~specpilot.drafters.proposal.Proposal` (a chain, a tree,
+rows of different lengths) in one target forward per step: ancestor mask, greedy accepted path,
+bonus token, compaction of the accepted path's K/V through the runner. Both loops produce exactly ``max_new_tokens`` per row (EOS ignored, as the study does) unless
 ``eos_id`` is given, share :class:`TargetRunner`, and time decode with the device synchronized
 before each clock read, prefill excluded.
 """
@@ -12,6 +14,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..drafters.proposal import Proposal
+from ..errors import SpecpilotError
 from .runner import TargetRunner, clock
 
 
@@ -31,17 +35,20 @@ class RowResult:
         return len(self.committed_per_step)
 
 
-class Proposer(Protocol):
-    """Source of draft tokens for :func:`generate_speculative`."""
+class Drafter(Protocol):
+    """A drafter plug-in (see :mod:`specpilot.drafters`): proposes candidates for :func:`generate`."""
+
+    capture: tuple[int, ...]  # target layers whose outputs the drafter reads (empty: none)
 
     def start(self, runner: TargetRunner, prompts: list[list[int]], features, first: torch.Tensor) -> None:
-        """Called after prefill with the prompt features [B, T, F] and first tokens [B]."""
+        """Called after prefill with the prompt features [B, T, F] (or None) and first tokens [B]."""
 
-    def propose(self, last: torch.Tensor, start: torch.Tensor, k: int) -> torch.Tensor:
-        """Return k draft tokens int64 [B, k] following ``last`` [B] (at position ``start`` [B])."""
+    def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:
+        """Candidates after ``last`` int64 [B] (the anchor, at position ``start`` int64 [B])."""
 
     def observe(self, features, start: torch.Tensor, counts: torch.Tensor, committed: list[list[int]]) -> None:
-        """Told which block entries were committed: features [B, N, F] at ``start``, counts [B]."""
+        """Told what was committed: features [B, P, F] of the accepted path (anchor first) at
+        ``start``, counts int64 [B] (entries kept per row) and the committed tokens per row."""
 
 
 def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,49 +160,8 @@ def generate_ar(runner: TargetRunner, prompts: list[list[int]], max_new_tokens: 
     return rows
 
 
-def generate_speculative(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]],
-                         max_new_tokens: int, block_size: int, eos_id: int | None = None,
-                         accept: Callable = accept_greedy, profile: bool = True) -> list[RowResult]:
-    """Draft ``block_size - 1`` tokens, verify them in one target forward, commit, repeat.
-
-    Each verify step commits the accepted drafts plus one bonus token from the target, so the
-    output equals greedy AR decoding token for token (token forcing checks this). Rows that are
-    done keep their slot in the batch without advancing (static shapes).
-
-    Args:
-        block_size: verified block length (anchor + block_size - 1 drafts); must be >= 2.
-        accept: verification rule (drafts, logits) -> (accepted, bonus); tests plant cheats here.
-        profile: synchronize and time draft and verify separately (``draft_s``/``verify_s``).
-    """
-    from ..errors import SpecpilotError
-
-    if block_size < 2:
-        raise SpecpilotError(f"block size must be >= 2, got {block_size}")
-    k = block_size - 1
-    rows, done, last, t1 = _begin(runner, proposer, prompts, max_new_tokens, eos_id)
-    dev = runner.device
-    while not all(done):
-        ta = clock(dev) if profile else 0.0
-        drafts = proposer.propose(last, runner.length, k)
-        tb = clock(dev) if profile else 0.0
-        block = torch.cat([last[:, None], drafts], 1)
-        logits, feats = runner.verify(block)
-        acc, bonus = accept(drafts, logits)
-        # the one host synchronization of a step: the acceptance decision
-        host = torch.cat([acc[:, None], bonus[:, None], drafts], 1).tolist()
-        acc_l, bonus_l, drafts_l = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
-        tc = clock(dev)
-        counts, committed = _record_step(rows, done, [d[:a] + [b] for d, a, b in zip(drafts_l, acc_l, bonus_l)],
-                                         max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
-        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
-        proposer.observe(feats, runner.length, counts_t, committed)
-        runner.commit(counts_t)
-        last = bonus
-    return rows
-
-
-def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
-                ) -> tuple[list[list[int]], list[int]]:
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                lengths: torch.Tensor | None = None) -> tuple[list[list[int]], list[int]]:
     """Greedy tree verification (SGLang ``verify_tree_greedy``; DDTree/JetSpec at temperature 0).
 
     From the root (block index 0, the anchor), repeatedly step to the child whose token equals
@@ -203,16 +169,18 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     target's argmax at the last node, so every committed token is the target's own choice.
 
     Args:
-        tokens int64 [B, N], parents int64 [B, N] (-1 for the root), logits [B, N, vocab].
+        tokens int64 [B, N], parents int64 [B, N] (-1 for the root), logits [B, N, vocab];
+        lengths int64 [B] valid nodes per row (None = all): padding nodes are never accepted.
     Returns:
         per row the accepted path of block indices (root first) and the bonus token.
     """
     post = logits.argmax(-1).tolist()
     toks, pars = tokens.tolist(), parents.tolist()
+    lens = lengths.tolist() if lengths is not None else [tokens.shape[1]] * len(toks)
     paths, bonus = [], []
     for b in range(len(toks)):
         children: dict[int, list[int]] = {}
-        for i, p in enumerate(pars[b]):
+        for i, p in enumerate(pars[b][: lens[b]]):
             if p >= 0:
                 children.setdefault(p, []).append(i)
         node, path = 0, [0]
@@ -227,49 +195,85 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     return paths, bonus
 
 
-def generate_tree(runner: TargetRunner, proposer, prompts: list[list[int]], max_new_tokens: int,
-                  block_size: int, branch: int, depth: int, eos_id: int | None = None,
-                  profile: bool = True) -> list[RowResult]:
-    """Speculative decoding with tree verification of a block drafter's output.
+def _verify_chain(prop: Proposal, logits: torch.Tensor, accept: Callable):
+    """Accepted paths and bonus tokens of a chain proposal under the rule ``accept``."""
+    drafts = prop.tokens[:, 1:]
+    if prop.lengths is not None:  # padding never matches an argmax (token ids are >= 0)
+        pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
+        drafts = drafts.masked_fill(pad, -1)
+    acc, bonus = accept(drafts, logits)
+    # the one host synchronization of a step: the acceptance decision
+    host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()
+    return [list(range(a + 1)) for a, _ in host], [b for _, b in host]
 
-    The tree is the drafter's argmax chain (the spine, as in linear verification) plus, at the
-    first ``depth`` draft positions, the drafter's next ``branch`` most likely tokens as leaves
-    hanging off the previous spine node ("spine first, then side branches", so tree acceptance is
-    never below chain acceptance; cf. JetSpec's depth_first builder). One target forward verifies
-    it with an ancestor mask; the accepted path's K/V is compacted into contiguous cache slots.
-    Output equals greedy AR decoding token for token.
+
+def generate(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
+             eos_id: int | None = None, accept: Callable = accept_greedy, profile: bool = True,
+             on_step: Callable[[Proposal, list[list[int]]], None] | None = None) -> list[RowResult]:
+    """Speculative decoding with any drafter: propose, verify in one forward, commit, repeat.
+
+    Each step the drafter returns a :class:`Proposal` (root = the last committed token). The
+    target verifies all its nodes at once (chain: causal mask; tree: ancestor mask, RoPE position
+    = committed length + depth). The accepted path is the longest root path whose every token
+    equals the target's argmax at its parent; the target's argmax after it is the bonus token.
+    So each step commits accepted + 1 tokens and the output equals greedy AR decoding token for
+    token (token forcing checks this). For a tree the accepted path's K/V are moved to contiguous
+    cache slots (``runner.commit(counts, path_slots)``) so the cache stays chain-shaped. Rows that
+    are done keep their slot in the batch without advancing (static shapes).
+
+    Args:
+        drafter: a drafter plug-in (:mod:`specpilot.drafters`); it owns its block counting.
+        accept: chain verification rule (drafts [B, k], logits [B, k+1, V]) -> (accepted [B],
+            bonus [B]); tests plant cheats here. Tree proposals use :func:`accept_tree`.
+        profile: synchronize and time draft and verify separately (``draft_s``/``verify_s``).
+        on_step: optional callback(proposal, accepted paths) after each verify (calibration).
+    Returns:
+        one :class:`RowResult` per prompt.
     """
-    from ..errors import SpecpilotError
-
-    if block_size < 2:
-        raise SpecpilotError(f"block size must be >= 2, got {block_size}")
-    k = block_size - 1
-    depth = min(depth, k)
-    rows, done, last, t1 = _begin(runner, proposer, prompts, max_new_tokens, eos_id)
+    rows, done, last, t1 = _begin(runner, drafter, prompts, max_new_tokens, eos_id)
     dev = runner.device
     B = len(prompts)
-    # static tree shape: root, spine 1..k, then `branch` leaves for each of the first `depth` positions
-    par = [-1] + list(range(k)) + [i for i in range(depth) for _ in range(branch)]
-    parents = torch.tensor([par] * B, dtype=torch.long, device=dev)
     while not all(done):
         ta = clock(dev) if profile else 0.0
-        spine, logits_d = proposer.propose_logits(last, runner.length, k)
-        alts = logits_d[:, :depth].topk(branch + 1, dim=-1).indices[:, :, 1:].reshape(B, -1)
+        prop = drafter.propose(last, runner.length)
+        if prop.tokens.shape[0] != B:
+            raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
         tb = clock(dev) if profile else 0.0
-        tokens = torch.cat([last[:, None], spine, alts], 1)
-        logits, feats = runner.verify(tokens, parents)
-        paths, bonus = accept_tree(tokens, parents, logits)
-        toks_l = tokens.tolist()
+        logits, feats = runner.verify(prop.tokens, prop.parents)
+        if prop.is_chain:
+            paths, bonus = _verify_chain(prop, logits, accept)
+        else:
+            paths, bonus = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
+        toks_l = prop.tokens.tolist()
         tc = clock(dev)
-        counts, committed = _record_step(rows, done, [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]]
-                                                      for b in range(B)], max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
-        width = max(len(p) for p in paths)
-        path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
+        if on_step is not None:
+            on_step(prop, paths)
+        proposed = [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]] for b in range(B)]
+        counts, committed = _record_step(rows, done, proposed, max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
         counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
-        path_feats = None
-        if feats is not None:
-            path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
-        proposer.observe(path_feats, runner.length, counts_t, committed)
+        path_slots = path_feats = None
+        if not prop.is_chain:
+            width = max(len(p) for p in paths)
+            path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
+            if feats is not None:
+                path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
+        else:
+            path_feats = feats
+        drafter.observe(path_feats, runner.length, counts_t, committed)
         runner.commit(counts_t, path_slots=path_slots)
         last = torch.tensor(bonus, dtype=torch.long, device=dev)
     return rows
+
+
+def generate_speculative(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
+                         block_size: int, eos_id: int | None = None, accept: Callable = accept_greedy,
+                         profile: bool = True) -> list[RowResult]:
+    """:func:`generate` with the drafter's block size set first (kept for the benchmark scripts).
+
+    ``block_size`` is in the drafter's own counting (DFlash / lookup / replay: the verify width).
+    Raises SpecpilotError for a block size < 2.
+    """
+    if block_size < 2:
+        raise SpecpilotError(f"block size must be >= 2, got {block_size}")
+    drafter.block_size = block_size
+    return generate(runner, drafter, prompts, max_new_tokens, eos_id, accept, profile)

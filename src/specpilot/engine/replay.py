@@ -132,7 +132,7 @@ class ReplayProposer:
         profile: the acceptance profile.
         vocab_size: to build wrong tokens.
         network: optional proposer whose forward runs each step for its cost only (a
-            :class:`~specpilot.engine.proposers.DFlashProposer` of the real drafter's shape).
+            :class:`~specpilot.drafters.dflash.DFlashProposer` of the real drafter's shape).
         seed: of the acceptance draws.
         row_keys: one string per row naming its request (e.g. the request id); default: the
             row's prompt tokens. Each row draws from its own generator seeded by (``seed``, key),
@@ -142,9 +142,16 @@ class ReplayProposer:
 
     synthetic = True
 
+    kind = "replay"
+
     def __init__(self, references: list[list[int]], profile: AcceptanceProfile, vocab_size: int,
-                 network=None, seed: int = 0, row_keys: list[str] | None = None):
+                 network=None, seed: int = 0, row_keys: list[str] | None = None,
+                 block_size: int | None = None):
         self.refs = [list(r) for r in references]
+        self.block_size = int(block_size or getattr(network, "block_size", 0) or profile.block_size)
+        if self.block_size < 2:
+            raise SpecpilotError(f"replay: block size must be >= 2, got {self.block_size}")
+        self.capture = tuple(getattr(network, "capture", ()))
         self.profile = profile
         self.vocab = vocab_size
         self.network = network
@@ -173,9 +180,19 @@ class ReplayProposer:
         if self.network is not None:
             self.network.start(runner, prompts, features, first)
 
-    def propose(self, last, start, k):
+    @property
+    def verify_width(self) -> int:
+        return self.block_size
+
+    def propose(self, last, start):
+        """A chain of block_size - 1 reference tokens with one planted wrong token (or none)."""
+        from ..drafters.proposal import chain
+
+        k = self.block_size - 1
         if self.network is not None:
-            self.network.propose(last, start, k)  # the real draft cost; its tokens are not used
+            if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
+                self.network.block_size = self.block_size
+            self.network.propose(last, start)  # the real draft cost; its tokens are not used
         rows = []
         for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
@@ -185,7 +202,7 @@ class ReplayProposer:
             if a < k:
                 d[a] = (d[a] + 1) % self.vocab
             rows.append(d)
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return chain(last, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
 
     def observe(self, features, start, counts, committed) -> None:
         if self.network is not None:

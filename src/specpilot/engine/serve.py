@@ -10,11 +10,12 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SpecpilotError
+from ..drafters import make_proposer
+from ..drafters.lookup import LookupProposer
 from ..models.dflash import DFlashDrafter
 from ..models.qwen3 import Transformer
 from ..records import Record
-from .generate import ACCEPT_RULES, RowResult, accept_greedy, generate_ar, generate_speculative, generate_tree
-from .proposers import DFlashProposer, LookupProposer
+from .generate import ACCEPT_RULES, RowResult, accept_greedy, generate, generate_ar
 from .runner import TargetRunner
 
 ENGINES = ("ar", "stock", "lookup", "specpilot")
@@ -25,6 +26,8 @@ class EngineSpec:
     """Which loop to run and with what settings.
 
     ``config`` is recorded verbatim as ``engine_config``: block size, mechanisms, parameters.
+    ``block_size`` is in the drafter's own counting (DFlash/DFlash2/lookup: anchor + drafts =
+    verify width; DSpark: gamma drafts, verify width gamma + 1), see :mod:`specpilot.drafters`.
     """
 
     engine: str
@@ -34,11 +37,12 @@ class EngineSpec:
 
     @property
     def verify_width(self) -> int:
-        """Tokens per verify forward: the block plus any tree side branches."""
+        """An upper bound of the tokens per verify forward (block + 1 + tree side branches), for
+        sizing the KV cache; the drafter plug-in's ``verify_width`` is the exact value."""
         if self.engine == "ar":
             return 1
-        depth = min(int(self.config.get("tree_depth", 1)), self.block_size - 1)
-        return self.block_size + int(self.config.get("tree_branch", 0)) * depth
+        depth = min(int(self.config.get("tree_depth", 1)), self.block_size)
+        return self.block_size + 1 + int(self.config.get("tree_branch", 0)) * depth
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -85,33 +89,27 @@ def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter
     stock loop then drafts with the replay drafter (``references`` = the AR outputs of these
     prompts; computed here when None), running ``drafter`` for its cost only.
     """
-    capture = tuple(drafter.config.target_layer_ids) if (drafter is not None and spec.engine != "ar") else ()
+    if spec.engine == "ar":
+        return generate_ar(TargetRunner(target, len(prompts), max_seq, (), graphs=graphs, kernels=kernels),
+                           prompts, max_new_tokens, eos_id)
     if replay is not None and references is None:
         references = [r.output_ids for r in generate_batch(EngineSpec("ar"), target, None, prompts, max_new_tokens,
                                                             max_seq, eos_id, graphs=graphs, kernels=kernels)]
-    runner = TargetRunner(target, len(prompts), max_seq, capture, graphs=graphs, kernels=kernels)
-    if spec.engine == "ar":
-        return generate_ar(runner, prompts, max_new_tokens, eos_id)
     if replay is not None:
         from .replay import ReplayProposer
 
-        net = DFlashProposer(drafter, graphs, kernels) if drafter is not None else None
+        net = make_proposer(drafter, spec.block_size, {}, graphs, kernels) if drafter is not None else None
+        width = net.verify_width if net is not None else spec.block_size  # the drafter's counting
         proposer = ReplayProposer(references, replay, target.config.vocab_size, net,
-                                  seed=int(spec.config.get("replay_seed", 0)))
-        return generate_speculative(runner, proposer, prompts, max_new_tokens, spec.block_size, eos_id,
-                                    accept=spec.accept, profile=profile)
-    if spec.engine == "lookup":
-        proposer = LookupProposer(int(spec.config.get("max_ngram", 3)))
+                                  seed=int(spec.config.get("replay_seed", 0)), block_size=width)
+    elif spec.engine == "lookup":
+        proposer = LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
     else:
         if drafter is None:
             raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
-        proposer = DFlashProposer(drafter, graphs, kernels)
-        branch = int(spec.config.get("tree_branch", 0))
-        if branch > 0:
-            return generate_tree(runner, proposer, prompts, max_new_tokens, spec.block_size, branch,
-                                 int(spec.config.get("tree_depth", 1)), eos_id, profile=profile)
-    return generate_speculative(runner, proposer, prompts, max_new_tokens, spec.block_size, eos_id,
-                                accept=spec.accept, profile=profile)
+        proposer = make_proposer(drafter, spec.block_size, spec.config, graphs, kernels)
+    runner = TargetRunner(target, len(prompts), max_seq, proposer.capture, graphs=graphs, kernels=kernels)
+    return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile)
 
 
 def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, prompts: list[dict],

@@ -21,6 +21,15 @@ and ``num_target_layers`` also read), ``architectures: ["DFlashDraftModel"]``; t
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
 ``norm.weight``, ``fc.weight``, ``hidden_norm.weight``. Optional ``input_embedding_scale`` and
 ``output_multiplier`` / ``final_logit_softcapping`` are honoured as in the release.
+
+Attention per layer follows the reference package ``dflash`` 0.1.0 (which wins where our reading
+of the paper differs): ``layer_types`` entries ``full_attention`` / ``sliding_attention``; a
+sliding layer sees keys within ``sliding_window`` positions (both directions when non-causal);
+a layer is causal inside the block when ``is_causal`` is true, or when ``is_causal`` is unset and
+the layer is sliding (the reference's rule); ``sliding_window`` counts only with
+``use_sliding_window: true`` (transformers' Qwen3Config, on which the reference builds, drops it
+otherwise). Parity: tests/test_dflash_parity.py. Unsupported (one SpecpilotError naming it):
+other layer types, attention_bias, non-default RoPE, activations other than silu.
 """
 
 from __future__ import annotations
@@ -69,7 +78,37 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    architecture: str = "DFlashDraftModel"
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise SpecpilotError(f"drafter config: layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise SpecpilotError(f"drafter config: unsupported layer type(s) {bad}; supported: full_attention, "
+                                 f"sliding_attention")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise SpecpilotError(f"drafter config: sliding_window must be >= 1, got {self.sliding_window}")
+
+    def layer_causal(self, i: int) -> bool:
+        """Causal inside the block? The reference (z-lab ``dflash/model.py``) makes a layer causal when
+        ``is_causal`` is unset and the layer is sliding; ``is_causal`` in the config overrides it."""
+        if self.is_causal is None:
+            return self.layer_types[i] == "sliding_attention"
+        return bool(self.is_causal)
+
+    def layer_window(self, i: int) -> int | None:
+        """Sliding window (positions) of layer i, None for full attention (or no window set:
+        transformers' Qwen3Config, which the reference builds on, drops ``sliding_window`` unless
+        ``use_sliding_window`` is true; we read config.json the same way)."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @classmethod
     def from_hf_dict(cls, d: dict, where: str = "drafter config.json") -> "DrafterConfig":
@@ -83,8 +122,19 @@ class DrafterConfig:
         def get(name, default=None):
             return sub.get(name, d.get(name, default))
 
+        if get("target_layer_ids") is None and d.get("num_target_layers"):
+            sub = {**sub, "target_layer_ids": build_target_layer_ids(int(d["num_target_layers"]),
+                                                                     int(d["num_hidden_layers"]))}
         if get("target_layer_ids") is None:
             raise SpecpilotError(f"{where}: drafter config must define dflash_config.target_layer_ids")
+        if d.get("attention_bias"):
+            raise SpecpilotError(f"{where}: attention_bias=true drafters are not supported")
+        rope_type = (d.get("rope_parameters") or d.get("rope_scaling") or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise SpecpilotError(f"{where}: rope_type {rope_type!r} is not supported (only default RoPE)")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise SpecpilotError(f"{where}: hidden_act {act!r} is not supported (only silu)")
         if get("mask_token_id") is None:
             raise SpecpilotError(f"{where}: drafter config must define dflash_config.mask_token_id")
         try:
@@ -103,23 +153,39 @@ class DrafterConfig:
                 input_embedding_scale=float(get("input_embedding_scale", 1.0)),
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=get("final_logit_softcapping"),
+                layer_types=list(d.get("layer_types") or []),
+                sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+                is_causal=d.get("is_causal"),
+                architecture=(d.get("architectures") or ["DFlashDraftModel"])[0],
+                extra=dict(sub),
             )
         except KeyError as e:
             raise SpecpilotError(f"{where}: missing key {e.args[0]!r}") from None
 
     def to_hf_dict(self) -> dict:
         """config.json content in the DFlash release layout."""
-        return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        dflash = {**self.extra, "target_layer_ids": self.target_layer_ids, "mask_token_id": self.mask_token_id,
+                  "block_size": self.block_size}
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", None)):
+            if getattr(self, name) != default:
+                dflash[name] = getattr(self, name)
+        out = {
+            "architectures": [self.architecture], "model_type": "qwen3",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
             "block_size": self.block_size, "num_target_layers": self.num_target_layers,
-            "dflash_config": {"target_layer_ids": self.target_layer_ids,
-                              "mask_token_id": self.mask_token_id, "block_size": self.block_size},
+            "max_position_embeddings": 40960, "attention_dropout": 0.0,
+            "layer_types": self.layer_types, "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "dflash_config": dflash,
         }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        return out
 
 
 class DraftAttention(nn.Module):
@@ -153,16 +219,47 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """Pre-norm drafter layer. DFlash2 sets ``attention_conv`` / ``mlp_conv`` (grouped dynamic
+    causal convolutions around each sublayer, :mod:`specpilot.drafters.dflash2`); DFlash leaves them None."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.attention_conv = None
+        self.mlp_conv = None
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask, block_len: int | None = None):
+        x = self.input_layernorm(h)
+        if self.attention_conv is not None:
+            x, dyn = self.attention_conv.prepare(x, block_len)
+        y = self.self_attn(x, cos, sin, ctx_k, ctx_v, mask)
+        if self.attention_conv is not None:
+            y = self.attention_conv.finish(y, dyn, block_len)
+        h = h + y
+        x = self.post_attention_layernorm(h)
+        if self.mlp_conv is not None:
+            x, dyn = self.mlp_conv.prepare(x, block_len)
+        y = self.mlp(x)
+        if self.mlp_conv is not None:
+            y = self.mlp_conv.finish(y, dyn, block_len)
+        return h + y
+
+
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Reference visibility rule between query and key positions (z-lab ``_attention_mask``):
+    causal -> key <= query; a window w -> query - key < w and, when not causal, key - query < w."""
+    d = qpos[..., :, None] - kpos[..., None, :]
+    vis = torch.ones_like(d, dtype=torch.bool)
+    if causal:
+        vis &= d >= 0
+    if window is not None:
+        vis &= d < window
+        if not causal:
+            vis &= -d < window
+    return vis
 
 
 class DFlashDrafter(nn.Module):
@@ -171,6 +268,8 @@ class DFlashDrafter(nn.Module):
     Inference: :meth:`setup_cache`, then per step :meth:`add_context` (target features of newly
     committed positions) and :meth:`draft`. Training: :meth:`train_logits`.
     """
+
+    kind = "dflash"
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -224,12 +323,29 @@ class DFlashDrafter(nn.Module):
         pos = start[:, None] + torch.arange(T, device=block.device)[None, :]
         cos, sin = self.cos[pos], self.sin[pos]
         S = self.ctx_k.shape[3]
-        visible_ctx = torch.arange(S, device=block.device)[None, :] < start[:, None]  # [B, S]
-        mask = torch.cat([visible_ctx, visible_ctx.new_ones(B, T)], 1)[:, None, None, :]
-        h = embed(block) * self.config.input_embedding_scale
+        cfg = self.config
+        slots = torch.arange(S, device=block.device)
+        visible_ctx = slots[None, :] < start[:, None]  # [B, S]
+        masks = {}
+        for i in range(cfg.num_hidden_layers):
+            key = (cfg.layer_causal(i), cfg.layer_window(i))
+            if key in masks:
+                continue
+            if key == (False, None):  # the DFlash default: the whole committed context + the block
+                masks[key] = torch.cat([visible_ctx, visible_ctx.new_ones(B, T)], 1)[:, None, None, :]
+                continue
+            ctx = visible_ctx[:, None, :] & _visible(pos, slots[None, :].expand(B, -1), *key)
+            own = _visible(pos, pos, *key)
+            masks[key] = torch.cat([ctx, own], 2)[:, None]
+        h = self.embed_block(block, embed)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.ctx_k[i], self.ctx_v[i], mask)
+            mask = masks[(cfg.layer_causal(i), cfg.layer_window(i))]
+            h = layer(h, cos, sin, self.ctx_k[i], self.ctx_v[i], mask, T)
         return self.norm(h)
+
+    def embed_block(self, block: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """Block input embeddings [B, T, hidden] (the target's ``embed_tokens`` x input scale)."""
+        return embed(block) * self.config.input_embedding_scale
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Draft logits through the target's LM head (with the release's optional scaling)."""
@@ -257,7 +373,8 @@ class DFlashDrafter(nn.Module):
 
     # -- training ---------------------------------------------------------------------------
     def train_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                     embed: nn.Embedding, lm_head: nn.Module, block_size: int) -> torch.Tensor:
+                     embed: nn.Embedding, lm_head: nn.Module, block_size: int,
+                     return_hidden: bool = False, drop_anchor: bool = True):
         """Draft logits for many blocks of each sequence in one pass (DFlash-style training).
 
         Block a of row b starts at anchor position p = anchors[b, a]: slot 0 holds tokens[b, p],
@@ -267,7 +384,9 @@ class DFlashDrafter(nn.Module):
             features: [B, T, n_layers * hidden] target features of the whole sequence.
             tokens: int64 [B, T]; anchors: int64 [B, A] with p + block_size <= T.
         Returns:
-            logits [B, A, block_size - 1, vocab]; slot j predicts tokens[b, p + j].
+            logits [B, A, block_size - 1, vocab]; slot j predicts tokens[b, p + j] (with
+            ``drop_anchor=False`` all block_size slots are returned). ``return_hidden`` adds the
+            drafter's normed output states [B, A, slots, hidden].
         """
         B, T, _ = features.shape
         A = anchors.shape[1]
@@ -279,14 +398,24 @@ class DFlashDrafter(nn.Module):
         cos_b, sin_b = self.cos[pos], self.sin[pos]
         block = torch.full((B, A, block_size), self.config.mask_token_id, dtype=torch.long, device=dev)
         block[:, :, 0] = tokens.gather(1, anchors)
-        h = embed(block.view(B, A * block_size)) * self.config.input_embedding_scale
+        h = self.embed_block(block.view(B, A * block_size), embed)
         blk_id = torch.arange(A, device=dev).repeat_interleave(block_size)
         ctx_vis = torch.arange(T, device=dev)[None, None, :] < pos[:, :, None].sub(
             offs.repeat(A)[None, :, None])  # [B, A*bs, T]: context positions < anchor
         own = (blk_id[:, None] == blk_id[None, :])[None].expand(B, -1, -1)
-        mask = torch.cat([ctx_vis, own], 2)[:, None]
-        for layer in self.layers:
+        cfg = self.config
+        tpos = torch.arange(T, device=dev)[None].expand(B, -1)
+        masks = {}
+        for i in range(cfg.num_hidden_layers):
+            key = (cfg.layer_causal(i), cfg.layer_window(i))
+            if key not in masks:
+                masks[key] = torch.cat([ctx_vis & _visible(pos, tpos, *key), own & _visible(pos, pos, *key)],
+                                       2)[:, None]
+        for i, layer in enumerate(self.layers):
             ck, cv = layer.self_attn.kv(ctx, cos_t, sin_t)
-            h = layer(h, cos_b, sin_b, ck, cv, mask)
-        h = self.norm(h).view(B, A, block_size, -1)[:, :, 1:]
-        return self.logits(h, lm_head)
+            h = layer(h, cos_b, sin_b, ck, cv, masks[(cfg.layer_causal(i), cfg.layer_window(i))], block_size)
+        h = self.norm(h).view(B, A, block_size, -1)
+        if drop_anchor:
+            h = h[:, :, 1:]
+        logits = self.logits(h, lm_head)
+        return (logits, h) if return_hidden else logits

@@ -104,30 +104,86 @@ def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a DFlash drafter checkpoint (release layout, see :mod:`specpilot.models.dflash`).
+def drafter_config(d: dict, where: str = "drafter config.json") -> DrafterConfig:
+    """Parse a drafter config.json by its architecture (DFlash / DFlash2 / DSpark layouts).
 
     Raises:
-        SpecpilotError: missing/corrupt checkpoint, unsupported drafter architecture.
+        SpecpilotError: unsupported architecture (named) or missing keys.
     """
-    d = read_config(checkpoint_dir)
+    from ..drafters import ARCHITECTURES
+
     arch = (d.get("architectures") or [""])[0]
-    if arch != "DFlashDraftModel":
-        raise SpecpilotError(f"{checkpoint_dir}: unsupported drafter architecture {arch!r}; supported: DFlashDraftModel")
-    cfg = DrafterConfig.from_hf_dict(d, f"{checkpoint_dir}/config.json")
+    if arch not in ARCHITECTURES:
+        raise SpecpilotError(f"{where}: unsupported drafter architecture {arch!r}; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+    if arch == "Qwen3DSparkModel":
+        from ..drafters.dspark import dspark_config
+
+        return dspark_config(d, where)
+    return DrafterConfig.from_hf_dict(d, where)
+
+
+def drafter_hf_dict(cfg: DrafterConfig) -> dict:
+    """config.json of a drafter in its public layout (DSpark: DeepSpec; else z-lab)."""
+    if cfg.architecture == "Qwen3DSparkModel":
+        from ..drafters.dspark import dspark_hf_dict
+
+        return dspark_hf_dict(cfg)
+    return cfg.to_hf_dict()
+
+
+def _drafter_state(state: dict) -> dict:
+    """Checkpoint names -> module names: DFlash2 stores its codebooks without ``.weight``."""
+    from ..drafters.dflash2 import CODEBOOKS
+
+    out = {}
+    for k, v in state.items():
+        if any(k == f"candidate_selector.{c}" for c in CODEBOOKS):
+            k = k + ".weight"
+        out[k] = v
+    return out
+
+
+def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Load a drafter checkpoint, dispatching on ``architectures``: ``DFlashDraftModel`` (z-lab),
+    ``DFlash2DraftModel`` (z-lab), ``Qwen3DSparkModel`` (DeepSpec); see :mod:`specpilot.drafters`.
+
+    Raises:
+        SpecpilotError: missing/corrupt checkpoint, unsupported architecture or config, tensor mismatch.
+    """
+    from ..drafters import network_class
+
+    d = read_config(checkpoint_dir)
+    cfg = drafter_config(d, f"{checkpoint_dir}/config.json")
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = network_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
-    _load_into(model, {k: v.to(dtype) for k, v in load_state(checkpoint_dir).items()}, str(checkpoint_dir))
+    state = _drafter_state(load_state(checkpoint_dir))
+    _load_into(model, {k: v.to(dtype) for k, v in state.items()}, str(checkpoint_dir))
     return model.eval()
 
 
-def save_checkpoint(module: torch.nn.Module, config: dict, out_dir: str | Path) -> None:
-    """Write config.json and model.safetensors (shared tensors stored once) atomically per file."""
+def save_drafter(module: torch.nn.Module, out_dir: str | Path) -> None:
+    """Save a drafter network in its public layout (config.json + model.safetensors)."""
+    from ..drafters.dflash2 import CODEBOOKS
+
+    state = {}
+    for k, v in module.state_dict().items():
+        for c in CODEBOOKS:
+            if k == f"candidate_selector.{c}.weight":
+                k = k[: -len(".weight")]
+        state[k] = v
+    save_checkpoint(module, drafter_hf_dict(module.config), out_dir, state=state)
+
+
+def save_checkpoint(module: torch.nn.Module, config: dict, out_dir: str | Path, state: dict | None = None) -> None:
+    """Write config.json and model.safetensors (shared tensors stored once) atomically per file.
+
+    ``state`` overrides the tensors (default ``module.state_dict()``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    state = {k: v.detach().contiguous().clone() for k, v in (state or module.state_dict()).items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".tmp")

@@ -1,8 +1,10 @@
 """``specpilot build-tiny``: the embedded default deployment, built from scratch on CPU.
 
 Steps (seeded, deterministic for a given torch build): a byte-level BPE tokenizer with a chat
-template; a tiny Qwen3 target trained on the GSM8K train split and the non-test MBPP tasks; a
-DFlash drafter distilled from the target's own greedy continuations. Everything is saved in the
+template; a tiny Qwen3 target trained on the GSM8K train split and the non-test MBPP tasks; one
+drafter of each kind (DFlash, DFlash2, DSpark) distilled from the target's own greedy
+continuations with its published objective (:mod:`specpilot.tiny.train`). The target stage and
+each drafter stage are separate functions, so other targets can reuse the drafter stages. Everything is saved in the
 Hugging Face layout (config.json + model.safetensors + tokenizer files) so it loads exactly like a
 real checkpoint. ``build.json`` is written last and marks a finished build.
 """
@@ -22,7 +24,8 @@ from torch import nn
 from ..prompts import select, training_pairs
 from ..errors import SpecpilotError
 from ..io import write_json
-from ..models.dflash import DFlashDrafter, DrafterConfig, build_target_layer_ids
+from ..models.config import TargetConfig
+from ..models.dflash import DrafterConfig, build_target_layer_ids
 from ..models.loading import save_checkpoint
 from ..models.qwen3 import Transformer
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
@@ -51,12 +54,16 @@ class TinyRecipe:
     drafter_steps: int = 260
     drafter_batch: int = 16
     anchors: int = 12
+    selector_rank: int = 32
+    selector_top_k: int = 8
+    markov_rank: int = 64
 
 
 FULL = TinyRecipe()
 QUICK = TinyRecipe(vocab=512, hidden=64, layers=5, heads=2, kv_heads=1, intermediate=128, target_steps=150,
                    batch=8, seq_len=128, draft_intermediate=128, draft_block=8, distill_prompts=16,
-                   distill_tokens=48, drafter_steps=20, drafter_batch=8, anchors=4)
+                   distill_tokens=48, drafter_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
+                   selector_top_k=4, markov_rank=8)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -81,17 +88,68 @@ def _stream(tok, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: int = 0,
-               recipe: TinyRecipe = FULL, log=print, target_kind: str = "dense") -> dict:
-    """Build tokenizer, target and DFlash drafter into ``out_dir``; return the build summary.
+DRAFTERS = ("dflash", "dflash2", "dspark")
 
-    Layout: ``{out}/target/`` (checkpoint + tokenizer), ``{out}/drafter-dflash/``, ``{out}/build.json``.
-    ``target_kind``: ``dense`` (default), ``hybrid`` or ``muse`` (:mod:`specpilot.tiny.targets`).
-    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.prompts`).
+
+def drafter_config(kind: str, recipe: TinyRecipe, vocab: int, mask_id: int) -> DrafterConfig:
+    """The tiny drafter config of ``kind`` in its public layout (all three share width and depth).
+
+    dflash: full attention, non-causal block (z-lab DFlash); dflash2: + convolutions (kernel 2,
+    group 16) and the selector, all layers ``sliding_attention`` with window 2048 and
+    ``is_causal`` false as released; dspark: DeepSpec ``Qwen3DSparkModel``, block_size = gamma =
+    ``draft_block - 1`` (the same number of predicted slots as DFlash's block), vanilla Markov
+    head, confidence head with the Markov embedding.
     """
-    t_start = time.time()
-    out = Path(out_dir)
-    (out / "build.json").unlink(missing_ok=True)
+    cfg = DrafterConfig(hidden_size=recipe.hidden, intermediate_size=recipe.draft_intermediate,
+                        num_hidden_layers=recipe.draft_layers, num_attention_heads=recipe.heads,
+                        num_key_value_heads=recipe.kv_heads, head_dim=recipe.hidden // recipe.heads,
+                        vocab_size=vocab, mask_token_id=mask_id,
+                        target_layer_ids=build_target_layer_ids(recipe.layers, recipe.draft_layers),
+                        block_size=recipe.draft_block, rope_theta=10000.0, num_target_layers=recipe.layers)
+    if kind == "dflash2":
+        cfg.architecture = "DFlash2DraftModel"
+        cfg.layer_types = ["sliding_attention"] * recipe.draft_layers
+        cfg.sliding_window, cfg.is_causal = 2048, False
+        cfg.extra = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=recipe.selector_rank,
+                         selector_top_k=recipe.selector_top_k)
+    elif kind == "dspark":
+        cfg.architecture = "Qwen3DSparkModel"
+        cfg.block_size = recipe.draft_block - 1
+        cfg.extra = dict(markov_rank=recipe.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
+                         confidence_head_with_markov=True, num_anchors=recipe.anchors)
+    elif kind != "dflash":
+        raise SpecpilotError(f"unknown tiny drafter {kind!r}; choose from {', '.join(DRAFTERS)}")
+    return cfg
+
+
+def new_drafter(kind: str, cfg: DrafterConfig, target: Transformer, seed: int) -> nn.Module:
+    """A freshly initialized drafter (seeded). DFlash2 starts as DFlash (identity convolutions,
+    zero successor codebook; SpecForge DFlash2 docs); DSpark copies the target's embedding and LM
+    head (frozen, shipped with the checkpoint as DeepSpec does)."""
+    from ..drafters import network_class
+
+    torch.manual_seed(seed)
+    net = network_class(cfg.architecture)(cfg)
+    init_weights(net)
+    with torch.no_grad():
+        if kind == "dflash2":
+            for layer in net.layers:
+                layer.attention_conv.identity_()
+                layer.mlp_conv.identity_()
+            net.candidate_selector.successor_codebook.weight.zero_()
+        if kind == "dspark":
+            net.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+            net.lm_head.weight.copy_(target.lm_head.weight)
+            net.embed_tokens.weight.requires_grad_(False)
+            net.lm_head.weight.requires_grad_(False)
+    return net
+
+
+def build_target_stage(out: Path, data_dir, seed: int, recipe: TinyRecipe, log=print,
+                       target_kind: str = "dense") -> dict:
+    """Tokenizer + target trained from scratch into ``out/target``; returns the state the drafter
+    stages need (target, tokenizer, rng, training pairs) and the timings. ``target_kind``:
+    ``dense`` (Qwen3), ``hybrid`` (Gated DeltaNet) or ``muse`` (:mod:`specpilot.tiny.targets`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     pairs = training_pairs(data_dir)
@@ -99,10 +157,8 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
         raise SpecpilotError("no training text for the tiny deployment")
     if recipe is QUICK:
         pairs = rng.sample(pairs, 400)
-
-    target_dir, drafter_dir = out / "target", out / "drafter-dflash"
-    for d in (target_dir, drafter_dir):
-        shutil.rmtree(d, ignore_errors=True)
+    target_dir = out / "target"
+    shutil.rmtree(target_dir, ignore_errors=True)
     tok = build_tokenizer([u + "\n" + a for u, a in pairs], recipe.vocab, target_dir)
     docs = [_chat(tok, u, a) for u, a in pairs]
     rng.shuffle(docs)
@@ -126,40 +182,104 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     save_checkpoint(target, hf, target_dir)
     write_json(target_dir / "generation_config.json",
                {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "do_sample": False})
+    return {"target": target, "tok": tok, "rng": rng, "pairs": pairs,
+            "summary": {"target_params": sum(p.numel() for p in target.parameters()),
+                        "training_tokens": len(stream), "target_final_loss": sum(tlosses[-20:]) / len(tlosses[-20:]),
+                        "heldout_loss_gsm8k_test": held},
+            "seconds": {"target": t_target}}
 
-    t0 = time.time()
-    prompts = [tok.encode(_chat(tok, u), add_special_tokens=False) for u, _ in rng.sample(pairs, recipe.distill_prompts)]
+
+def reuse_target_stage(out: Path, target_from: Path, data_dir, seed: int, recipe: TinyRecipe, log=print) -> dict:
+    """Like :func:`build_target_stage` but copies an already built target (same seed and recipe)
+    instead of training it; the rng is advanced exactly as the training stage would, so the
+    drafter stages see the same distillation prompts."""
+    from transformers import AutoTokenizer
+
+    from ..models.loading import load_target
+
+    rng = random.Random(seed)
+    pairs = training_pairs(data_dir)
+    if recipe is QUICK:
+        pairs = rng.sample(pairs, 400)
+    rng.shuffle(list(range(len(pairs))))  # the docs shuffle of the training stage
+    target_dir = out / "target"
+    if Path(target_from).resolve() != target_dir.resolve():
+        shutil.rmtree(target_dir, ignore_errors=True)
+        shutil.copytree(target_from, target_dir)
+    return {"target": load_target(target_dir), "tok": AutoTokenizer.from_pretrained(target_dir), "rng": rng,
+            "pairs": pairs, "summary": {"target_reused_from": str(target_from)}, "seconds": {"target": 0.0}}
+
+
+def distill_stage(state: dict, recipe: TinyRecipe, log=print) -> list[tuple[int, list[int]]]:
+    """(prompt length, prompt + the target's greedy continuation) for the drafters' training."""
+    tok, rng = state["tok"], state["rng"]
+    prompts = [tok.encode(_chat(tok, u), add_special_tokens=False)
+               for u, _ in rng.sample(state["pairs"], recipe.distill_prompts)]
     prompts = [p[-(recipe.seq_len * 2):] for p in prompts]
-    conts = greedy_continuations(target, prompts, recipe.distill_tokens, log=log)
-    t_distill_data = time.time() - t0
+    conts = greedy_continuations(state["target"], prompts, recipe.distill_tokens, log=log)
+    return [(len(p), p + c) for p, c in zip(prompts, conts)]
 
-    dcfg = DrafterConfig(hidden_size=recipe.hidden, intermediate_size=recipe.draft_intermediate,
-                         num_hidden_layers=recipe.draft_layers, num_attention_heads=recipe.heads,
-                         num_key_value_heads=recipe.kv_heads, head_dim=recipe.hidden // recipe.heads,
-                         vocab_size=len(tok), mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN),
-                         target_layer_ids=build_target_layer_ids(recipe.layers, recipe.draft_layers),
-                         block_size=recipe.draft_block, rope_theta=10000.0, num_target_layers=recipe.layers)
-    drafter = DFlashDrafter(dcfg)
-    init_weights(drafter)
+
+def build_drafter_stage(kind: str, state: dict, seqs, out: Path, recipe: TinyRecipe, seed: int,
+                        log=print) -> dict:
+    """Distil one drafter of ``kind`` from the target into ``out/drafter-{kind}`` (public layout)."""
+    from ..models.loading import save_drafter
+
+    target, tok = state["target"], state["tok"]
+    cfg = drafter_config(kind, recipe, len(tok), tok.convert_tokens_to_ids(MASK_TOKEN))
+    drafter = new_drafter(kind, cfg, target, seed)
     target.requires_grad_(False)
     t0 = time.time()
-    seqs = [(len(p), p + c) for p, c in zip(prompts, conts)]
-    dlosses = train_drafter(drafter, target, seqs, recipe.drafter_steps, recipe.drafter_batch,
-                            recipe.draft_block, recipe.anchors, seed=seed, log=log)
-    t_drafter = time.time() - t0
-    save_checkpoint(drafter, dcfg.to_hf_dict(), drafter_dir)
+    block = cfg.block_size
+    losses = train_drafter(drafter, target, seqs, recipe.drafter_steps, recipe.drafter_batch, block,
+                           recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"))
+    dt = time.time() - t0
+    d = out / f"drafter-{kind}"
+    shutil.rmtree(d, ignore_errors=True)
+    save_drafter(drafter, d)
+    return {"params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]), "seconds": dt}
 
-    summary = {
-        "seed": seed, "recipe": recipe.__dict__, "target_kind": target_kind, "torch": torch.__version__,
-        "target_params": sum(p.numel() for p in target.parameters()),
-        "drafter_params": sum(p.numel() for p in drafter.parameters()),
-        "training_tokens": len(stream), "target_final_loss": sum(tlosses[-20:]) / len(tlosses[-20:]),
-        "heldout_loss_gsm8k_test": held, "drafter_final_loss": sum(dlosses[-20:]) / len(dlosses[-20:]),
-        "seconds": {"target": t_target, "distill_data": t_distill_data, "drafter": t_drafter,
-                    "total": time.time() - t_start},
-    }
+
+def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: int = 0,
+               recipe: TinyRecipe = FULL, log=print, drafters: tuple[str, ...] = DRAFTERS,
+               target_from: str | Path | None = None, target_kind: str = "dense") -> dict:
+    """Build tokenizer, target and drafters into ``out_dir``; return the build summary.
+
+    Layout: ``{out}/target/`` (checkpoint + tokenizer), ``{out}/drafter-{kind}/`` per drafter in
+    ``drafters`` (dflash, dflash2, dspark; all distilled from the one target), ``{out}/build.json``
+    (written last). ``target_from``: reuse a target built earlier with the same seed and recipe.
+    ``target_kind``: the tiny target's family (``dense``, ``hybrid``, ``muse``).
+    Raises SpecpilotError when the training text cannot be loaded (see :mod:`specpilot.prompts`)
+    or for an unknown drafter.
+    """
+    t_start = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "build.json").unlink(missing_ok=True)
+    bad = [k for k in drafters if k not in DRAFTERS]
+    if bad:
+        raise SpecpilotError(f"unknown tiny drafter {bad[0]!r}; choose from {', '.join(DRAFTERS)}")
+    if target_from:
+        state = reuse_target_stage(out, Path(target_from), data_dir, seed, recipe, log)
+    else:
+        state = build_target_stage(out, data_dir, seed, recipe, log, target_kind)
+    t0 = time.time()
+    seqs = distill_stage(state, recipe, log)
+    seconds = {**state["seconds"], "distill_data": time.time() - t0}
+    per = {}
+    for kind in drafters:
+        per[kind] = build_drafter_stage(kind, state, seqs, out, recipe, seed, log)
+        seconds[f"drafter_{kind}"] = per[kind]["seconds"]
+    seconds["total"] = time.time() - t_start
+    summary = {"seed": seed, "recipe": recipe.__dict__, "target_kind": target_kind, "torch": torch.__version__,
+               **state["summary"],
+               "drafters": per, "seconds": seconds}
+    if "dflash" in per:  # the fields earlier builds wrote
+        summary["drafter_params"] = per["dflash"]["params"]
+        summary["drafter_final_loss"] = per["dflash"]["final_loss"]
     write_json(out / "build.json", summary)
-    log(f"tiny deployment built in {summary['seconds']['total']:.0f}s -> {out}")
+    log(f"tiny deployment built in {seconds['total']:.0f}s -> {out}")
     return summary
 
 
@@ -180,6 +300,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--target-kind", default="dense", choices=TARGET_KINDS,
                    help="tiny target family: dense Qwen3, hybrid Gated DeltaNet, or Muse-Glimmer-style")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated drafter kinds to build")
+    p.add_argument("--target-from", help="reuse this already built target (same seed and recipe)")
 
 
 def run(args) -> int:
@@ -189,5 +311,6 @@ def run(args) -> int:
 
     data_dir = check_data_id(args.data_dir, args.data_id)
     build_tiny(args.out, data_dir, args.seed, QUICK if args.quick else FULL,
-               target_kind=getattr(args, "target_kind", "dense"))
+               drafters=tuple(k for k in args.drafters.split(",") if k), target_from=args.target_from,
+               target_kind=args.target_kind)
     return 0

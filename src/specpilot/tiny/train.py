@@ -1,10 +1,20 @@
-"""Training loops for the tiny deployment: the target LM and the DFlash drafter (CPU, seeded).
+"""Training loops for the tiny deployment: the target LM and its drafters (CPU, seeded).
 
-Target: next-token prediction on packed chat-formatted documents. Drafter: distillation on the
-target's own greedy continuations (the drafter must predict what the target would decode),
-DFlash-style: random anchor positions per sequence, a block of mask tokens after each anchor,
-cross-entropy with a position-decayed weight exp(-(j - 1) / gamma) (DFlash community recipes and
-DeepSpec use gamma = 4..7).
+Target: next-token prediction on packed chat-formatted documents. Drafters: distillation on the
+target's own greedy continuations (the drafter must predict what the target would decode):
+random anchor positions per sequence, a block of mask tokens after each anchor, each with its
+published objective (facts in shared/notes/drafters.md):
+
+- ``dflash``: block cross-entropy with a position-decayed weight exp(-(j - 1) / gamma) (DFlash
+  community recipes and DeepSpec use gamma = 4..7); the anchor slot has no loss;
+- ``dflash2``: the DFlash loss + 1.0 x the teacher-forced K-way selector cross-entropy (a gold
+  token outside the top-K is injected into the candidates, see
+  :func:`specpilot.drafters.dflash2.selector_loss`);
+- ``dspark``: sample from the anchor (slot j predicts anchor+j+1), teacher-forced Markov input;
+  0.1 x CE + 0.9 x total variation to the target's distribution + 1.0 x BCE of the confidence
+  against 1 - TV (TV = half the L1 distance, in [0, 1]), each weighted exp(-k/4) by slot k = 0..
+  (DeepSpec's code; the paper writes exp(-(k-1)/gamma)); the confidence BCE only counts slots
+  whose teacher-forced draft prefix matched (contiguous-prefix mask, our reading).
 """
 
 from __future__ import annotations
@@ -85,19 +95,66 @@ def greedy_continuations(model: Transformer, prompts: list[list[int]], new_token
     return out
 
 
+def _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, selector: bool):
+    """DFlash block CE (slot j >= 1 predicts anchor + j), plus the DFlash2 selector CE."""
+    B, A = anc.shape
+    logits, hidden = drafter.train_logits(feats, toks, anc, embed, head, block_size, return_hidden=True)
+    idx = (anc[:, :, None] + torch.arange(1, block_size)).view(B, -1)
+    labels = toks.gather(1, idx).view(B, A, block_size - 1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    loss = (ce.view(B, A, block_size - 1) * weights).sum(-1).mean()
+    if selector:
+        from ..drafters.dflash2 import selector_loss
+
+        prev = toks.gather(1, (anc[:, :, None] + torch.arange(0, block_size - 1)).view(B, -1)).view_as(labels)
+        sel = selector_loss(drafter, hidden, logits, prev, labels)
+        loss = loss + 1.0 * (sel * weights).sum(-1).mean()
+    return loss
+
+
+def _dspark_loss(drafter, feats, tlogits, toks, anc, gamma):
+    """DSpark: 0.1 CE + 0.9 TV + 1.0 confidence BCE, each weighted exp(-k/4) (module docstring)."""
+    B, A = anc.shape
+    _, hidden = drafter.train_logits(feats, toks, anc, None, drafter.lm_head, gamma, return_hidden=True,
+                                     drop_anchor=False)
+    offs = torch.arange(gamma)
+    pos = (anc[:, :, None] + offs).view(B, -1)  # slot k sits at anchor + k and predicts anchor + k + 1
+    prev = toks.gather(1, pos).view(B, A, gamma)
+    labels = toks.gather(1, pos + 1).view(B, A, gamma)
+    logits, conf = drafter.heads(hidden, prev)
+    p_t = torch.softmax(tlogits.gather(1, pos[:, :, None].expand(-1, -1, tlogits.shape[-1])).float(), -1)
+    p_t = p_t.view(B, A, gamma, -1)
+    q = torch.softmax(logits.float(), -1)
+    tv = 0.5 * (q - p_t).abs().sum(-1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(tv)
+    w = torch.exp(-offs.float() / 4.0)
+    w = w / w.sum()
+    loss = ((0.1 * ce + 0.9 * tv) * w).sum(-1).mean()
+    if conf is not None:
+        hit = (logits.detach().argmax(-1) == labels).float()
+        prefix = torch.cat([torch.ones_like(hit[..., :1]), hit.cumprod(-1)[..., :-1]], -1)
+        bce = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv.detach()).clamp(0, 1), reduction="none")
+        loss = loss + (bce * prefix * w).sum() / (prefix * w).sum().clamp(min=1e-6)
+    return loss
+
+
 def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[tuple[int, list[int]]],
                   steps: int, batch: int, block_size: int, anchors: int, lr: float = 2e-3,
                   gamma: float = 4.0, seed: int = 0, log=print) -> list[float]:
-    """Distil the target's greedy decoding into the drafter.
+    """Distil the target's greedy decoding into the drafter with its published objective
+    (chosen by ``drafter.kind``: dflash, dflash2, dspark; see the module docstring).
 
     Args:
         sequences: (prompt_len, prompt + greedy continuation ids); anchors are drawn from the
             continuation, where every next token is the target's own argmax.
-        block_size: training block (anchor + block_size - 1 predicted slots).
+        block_size: training block in the drafter's counting (DFlash/DFlash2: anchor +
+            block_size - 1 predicted slots; DSpark: block_size predicted slots from the anchor).
         anchors: blocks per sequence per step.
+        gamma: DFlash position decay exp(-(j - 1) / gamma).
     Returns:
         per-step losses [nats/token, decay-weighted].
     """
+    kind = getattr(drafter, "kind", "dflash")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     ids = tuple(drafter.config.target_layer_ids)
@@ -108,6 +165,7 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
     embed, head = target.model.embed_tokens, target.lm_head
     weights = torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
     weights = weights / weights.sum()
+    span = block_size if kind != "dspark" else block_size + 1  # tokens from the anchor to the last label
     drafter.train()
     losses, t0 = [], time.time()
     for step in range(steps):
@@ -116,14 +174,13 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
         chosen = rng.sample(sequences, batch)
         L = max(len(s) for _, s in chosen)  # right-pad: padding sits after every anchor, never visible
         toks = torch.tensor([s + [0] * (L - len(s)) for _, s in chosen])
-        anc = torch.tensor([sorted(rng.sample(range(p, len(s) - block_size + 1), anchors)) for p, s in chosen])
+        anc = torch.tensor([sorted(rng.sample(range(p, len(s) - span + 1), anchors)) for p, s in chosen])
         with torch.no_grad():
-            _, feats = target.forward_causal(toks, capture=ids)
-        logits = drafter.train_logits(feats, toks, anc, embed, head, block_size)
-        labels = toks.gather(1, (anc[:, :, None] + torch.arange(1, block_size)).view(batch, -1)).view(
-            batch, anchors, block_size - 1)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        loss = (ce.view(batch, anchors, block_size - 1) * weights).sum(-1).mean()
+            tlogits, feats = target.forward_causal(toks, capture=ids)
+        if kind == "dspark":
+            loss = _dspark_loss(drafter, feats, tlogits, toks, anc, block_size)
+        else:
+            loss = _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, kind == "dflash2")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

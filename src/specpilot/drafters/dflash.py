@@ -1,0 +1,95 @@
+"""DFlash drafter plug-in: block drafting from the target's hidden states (the network is
+:class:`specpilot.models.dflash.DFlashDrafter`; Chen, Liang, Liu, arXiv 2602.06036; z-lab/dflash).
+
+Block counting (DFlash, anchor included): ``block_size`` B = the verify width of a chain; the
+drafter's input is [anchor, mask x (B-1)] and slots 1..B-1 are the B-1 drafts. With
+``tree_branch`` > 0 the proposal is a tree: the drafter's argmax chain (the spine) plus, at the
+first ``tree_depth`` draft positions, its next ``tree_branch`` best tokens as side branches
+(verify width B + branch x min(depth, B-1)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import TargetRunner, use_graphs
+from ..errors import SpecpilotError
+from ..models.dflash import DFlashDrafter
+from .proposal import Proposal, chain, side_branches, spine_tree
+
+
+class DFlashProposer:
+    """Drafts a block with a DFlash-style network conditioned on the target's hidden states.
+
+    The network's context cache grows by the target features of every committed position
+    (prompt at prefill, anchor + accepted drafts after each verify step), as in z-lab/dflash.
+
+    Args:
+        drafter: the network (:class:`DFlashDrafter` or a subclass with the same interface).
+        graphs, kernels: CUDA-graph draft steps (chain proposals only; see engine.graphs).
+        block_size: verify width of the chain (anchor + B-1 drafts); default the network's config.
+        tree_branch, tree_depth: side branches (0 = chain).
+    Raises:
+        SpecpilotError: block size < 2, negative branch/depth.
+    """
+
+    kind = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, graphs: bool | None = None, kernels: str | None = None, *,
+                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1):
+        self.drafter = drafter
+        self.use_graphs, self.kernels = graphs, kernels
+        self.graphs = None
+        self.block_size = int(block_size or drafter.config.block_size)
+        self.branch, self.depth = int(tree_branch), int(tree_depth)
+        if self.block_size < 2:
+            raise SpecpilotError(f"{self.kind}: block size must be >= 2 (anchor + drafts), got {self.block_size}")
+        if self.branch < 0 or self.depth < 0:
+            raise SpecpilotError(f"{self.kind}: tree_branch and tree_depth must be >= 0")
+        self.capture = tuple(drafter.config.target_layer_ids)
+
+    @property
+    def n_drafts(self) -> int:
+        """Drafted tokens per step on the spine: B - 1."""
+        return self.block_size - 1
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per verify forward: anchor + drafts + side branches."""
+        return 1 + self.n_drafts + (self.branch * min(self.depth, self.n_drafts) if self.branch else 0)
+
+    def _net_block(self) -> int:
+        """Input length of the network's block forward (DFlash: anchor + B-1 mask slots)."""
+        return self.block_size
+
+    def start(self, runner: TargetRunner, prompts, features, first) -> None:
+        self.embed = runner.model.model.embed_tokens
+        self.lm_head = runner.model.lm_head
+        self.drafter.setup_cache(len(prompts), runner.max_seq)
+        if self.branch == 0 and use_graphs(self.use_graphs, first.device):
+            from ..engine.graphs import drafter_graphs
+
+            self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
+        with torch.inference_mode():
+            self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
+
+    def _draft(self, last, start):
+        """(tokens [B, k], scores [B, k, V] for side branches) of one network forward."""
+        return self.drafter.draft(last, start, self.embed, self.lm_head, self._net_block())
+
+    @torch.inference_mode()
+    def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:
+        """A chain (anchor + B-1 drafts) or the spine + side-branch tree after ``last`` [B]."""
+        if self.graphs is not None:
+            return chain(last, self.graphs.draft(last, start, self._net_block()))
+        tokens, logits = self._draft(last, start)
+        if self.branch:
+            return spine_tree(last, tokens, side_branches(logits, tokens, self.depth, self.branch))
+        return chain(last, tokens)
+
+    @torch.inference_mode()
+    def observe(self, features, start, counts, committed) -> None:
+        if self.graphs is not None:
+            self.graphs.add_context(features, start)
+            return
+        self.drafter.add_context(features, start)
