@@ -279,6 +279,19 @@ with torch.inference_mode():
         lc, hc = fast.forward(tok, start, capture=(0, 1))
         res[name] = max(((lc - lr).abs().max() / lr.abs().max()).item(), ((hc - hr).abs().max() / hr.abs().max()).item())
         fast.set_configs({r: "bn16-bk512-w4-s3" for r in ("qkv", "o", "gate_up", "down", "lm_head")})
+    # M-aware row tiles: a table by rows; 2 x 20 = 40 rows run 32-row tiles (one partial), K steps
+    # that divide K (no K mask); rows of the 40-row block vs the eager forward and vs a 2-row step
+    roles = ("qkv", "o", "gate_up", "down", "lm_head")
+    fast.set_configs({r: {"16": "bn16-bk512-w4-s3", "64": "bn32-bk32-w4-s3-m32", "4096": "bn16-bk64-w4-s3-p-m64"}
+                      for r in roles})
+    res["tiers"] = [fast.config_for("qkv", n).key() for n in (1, 40, 100)]
+    tok20 = torch.randint(0, 256, (B, 20), generator=g)
+    lt = fast.forward(tok20, start)[0].clone()
+    lr20 = ref(tok20, start, chain_ancestors(B, 20, "cpu"))[0]
+    res["tiled"] = ((lt - lr20).abs().max() / lr20.abs().max()).item()
+    fast.set_configs({r: "bn16-bk512-w4-s3" for r in roles})
+    l1t = fast.forward(tok20[:, :1], start)[0]
+    res["tiled_row0_vs_m2"] = (lt[:, 0] - l1t[:, 0]).abs().max().item()
 print("RESULT " + json.dumps(res))
 '''
 
@@ -296,6 +309,34 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["logits"] < 1e-5 and res["hidden"] < 1e-5 and res["kv"] < 1e-5, res
     assert res["cublas"] < 1e-5 and res["mixed"] < 1e-5 and res["prenorm"] < 1e-5, res
     assert res["row_independent"]
+    assert res["tiers"] == ["bn16-bk512-w4-s3", "bn32-bk32-w4-s3-m32", "bn16-bk64-w4-s3-p-m64"], res
+    assert res["tiled"] < 1e-5 and res["tiled_row0_vs_m2"] < 1e-5, res
+
+
+def test_row_tiles_and_config_tables():
+    from specpilot.engine import triton_step as K
+    from specpilot.engine.graphs import FastTarget
+
+    assert [K.row_tile(m, 128) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 384)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+    assert [K.row_tile(m, 16) for m in (1, 17, 384)] == [16, 16, 16]
+    assert K.row_tile(300, 256) == 256 and K.row_tile(40, 32) == 32
+    c = K.LinearConfig.parse("bn128-bk64-w8-s3-p-m128")
+    assert (c.bn, c.bk, c.warps, c.stages, c.prenorm, c.bm) == (128, 64, 8, 3, True, 128)
+    assert c.key() == "bn128-bk64-w8-s3-p-m128" and K.LinearConfig.parse("bn64-bk256-w4-s3").bm == 16
+    with pytest.raises(ValueError, match="bm must be"):
+        K.LinearConfig.parse("bn64-bk256-w4-s3-m48")
+    fast = FastTarget.__new__(FastTarget)  # table logic only, no model
+    fast.k = K
+    t = fast._tiers({"64": "bn32-bk256-w4-s4-m64", "16": "bn64-bk256-w4-s3", "384": "cublas"})
+    fast.configs = {"qkv": t}
+    assert [fast.config_for("qkv", n) if n > 64 else fast.config_for("qkv", n).key() for n in (1, 16, 17, 64)] == \
+        ["bn64-bk256-w4-s3", "bn64-bk256-w4-s3", "bn32-bk256-w4-s4-m64", "bn32-bk256-w4-s4-m64"]
+    assert fast.config_for("qkv", 65) == "cublas" and fast.config_for("qkv", 1000) == "cublas"
+    with pytest.raises(SpecpilotError, match="row counts"):
+        fast._tiers({"many": "bn64-bk256-w4-s3"})
+    with pytest.raises(SpecpilotError, match="bad matmul config"):
+        fast._tiers({"16": "bn64"})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,12 +167,17 @@ class FastTarget:
     buffers, overwritten by the next call of the same shape.
 
     ``configs`` maps each matmul role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``) to a
-    Triton block config (:class:`~specpilot.engine.triton_step.LinearConfig` or its key) or to
-    ``"cublas"``: then that matmul runs through ``torch.mm`` (cuBLAS) with the norm, SwiGLU and
-    residual as separate kernels (residual through the GEMM's beta = 1). cuBLAS picks its
-    algorithm by shape, so with any cuBLAS role the rows are padded to a multiple of 16: a
-    1-token decode then runs the same GEMMs as a 16-token block (row independence between AR
-    decode and 16-token verification; not across other block sizes).
+    Triton block config (:class:`~specpilot.engine.triton_step.LinearConfig` or its key), to
+    ``"cublas"``, or to a table by rows ``{max_rows: config}`` (JSON keys may be strings): a
+    matmul of M rows (M = batch x block length) uses the entry with the smallest ``max_rows`` >= M,
+    the largest entry beyond them all. With ``"cublas"`` that matmul runs through ``torch.mm``
+    (cuBLAS) with the norm, SwiGLU and residual as separate kernels (residual through the GEMM's
+    beta = 1). cuBLAS picks its algorithm by shape, so with any cuBLAS entry the rows are padded to
+    a multiple of 16, and rows are then not independent of M beyond 16 (token forcing's near-tie
+    classification covers that). Row independence of Triton entries: see
+    :mod:`specpilot.engine.triton_step` (checked on the GPU by ``benchmarks/bench_verify.py``).
+
+    Raises SpecpilotError for an unknown role or a malformed config.
     """
 
     def __init__(self, model: Transformer, configs: dict | None = None):
@@ -181,9 +186,29 @@ class FastTarget:
         self.k = triton_step
         self.model = model
         fuse_weights(model)
-        self.configs = {role: triton_step.LinearConfig.parse(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
+        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self.set_configs(configs or {})
         self._ws: dict[tuple, _Workspace] = {}
+
+    def _one(self, c):
+        if isinstance(c, self.k.LinearConfig) or c == CUBLAS:
+            return c
+        try:
+            return self.k.LinearConfig.parse(c)
+        except (ValueError, TypeError) as e:
+            raise SpecpilotError(f"bad matmul config {c!r}: {e}") from None
+
+    def _tiers(self, c) -> tuple:
+        """Normalize a role's config to ((max_rows, config), ...) sorted by max_rows."""
+        if isinstance(c, dict):
+            try:
+                items = sorted((int(k), v) for k, v in c.items())
+            except ValueError:
+                raise SpecpilotError(f"matmul config table keys must be row counts, got {list(c)}") from None
+            if not items or items[0][0] < 1:
+                raise SpecpilotError(f"matmul config table needs row counts >= 1, got {list(c)}")
+            return tuple((k, self._one(v)) for k, v in items)
+        return ((1 << 30, self._one(c)),)
 
     def set_configs(self, configs: dict) -> bool:
         """Set block configs per role; returns True when something changed."""
@@ -191,18 +216,31 @@ class FastTarget:
         for role, c in configs.items():
             if role not in LINEAR_ROLES:
                 raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
-            if not isinstance(c, self.k.LinearConfig) and c != CUBLAS:
-                c = self.k.LinearConfig.parse(c)
-            changed |= self.configs[role] != c
-            self.configs[role] = c
+            t = self._tiers(c)
+            changed |= self.configs[role] != t
+            self.configs[role] = t
         return changed
 
+    def config_for(self, role: str, rows: int):
+        """The config (LinearConfig or ``"cublas"``) a matmul of ``role`` uses for ``rows`` rows."""
+        tiers = self.configs[role]
+        for max_rows, c in tiers:
+            if rows <= max_rows:
+                return c
+        return tiers[-1][1]
+
     def config_keys(self) -> dict:
-        return {r: c if c == CUBLAS else c.key() for r, c in self.configs.items()}
+        def key(c):
+            return c if c == CUBLAS else c.key()
+
+        out = {}
+        for r, t in self.configs.items():
+            out[r] = key(t[0][1]) if len(t) == 1 else {str(m): key(c) for m, c in t}
+        return out
 
     @property
     def pad(self) -> int:
-        return 16 if any(c == CUBLAS for c in self.configs.values()) else 1
+        return 16 if any(c == CUBLAS for t in self.configs.values() for _, c in t) else 1
 
     def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
         m, c = self.model, self.model.config
@@ -228,7 +266,7 @@ class FastTarget:
         return ws
 
     def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
-        cfg = self.configs[role]
+        cfg = self.config_for(role, x.shape[0])
         eps = self.model.config.rms_norm_eps
         if cfg != CUBLAS:
             if cfg.prenorm and norm is not None:

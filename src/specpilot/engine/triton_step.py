@@ -12,11 +12,20 @@ it streams every weight once. Per layer it runs 7 kernels:
 5. ``linear`` with norm prologue and SwiGLU epilogue: ``h = silu(norm(x) @ Wg.T) * (norm(x) @ Wu.T)``;
 6. ``linear`` with residual epilogue: ``x = x + h @ Wd.T``.
 
+Rows per tile (M-aware): a matmul over M rows runs row tiles of ``BM`` = the smallest of 16, 32,
+64, 128, 256 that covers M, capped by the config's ``bm``; so a verify of 64 or 256 rows streams
+each weight tile once per 64 / ``bm`` rows instead of once per 16 rows (which made a 256-row verify
+cost 6.4x a 16-row one on the H200).
+
 Row independence ("batch invariance"): every kernel computes each output row with the same
-arithmetic whatever the number of rows M (fixed 16-row tiles, the same block config for every M,
-no split-K, fixed KV chunks that depend on the cache size only). So the logits of a token are
-bit-identical whether it is decoded alone (AR) or verified inside a block, and the speculative
-engine reproduces the AR engine token for token on the GPU too.
+arithmetic whatever the number of rows M: the reduction over K runs in the same order (K steps of
+``bk``, ascending, accumulated in fp32 by the tensor cores; no split-K), the row tile only changes
+how many rows share a weight tile, never a row's sum, and the KV chunks of attention depend on the
+cache size only. So the logits of a token are bit-identical whether it is decoded alone (AR) or
+verified inside a block or a batch. That a tile of more rows (or another column / K tiling of the
+tensor-core product) leaves each row's bits unchanged is a property of the hardware's MMA, not of
+the language: ``benchmarks/bench_verify.py`` checks it on the GPU for every config and M it uses,
+and ``tests/test_gpu_path.py`` under the interpreter.
 
 The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
 row's sum of squares accumulated from the same x loads, so the norm costs no extra kernel.
@@ -35,7 +44,8 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-BM = 16  # rows per tile of every matmul (tensor-core minimum); fixed for row independence
+BM = 16  # fewest rows per matmul tile (tensor-core minimum)
+ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
 BR = 16  # query rows per attention tile
 
 
@@ -46,6 +56,10 @@ class LinearConfig:
     ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
     (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
     work in every program, which pays only when programs own many output columns).
+
+    ``bm``: the most rows per tile (one of :data:`ROW_TILES`); M rows use the smallest row tile
+    that covers M, at most ``bm`` (:func:`row_tile`). 16 reproduces the fixed 16-row tiles.
+    Key: ``bn{bn}-bk{bk}-w{warps}-s{stages}[-p][-m{bm}]`` (no ``-m`` part: ``bm`` = 16).
     """
 
     bn: int = 16
@@ -53,20 +67,34 @@ class LinearConfig:
     warps: int = 4
     stages: int = 3
     prenorm: bool = False
+    bm: int = 16
+
+    def __post_init__(self):
+        if self.bm not in ROW_TILES:
+            raise ValueError(f"bm must be one of {ROW_TILES}, got {self.bm}")
 
     def key(self) -> str:
-        return f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
+        return (f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
+                + (f"-m{self.bm}" if self.bm != BM else ""))
 
     @classmethod
     def parse(cls, key: str) -> "LinearConfig":
-        """Inverse of :meth:`key`."""
+        """Inverse of :meth:`key`; raises ValueError naming a malformed key."""
         import re
 
-        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?", key)
+        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?(?:-m(\d+))?", key)
         if m is None:
             raise ValueError(f"bad linear config key {key!r}")
         bn, bk, w, s = map(int, m.groups()[:4])
-        return cls(bn, bk, w, s, m.group(5) is not None)
+        return cls(bn, bk, w, s, m.group(5) is not None, int(m.group(6) or BM))
+
+
+def row_tile(M: int, cap: int) -> int:
+    """Rows per matmul tile for M rows: the smallest of :data:`ROW_TILES` >= M, at most ``cap``."""
+    for bm in ROW_TILES:
+        if bm >= M or bm >= cap:
+            return min(bm, cap)
+    return cap
 
 
 CANDIDATES = (
@@ -87,7 +115,8 @@ CANDIDATES = (
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
-                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   INTERP: tl.constexpr):
     """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
     pid_n = tl.program_id(1)
@@ -103,22 +132,29 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
     ss = tl.zeros((BM_,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + offs_k
-        mask_k = kk < K
-        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if EVEN_K:  # K % BK == 0: no K mask (the same values, wider loads)
+            xmask = mask_m[:, None]
+            wmask = mask_n[:, None]
+        else:
+            mk = kk < K
+            xmask = mask_m[:, None] & mk[None, :]
+            wmask = mask_n[:, None] & mk[None, :]
+        x = tl.load(x_rows + kk[None, :], mask=xmask, other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+            if EVEN_K:
+                nw = tl.load(nw_ptr + kk).to(tl.float32)
+            else:
+                nw = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
             x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if INTERP:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
-            w2 = tl.load(w_rows + N * K + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                         eviction_policy="evict_first")
+            w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
             if INTERP:
                 acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
             else:
@@ -146,6 +182,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            swiglu: bool = False) -> torch.Tensor:
     """``out = epilogue(prologue(x) @ w.T)`` for x [M, K] (row stride free, unit column stride).
 
+    Rows run in tiles of :func:`row_tile` (M, ``cfg.bm``) rows; each weight tile is read once per
+    row tile.
+
     norm: RMSNorm weight [K] applied to x first. residual: [M, N] added to the product (may be
     ``out`` itself: each program reads its tile before writing it). swiglu: ``w`` is [2N, K]
     (gate rows then up rows) and the result is ``silu(gate) * up``.
@@ -155,12 +194,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     assert w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, cfg.bn))
+    bm = row_tile(M, cfg.bm)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.bn))
     r = residual if residual is not None else out
     _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
                          M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
-                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET,
+                         BM_=bm, BN=cfg.bn, BK=cfg.bk, EVEN_K=K % cfg.bk == 0, INTERP=INTERPRET,
                          num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
