@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--profile", default="study_stock")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 1])
+    ap.add_argument("--shape", default="qwen3-8b", help="random-checkpoint shape (tiny: a CPU check of the script)")
     ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
     args = ap.parse_args()
     out, work = Path(args.out_dir), Path(args.work)
@@ -67,8 +68,10 @@ def main() -> int:
     log: list = []
     R = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "commands": log, "cells": {}}
     tgt, dr = work / "target", work / "drafter"
+    rec = work / "records"  # records and verdicts; packed into serving_records.tar.gz under --out-dir
+    rec.mkdir(exist_ok=True)
     if not (tgt / "config.json").exists():
-        rc, _, _ = sh(["random-checkpoint", "--shape", "qwen3-8b", "--out", str(tgt), "--drafter-out", str(dr)], log)
+        rc, _, _ = sh(["random-checkpoint", "--shape", args.shape, "--out", str(tgt), "--drafter-out", str(dr)], log)
         if rc:
             return rc
     import random
@@ -76,14 +79,17 @@ def main() -> int:
     rng = random.Random(0)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"request_id": f"random/{i:04d}", "benchmark": "random",
-                                           "prompt_ids": [rng.randrange(151000) for _ in range(args.prompt_len)]}) + "\n"
+                                           "prompt_ids": [rng.randrange(1000 if args.shape == "tiny" else 151000) for _ in range(args.prompt_len)]}) + "\n"
                                for i in range(args.requests)))
     extra = ["--kernel-configs", args.kernel_configs] if args.kernel_configs else []
     common = ["--target", str(tgt), "--prompts", str(prompts), "--max-new-tokens", str(args.new), "--gpu", "h200",
               *extra]
+    def save():
+        (out / "serving.json").write_text(json.dumps(R, indent=1))
+
     for c in args.concurrency:
         lim = [] if c > 1 else ["--limit", str(args.requests_c1)]
-        ar, st = out / f"ar-c{c}.jsonl", out / f"stock-c{c}.jsonl"
+        ar, st = rec / f"ar-c{c}.jsonl", rec / f"stock-c{c}.jsonl"
         cell = R["cells"][f"c{c}"] = {}
         rc, cell["ar_wall_s"], _ = sh(["run", "--engine", "ar", "--out", str(ar), "--concurrency", str(c), *common, *lim], log)
         if rc:
@@ -94,7 +100,7 @@ def main() -> int:
                                           *common, *lim], log)
         if rc:
             continue
-        fo = ["force", "--candidate", str(st), "--reference", str(ar), "--out", str(out / f"stock-c{c}.forcing.json")]
+        fo = ["force", "--candidate", str(st), "--reference", str(ar), "--out", str(rec / f"stock-c{c}.forcing.json")]
         rc, _, txt = sh(fo, log)
         if rc:  # mismatches: classify them by the target's logit margin (near-ties)
             rc, _, txt = sh(fo + ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda"], log)
@@ -117,12 +123,19 @@ def main() -> int:
             "ar_tok_s_aggregate": ntok / (sum(r["decode_s"] for r in a.values()) / c),
             "stock_tok_s_aggregate": sum(r["new_tokens"] for r in s.values()) / (sum(r["decode_s"] for r in s.values()) / c),
         })
+        save()
     if "c1" in R["cells"] and "c16" in R["cells"]:
-        rc, _, txt = sh(["force", "--candidate", str(out / "ar-c1.jsonl"), "--reference", str(out / "ar-c16.jsonl"),
-                         "--out", str(out / "ar-c1-vs-c16.forcing.json")], log)
+        rc, _, txt = sh(["force", "--candidate", str(rec / "ar-c1.jsonl"), "--reference", str(rec / "ar-c16.jsonl"),
+                         "--out", str(rec / "ar-c1-vs-c16.forcing.json")], log)
         R["ar_c1_vs_c16_forcing_rc"] = rc
         R["ar_c1_vs_c16_forcing"] = txt[-300:]
-    (out / "serving.json").write_text(json.dumps(R, indent=1))
+    for f in sorted(rec.glob("*.forcing.json")):
+        R.setdefault("forcing", {})[f.name] = json.loads(f.read_text())
+    save()
+    import tarfile
+
+    with tarfile.open(out / "serving_records.tar.gz", "w:gz") as tf:
+        tf.add(rec, arcname="records")
     print("\ncell  n  stock/AR(geomean)  tau  equal  AR tok/s/req  AR agg tok/s  stock agg tok/s  forcing_rc")
     for k, cell in R["cells"].items():
         if "stock_speedup_geomean" in cell:
