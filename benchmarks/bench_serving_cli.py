@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--profile", default="study_stock")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 1])
     ap.add_argument("--shape", default="qwen3-8b", help="random-checkpoint shape (tiny: a CPU check of the script)")
+    ap.add_argument("--tag", default="", help="suffix of the records folder (several runs on one checkpoint)")
     ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
     args = ap.parse_args()
     out, work = Path(args.out_dir), Path(args.work)
@@ -68,7 +69,7 @@ def main() -> int:
     log: list = []
     R = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "commands": log, "cells": {}}
     tgt, dr = work / "target", work / "drafter"
-    rec = work / "records"  # records and verdicts; packed into serving_records.tar.gz under --out-dir
+    rec = work / f"records{args.tag}"  # records and verdicts; packed into serving_records.tar.gz under --out-dir
     rec.mkdir(exist_ok=True)
     if not (tgt / "config.json").exists():
         rc, _, _ = sh(["random-checkpoint", "--shape", args.shape, "--out", str(tgt), "--drafter-out", str(dr)], log)

@@ -62,7 +62,7 @@ ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 BUCKETS = (32, 64, 128, 256, 384)
 SMALL = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 64, 8, 4))
 LARGE = ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (64, 128, 4, 3),
-         (128, 64, 4, 4))
+         (128, 64, 4, 4), (128, 64, 8, 5), (256, 64, 8, 4), (64, 64, 4, 6))
 STEP_SHAPES = ((1, 1), (1, 16), (1, 32), (1, 64), (16, 1), (16, 16), (20, 1), (20, 16), (24, 1), (24, 16))
 
 
@@ -104,6 +104,8 @@ def candidates(base_keys: dict) -> dict:
                 if fits(c, sw) and c.key() not in keys:
                     keys.append(c.key())
             out[(role, M)] = keys
+    # qkv runs prenorm now: its decode config (up to 16 rows) is tuned again, at 1 row
+    out[("qkv", 1)] = [K.LinearConfig(c.bn, c.bk, c.warps, c.stages, True).key() for c in K.CANDIDATES]
     return out
 
 
@@ -224,7 +226,7 @@ class Bench:
     def __init__(self, args):
         import torch
 
-        from specpilot.engine.graphs import DEFAULT_CONFIGS, FastTarget
+        from specpilot.engine.graphs import DECODE_CONFIGS, FastTarget
         from specpilot.models.random_checkpoint import build_target
 
         self.torch, self.args = torch, args
@@ -233,8 +235,13 @@ class Bench:
         self.timer = Timer(self.cuda)
         self.out = Path(args.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        base = dict(DECODE_CONFIGS)
+        # the fused-norm prologue reduces each row's sum of squares in a layout that depends on the
+        # tile (rows differ between qkv configs on the H200, 2026-12-01 run 1): qkv runs prenorm
+        base["qkv"] = base["qkv"] + ("" if base["qkv"].endswith("-p") else "-p")
         self.R = {"date": time.strftime("%Y-%m-%d"), "shape": args.shape, "log": LOG, "errors": [],
-                  "base_configs": dict(DEFAULT_CONFIGS)}
+                  "old_configs": dict(DECODE_CONFIGS), "base_configs": base,
+                  "attn_rows": {"fast_inv_a32": 32, "fast_inv_a64": 64}}
         self.buckets = (32,) if args.dry_run else BUCKETS
         self.step_shapes = ((1, 1), (1, 16), (2, 16)) if args.dry_run else STEP_SHAPES
         t = time.time()
@@ -370,7 +377,7 @@ class Bench:
             w0 = self.role_args(role, 0)[0]
             nbytes = w0.numel() * w0.element_size()
             layers = list(range(n_layers)) if role != "lm_head" else [0] * 4
-            for M in self.buckets:
+            for M in ((1,) if role == "qkv" else ()) + self.buckets:
                 keys = list(cands.get((role, M), [])) + ["cublas"]
                 for key in keys:
                     rec = {"role": role, "M": M, "config": key}
@@ -412,8 +419,12 @@ class Bench:
     def make_tables(self, results) -> dict:
         from specpilot.engine import triton_step as K
 
-        base = self.R["base_configs"]
-        tables = {"old": dict(base), "exact": {}, "fast_inv": {}, "fast": {}, "cublas": {}}
+        base = dict(self.R["base_configs"])
+        q1 = [q for q in results["qkv"] if q["M"] == 1 and "us" in q and q["config"] != "cublas"]
+        if q1:
+            base["qkv"] = min(q1, key=lambda q: q["us"])["config"]
+            self.R["qkv_decode_config"] = base["qkv"]
+        tables = {"old": dict(self.R["old_configs"]), "exact": {}, "fast_inv": {}, "fast": {}, "cublas": {}}
         for role in ROLES:
             b = K.LinearConfig.parse(base[role])
             fam = {K.LinearConfig(b.bn, b.bk, b.warps, b.stages, b.prenorm, bm).key() for bm in K.ROW_TILES}
@@ -433,6 +444,8 @@ class Bench:
                     else:
                         tables[name][role][str(M)] = base[role]
                         self.R["errors"].append(f"{name} {role} M={M}: no candidate, base kept")
+        tables["fast_inv_a32"] = tables["fast_inv"]
+        tables["fast_inv_a64"] = tables["fast_inv"]
         return tables
 
     # --- whole steps -------------------------------------------------------------------------
@@ -452,7 +465,7 @@ class Bench:
         tables = self.R["tables"]
         inv, times = {}, {}
         for name, table in tables.items():
-            fast = FastTarget(m, table)
+            fast = FastTarget(m, table, attn_rows=self.R["attn_rows"].get(name, 16))
             log(f"table {name}: {json.dumps(fast.config_keys())}")
             inv[name] = self.invariance(fast, tok, S)
             log(f"  invariance {name}: {json.dumps(inv[name])}")
@@ -468,6 +481,36 @@ class Bench:
                 torch.cuda.empty_cache()
             self.R["invariance"], self.R["step_ms"] = inv, times
             self.dump()
+
+    def profile(self, name: str) -> None:
+        """GPU time per kernel (torch.profiler, no graph, 3 steps) of table ``name`` at 1 x 1 and 16 x 16."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from specpilot.engine.graphs import FastTarget
+
+        if not self.cuda:
+            return
+        fast = FastTarget(self.model, self.R["tables"][name], attn_rows=self.R["attn_rows"].get(name, 16))
+        out = {}
+        for B, T in ((1, 1), (16, 16)):
+            tb = torch.randint(0, self.c.vocab_size, (B, T), device=self.dev)
+            start = torch.full((B,), 512, device=self.dev, dtype=torch.long)
+            for _ in range(2):
+                fast.forward(tb, start)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fast.forward(tb, start)
+                torch.cuda.synchronize()
+            agg = {}
+            for e in prof.key_averages():
+                t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                if t:
+                    agg[e.key[:60]] = agg.get(e.key[:60], 0) + t / 3 / 1e3  # ms per step
+            out[f"{B}x{T}"] = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:14])
+            log(f"profile {name} {B}x{T} (ms/step): " + ", ".join(f"{k[:28]}={v:.3f}" for k, v in list(out[f'{B}x{T}'].items())[:8]))
+        self.R["profile"] = {name: out}
 
     def invariance(self, fast, tok, S) -> dict:
         torch = self.torch
@@ -530,8 +573,12 @@ class Bench:
                     def us(key):
                         q = next((q for q in qs if q["config"] == key), None)
                         return f"{q['us']:.1f}" if q else "-"
-                    cells = [us(R["base_configs"][role])] + [us(R["tables"][n][role][str(M)]) for n in ("exact", "fast_inv", "fast")] + [us("cublas")]
+                    cells = [us(R["old_configs"][role])] + [us(R["tables"][n][role][str(M)]) for n in ("exact", "fast_inv", "fast")] + [us("cublas")]
                     lines.append(f"  {role:8s} M={M:3d}: " + " / ".join(cells))
+        if "qkv_decode_config" in R:
+            q1 = {q["config"]: q["us"] for q in R["sweep"]["qkv"] if q["M"] == 1 and "us" in q}
+            lines.append(f"  qkv decode (M=1), prenorm: {R['qkv_decode_config']} {q1.get(R['qkv_decode_config'], 0):.1f} us; "
+                         f"cublas {q1.get('cublas', 0):.1f} us")
         if "step_ms" in R:
             st = R["step_ms"]
             shapes = list(next(iter(st.values())).keys())
@@ -595,7 +642,11 @@ def main() -> int:
         if ok:
             best = min(ok, key=lambda n: b.R["step_ms"][n].get(key, 1e9))
             b.R["default_table"] = best
-            Path(args.default_out).write_text(json.dumps(b.R["tables"][best]))
+            t = dict(b.R["tables"][best])
+            if best in b.R["attn_rows"]:
+                t["attn_rows"] = b.R["attn_rows"][best]
+            Path(args.default_out).write_text(json.dumps(t))
+            b.profile(best)
             log(f"default table: {best}")
     b.R["wall_s"] = time.time() - T0
     b.dump()

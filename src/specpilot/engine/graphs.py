@@ -42,11 +42,14 @@ from ..models.qwen3 import Transformer
 
 KERNELS = ("auto", "triton", "torch")
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
-# Matmul block configs per role, tuned on an H200 for the Qwen3-8B shape (benchmarks/bench_engine.py,
-# 2026-11-30; kernels/tuned/engine_h200.json). Override with FastTarget(configs=...) or
-# ``specpilot run --kernel-configs FILE``.
-DEFAULT_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
-                   "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
+# Matmul block configs per role for up to 16 rows (AR decode, 16-token verify), tuned on an H200 for
+# the Qwen3-8B shape (benchmarks/bench_engine.py, 2026-11-30; kernels/tuned/engine_h200.json), with
+# 16-row tiles for every M: the configs of the fast path before M-aware row tiles.
+DECODE_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
+                  "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
+# The default tables by rows (M = batch x block length): PLACEHOLDER until bench_verify.py picks them.
+DEFAULT_CONFIGS = dict(DECODE_CONFIGS)
+DEFAULT_ATTN_ROWS = 16  # query rows per attention program, the same for every T (row independence)
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
 
 
@@ -171,7 +174,8 @@ class FastTarget:
     ``"cublas"``, or to a table by rows ``{max_rows: config}`` (JSON keys may be strings): a
     matmul of M rows (M = batch x block length) uses the entry with the smallest ``max_rows`` >= M,
     the largest entry beyond them all. With ``"cublas"`` that matmul runs through ``torch.mm``
-    (cuBLAS) with the norm, SwiGLU and residual as separate kernels (residual through the GEMM's
+    (cuBLAS) with the norm, SwiGLU and residual as separate kernels. The key ``attn_rows`` sets the
+    query rows per attention program (as ``attn_rows=``) (residual through the GEMM's
     beta = 1). cuBLAS picks its algorithm by shape, so with any cuBLAS entry the rows are padded to
     a multiple of 16, and rows are then not independent of M beyond 16 (token forcing's near-tie
     classification covers that). Row independence of Triton entries: see
@@ -180,15 +184,16 @@ class FastTarget:
     Raises SpecpilotError for an unknown role or a malformed config.
     """
 
-    def __init__(self, model: Transformer, configs: dict | None = None):
+    def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None):
         from . import triton_step
 
         self.k = triton_step
         self.model = model
+        self.attn_rows = attn_rows or DEFAULT_ATTN_ROWS  # query rows per attention program
         fuse_weights(model)
         self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
-        self.set_configs(configs or {})
         self._ws: dict[tuple, _Workspace] = {}
+        self.set_configs(configs or {})
 
     def _one(self, c):
         if isinstance(c, self.k.LinearConfig) or c == CUBLAS:
@@ -214,6 +219,11 @@ class FastTarget:
         """Set block configs per role; returns True when something changed."""
         changed = False
         for role, c in configs.items():
+            if role == "attn_rows":  # query rows per attention program (not a matmul)
+                changed |= self.attn_rows != int(c)
+                self.attn_rows = int(c)
+                self._ws.clear()
+                continue
             if role not in LINEAR_ROLES:
                 raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
             t = self._tiers(c)
@@ -245,7 +255,7 @@ class FastTarget:
     def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
         m, c = self.model, self.model.config
         pad = self.pad
-        key = (B, T, n_capture, m.cache.max_seq, pad)
+        key = (B, T, n_capture, m.cache.max_seq, pad, self.attn_rows)
         ws = self._ws.get(key)
         if ws is None:
             M = -(-B * T // pad) * pad
@@ -258,7 +268,7 @@ class FastTarget:
                 h=torch.zeros(M, c.intermediate_size, **z), logits=torch.zeros(M, c.vocab_size, **z),
                 feats=torch.zeros(M, n_capture * c.hidden_size, **z) if n_capture else None,
                 attn_ws=self.k.AttnWorkspace(B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                             m.cache.max_seq, dev))
+                                             m.cache.max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)

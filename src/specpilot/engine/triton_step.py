@@ -351,12 +351,19 @@ def attn_chunk(max_seq: int) -> int:
 class AttnWorkspace:
     """fp32 partial results of :func:`attention` for one (batch, block length, cache size)."""
 
-    def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device):
+    def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device,
+                 rows: int = BR):
+        """``rows``: query rows (query head x block token of one KV head) per attention program; a
+        power of two >= 16. It must not depend on T where rows must be independent of T (the
+        per-row softmax sums are reduced in a layout that depends on the tile)."""
+        if rows < 16 or rows & (rows - 1):
+            raise ValueError(f"attention rows per tile must be a power of two >= 16, got {rows}")
         G = n_heads // n_kv
+        self.br = rows
         self.chunk = attn_chunk(max_seq)
         self.n_chunks = triton.cdiv(max_seq, self.chunk)
-        self.row_tiles = triton.cdiv(G * T, BR)
-        self.r_pad = self.row_tiles * BR
+        self.row_tiles = triton.cdiv(G * T, rows)
+        self.r_pad = self.row_tiles * rows
         n = B * n_kv * self.n_chunks * self.r_pad
         self.o = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.m = torch.empty(n, dtype=torch.float32, device=device)
@@ -376,7 +383,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
         q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
+        CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, G * T)](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
         CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
