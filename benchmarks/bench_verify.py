@@ -241,7 +241,7 @@ class Bench:
         base["qkv"] = base["qkv"] + ("" if base["qkv"].endswith("-p") else "-p")
         self.R = {"date": time.strftime("%Y-%m-%d"), "shape": args.shape, "log": LOG, "errors": [],
                   "old_configs": dict(DECODE_CONFIGS), "base_configs": base,
-                  "attn_rows": {"fast_inv_a32": 32, "fast_inv_a64": 64}}
+                  "attn_rows": {"fast_inv_a32": 32, "fast_inv_a64": 64, "fast_inv_auto": 0}}
         self.buckets = (32,) if args.dry_run else BUCKETS
         self.step_shapes = ((1, 1), (1, 16), (2, 16)) if args.dry_run else STEP_SHAPES
         t = time.time()
@@ -444,8 +444,8 @@ class Bench:
                     else:
                         tables[name][role][str(M)] = base[role]
                         self.R["errors"].append(f"{name} {role} M={M}: no candidate, base kept")
-        tables["fast_inv_a32"] = tables["fast_inv"]
-        tables["fast_inv_a64"] = tables["fast_inv"]
+        for name in ("fast_inv_a32", "fast_inv_a64", "fast_inv_auto"):
+            tables[name] = tables["fast_inv"]
         return tables
 
     # --- whole steps -------------------------------------------------------------------------
@@ -476,6 +476,13 @@ class Bench:
                 t = self.timer.graph(lambda: fast.forward(tb, start))
                 times[name][f"{B}x{T}"] = t * 1e3
             log(f"  step ms {name}: " + " ".join(f"{k}={v:.3f}" for k, v in times[name].items()))
+            from specpilot.engine.graphs import kv_bytes_per_step, weight_bytes_per_step
+
+            bw = self.R.get("copy_tb_s", 4.27) * 1e12
+            self.R.setdefault("mbu", {})[name] = {
+                f"{B}x1": (weight_bytes_per_step(m, B) + kv_bytes_per_step(m, B, 512)) / (times[name][f"{B}x1"] / 1e3) / bw
+                for B in (1, 16, 20, 24) if f"{B}x1" in times[name]}
+            log(f"  AR MBU {name}: " + json.dumps({k: round(v, 3) for k, v in self.R["mbu"][name].items()}))
             del fast
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -538,6 +545,15 @@ class Bench:
         dec = [fwd(tok[:1, t:t + 1], st + t) for t in range(Tm)]
         res["decode_chain"] = all(torch.equal(d[:, 0], ref[:, t]) for t, d in enumerate(dec))
         res["decode_chain_rows_differing"] = sum(not torch.equal(d[:, 0], ref[:, t]) for t, d in enumerate(dec))
+        # the Triton step against the eager PyTorch forward (same cache, 2 x 16 block)
+        from specpilot.models.layers import chain_ancestors
+
+        se = torch.full((2,), 800 if self.cuda else 120, device=dev, dtype=torch.long)
+        lf = fwd(tok[:2, :16], se)
+        with torch.inference_mode():
+            le = m(tok[:2, :16].contiguous(), se, chain_ancestors(2, 16, dev))[0]
+        res["rel_err_vs_eager"] = rel_err(lf, le)
+        fwd(tok[:2, :16], se)  # the block's K/V as the fast path writes them
         # (c) rows of a 24 x 16 (384 rows) and 16 x 16 (256 rows) step vs the row alone
         if self.cuda:
             k0, v0 = m.cache.k[0].clone(), m.cache.v[0].clone()
@@ -593,6 +609,9 @@ class Bench:
                 lines.append(f"  {name:10s} " + " ".join(f"{c:>13s}" for c in cells))
         if "invariance" in R:
             lines.append("bit-exact invariance per table: " + json.dumps(R["invariance"]))
+        if "mbu" in R:
+            lines.append("AR MBU (weights + KV at ctx 512 / step / copy bandwidth): " +
+                         json.dumps({n: {k: round(v, 3) for k, v in d.items()} for n, d in R["mbu"].items()}))
         if R["errors"]:
             lines.append("errors: " + "; ".join(R["errors"][:10]))
         return "\n".join(lines)
@@ -606,6 +625,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--tables", help="verify.json of an earlier run: skip the sweep, use its tables")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape under Triton's CPU interpreter")
+    ap.add_argument("--only", nargs="+", help="time and check only these tables")
     ap.add_argument("--default-out", help="write the fastest fully invariant table here ({role: config} JSON)")
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -626,6 +646,9 @@ def main() -> int:
         b.ceilings()
         if args.tables:
             b.R["tables"] = json.loads(Path(args.tables).read_text())["tables"]
+            b.R["tables"].setdefault("fast_inv_auto", b.R["tables"]["fast_inv"])
+        if args.only:
+            b.R["tables"] = {k: v for k, v in b.R["tables"].items() if k in args.only}
         else:
             b.sweep()
         b.steps()
@@ -636,7 +659,7 @@ def main() -> int:
         traceback.print_exc()
     if args.default_out and "invariance" in b.R:
         # the product's choice: the fastest table at 16 x 16 among those that passed every invariance check
-        ok = [n for n, r in b.R["invariance"].items() if all(v is True for k, v in r.items() if k != "decode_chain_rows_differing")
+        ok = [n for n, r in b.R["invariance"].items() if all(v for v in r.values() if isinstance(v, bool))
               and n in b.R.get("step_ms", {})]
         key = "16x16" if not args.dry_run else "2x16"
         if ok:

@@ -47,9 +47,19 @@ LINEAR_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # 16-row tiles for every M: the configs of the fast path before M-aware row tiles.
 DECODE_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
                   "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
-# The default tables by rows (M = batch x block length): PLACEHOLDER until bench_verify.py picks them.
-DEFAULT_CONFIGS = dict(DECODE_CONFIGS)
-DEFAULT_ATTN_ROWS = 16  # query rows per attention program, the same for every T (row independence)
+# The default tables by rows (M = batch x block length; FastTarget picks the smallest max_rows >= M):
+# the fastest configs whose every output row was bit-equal to the same row computed alone (M = 1),
+# per row bucket, from benchmarks/bench_verify.py on an H200 (2026-12-01, run 2,
+# benchmarks/verify_h200_2026-12-01_run2.json). qkv runs prenorm: with the fused-norm prologue
+# its rows differed between configs (the sum of squares reduces in a tile-dependent layout).
+DEFAULT_CONFIGS = {
+    "qkv": {"16": "bn32-bk128-w4-s6-p", "32": "bn64-bk256-w4-s3-p-m32", "64": "bn64-bk128-w4-s4-p-m64", "128": "bn64-bk128-w4-s3-p-m64", "256": "bn128-bk64-w8-s5-p-m128", "384": "bn128-bk64-w8-s3-p-m256"},
+    "o": {"16": "bn32-bk256-w4-s4", "32": "bn32-bk256-w4-s4-m32", "64": "bn32-bk256-w4-s4-m64", "128": "bn64-bk64-w4-s6-m64", "256": "bn64-bk128-w4-s3-m128", "384": "bn128-bk64-w8-s5-m128"},
+    "gate_up": {"16": "bn128-bk64-w4-s4-p", "32": "bn128-bk64-w8-s4-p-m32", "64": "bn128-bk64-w8-s4-p-m64", "128": "bn128-bk64-w8-s4-p-m128", "256": "bn64-bk128-w4-s3-p-m128", "384": "bn128-bk64-w8-s3-p-m128"},
+    "down": {"16": "bn32-bk512-w4-s3", "32": "bn32-bk256-w4-s4-m32", "64": "bn32-bk256-w4-s4-m64", "128": "bn64-bk64-w4-s6-m64", "256": "bn64-bk128-w4-s3-m128", "384": "bn128-bk64-w8-s5-m128"},
+    "lm_head": {"16": "bn64-bk128-w4-s4-p", "32": "bn64-bk128-w4-s4-p-m32", "64": "bn128-bk128-w4-s3-p-m64", "128": "bn128-bk64-w8-s5-p-m128", "256": "bn128-bk64-w8-s4-p-m256", "384": "bn128-bk64-w8-s3-p-m128"},
+}
+DEFAULT_ATTN_ROWS = 0  # query rows per attention program: 0 = 16 for decode, 64 for blocks (AttnWorkspace)
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
 
 
@@ -189,7 +199,8 @@ class FastTarget:
 
         self.k = triton_step
         self.model = model
-        self.attn_rows = attn_rows or DEFAULT_ATTN_ROWS  # query rows per attention program
+        # query rows per attention program (0: by block length, see triton_step.AttnWorkspace)
+        self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
         fuse_weights(model)
         self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self._ws: dict[tuple, _Workspace] = {}

@@ -46,7 +46,8 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BM = 16  # fewest rows per matmul tile (tensor-core minimum)
 ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
-BR = 16  # query rows per attention tile
+BR = 16  # query rows per attention tile (default; AttnWorkspace(rows=0) picks by block length)
+COMBINE_ROWS = 16  # rows per program of the attention combine kernel
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
     m_i = tl.full((BR_,), float("-inf"), tl.float32)
     l_i = tl.zeros((BR_,), dtype=tl.float32)
     acc = tl.zeros((BR_, D), dtype=tl.float32)
+    ones = tl.full((BS, 16), 1.0, dtype=vc_ptr.dtype.element_ty)
     s_lo = c * CHUNK
     s_hi = tl.minimum(s_lo + CHUNK, start + T)
     for s0 in range(s_lo, s_hi, BS):
@@ -305,12 +307,17 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vbase + kv_off, mask=smask[:, None], other=0.0)
         if INTERP:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pb = p.to(v.dtype)
+            # row sums through the tensor cores, like p @ v: a fixed order per row whatever the
+            # tile's rows (a tl.sum reduces in a layout that depends on the tile); read back with a
+            # max over 16 equal columns (exact)
+            l_i = l_i * alpha + tl.max(tl.dot(pb, ones), axis=1)
+            pv = tl.dot(pb, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
@@ -321,26 +328,35 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
-                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
-    """Program (b*Hkv + kv head, row): merge the chunks' partial results into out[b*T + t, h]."""
+                         CHUNK: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+    """Program (b*Hkv + kv head, tile of RB rows): merge the chunks' partial results into
+    out[b*T + t, h]. Chunks are merged one after the other (element-wise per row), so a row's
+    result does not depend on the tile it sits in."""
     bh = tl.program_id(0)
-    r = tl.program_id(1)
+    rt = tl.program_id(1)
     b = bh // HKV
     kh = bh % HKV
     n_valid = (tl.load(start_ptr + b).to(tl.int32) + T + CHUNK - 1) // CHUNK
+    r = rt * RB + tl.arange(0, RB)
+    rmask = r < G * T
     t = r // G
     h = kh * G + r % G
-    cs = tl.arange(0, NC)
-    cmask = cs < n_valid
-    ws = (bh * n_chunks + cs).to(tl.int64) * R_pad + r
-    m = tl.load(m_ws + ws, mask=cmask, other=float("-inf"))
-    mx = tl.max(m, axis=0)
-    wgt = tl.where(cmask, tl.exp(m - mx), 0.0)
-    lsum = tl.sum(wgt * tl.load(l_ws + ws, mask=cmask, other=0.0), axis=0)
+    base = (bh * n_chunks).to(tl.int64) * R_pad + r
+    mx = tl.full((RB,), float("-inf"), tl.float32)
+    for c in range(0, n_valid):
+        mx = tl.maximum(mx, tl.load(m_ws + base + c * R_pad, mask=rmask, other=float("-inf")))
+    mx = tl.where(rmask, mx, 0.0)  # rows past the block: no -inf - -inf
     offs_d = tl.arange(0, D)
-    o = tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
-    out = tl.sum(wgt[:, None] * o, axis=0) / lsum
-    tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+    lsum = tl.zeros((RB,), dtype=tl.float32)
+    acc = tl.zeros((RB, D), dtype=tl.float32)
+    for c in range(0, n_valid):
+        ws = base + c * R_pad
+        w = tl.exp(tl.load(m_ws + ws, mask=rmask, other=float("-inf")) - mx)
+        lsum += w * tl.load(l_ws + ws, mask=rmask, other=0.0)
+        acc += w[:, None] * tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    out = acc / lsum[:, None]
+    dst = out_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def attn_chunk(max_seq: int) -> int:
@@ -354,11 +370,14 @@ class AttnWorkspace:
     def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device,
                  rows: int = BR):
         """``rows``: query rows (query head x block token of one KV head) per attention program; a
-        power of two >= 16. It must not depend on T where rows must be independent of T (the
-        per-row softmax sums are reduced in a layout that depends on the tile)."""
-        if rows < 16 or rows & (rows - 1):
-            raise ValueError(f"attention rows per tile must be a power of two >= 16, got {rows}")
+        power of two >= 16, or 0: 16 when the block's rows (G x T) fit in 16, else 64. The row
+        sums run through the tensor cores like the products, so a row's bits do not depend on the
+        tile (checked on the GPU by benchmarks/bench_verify.py)."""
         G = n_heads // n_kv
+        if rows == 0:
+            rows = 16 if G * T <= 16 else 64
+        if rows < 16 or rows & (rows - 1):
+            raise ValueError(f"attention rows per tile must be a power of two >= 16 (or 0), got {rows}")
         self.br = rows
         self.chunk = attn_chunk(max_seq)
         self.n_chunks = triton.cdiv(max_seq, self.chunk)
@@ -384,9 +403,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
         CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
-    _attn_combine_kernel[(B * n_kv, G * T)](
+    _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
-        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
+        CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, num_warps=4)
     return out
 
 
