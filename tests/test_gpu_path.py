@@ -339,6 +339,19 @@ def test_row_tiles_and_config_tables():
         fast._tiers({"16": "bn64"})
 
 
+def test_decode_configs_merge_into_tables():
+    from specpilot.engine.graphs import with_decode_configs
+
+    tables = {"qkv": {"16": "bn32-bk128-w4-s6-p", "64": "bn64-bk128-w4-s4-p-m64"},
+              "o": {"16": "bn32-bk256-w4-s4", "384": "bn128-bk64-w8-s5-m128"}}
+    m = with_decode_configs({"qkv": "bn16-bk512-w4-s3-p", "o": "bn64-bk256-w4-s3"}, tables)
+    assert m == {"qkv": {"16": "bn16-bk512-w4-s3-p", "64": "bn64-bk128-w4-s4-p-m64"},
+                 "o": {"16": "bn64-bk256-w4-s3", "384": "bn128-bk64-w8-s5-m128"}}
+    # a fused-norm decode config would round differently from the prenorm buckets: not taken
+    assert with_decode_configs({"qkv": "bn64-bk256-w4-s3"}, tables)["qkv"] == tables["qkv"]
+    assert with_decode_configs({"o": "cublas"}, tables)["o"] == "cublas"
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs (skipped without a GPU)
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,31 @@ DEFAULT_ATTN_ROWS = 0  # query rows per attention program: 0 = 16 for decode, 64
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
 
 
+def with_decode_configs(decode: dict, tables: dict | None = None) -> dict:
+    """Tables by rows with their up-to-16-rows entry replaced by ``decode`` {role: config key}.
+
+    For tuners that time one row (benchmarks/bench_engine.py): the row buckets above 16 keep the
+    table's configs. A decode config is taken only where it keeps the role's norm placement
+    (prenorm or not) of the other buckets, or is ``"cublas"`` (then the role runs cuBLAS for every
+    M): a fused-norm prologue and a separate norm round differently, which would make a row's bits
+    depend on M. Returns a new dict; unknown roles pass through for FastTarget to reject.
+    """
+    tables = DEFAULT_CONFIGS if tables is None else tables
+    out = {}
+    for role, key in decode.items():
+        t = tables.get(role)
+        if key == CUBLAS or not isinstance(t, dict):
+            out[role] = key
+            continue
+        others = [v for k, v in t.items() if int(k) > 16 and v != CUBLAS]
+        pre = key.split("-")[4:5] == ["p"]
+        if all((o.split("-")[4:5] == ["p"]) == pre for o in others):
+            out[role] = {**t, "16": key}
+        else:
+            out[role] = dict(t)
+    return out
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
