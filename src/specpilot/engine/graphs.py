@@ -16,8 +16,11 @@ Two step implementations (``kernels``):
 
 - ``"triton"`` (default on CUDA with bf16 weights): :class:`FastTarget`, 7 Triton kernels per
   layer (:mod:`specpilot.engine.triton_step`): norms folded into the matmuls, fused q/k/v and
-  gate/up weights, split-KV attention that reads only the live context. Row-independent, so
-  verifying a block gives bit-identical logits to decoding its tokens one by one.
+  gate/up weights, split-KV attention that reads only the live context, matmul row tiles chosen
+  by M (16 rows for decode, up to 128/256 for batched verification; tables by rows in
+  ``DEFAULT_CONFIGS``). Row-independent, so verifying a block, alone or in a batch of any size,
+  gives bit-identical logits to decoding its tokens one by one (checked on the GPU by
+  ``benchmarks/bench_verify.py`` for M = 1 .. 384).
 - ``"torch"``: the eager :class:`~specpilot.models.qwen3.Transformer` forward (cuBLAS, SDPA)
   captured as is.
 
