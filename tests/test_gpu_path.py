@@ -292,6 +292,34 @@ with torch.inference_mode():
     fast.set_configs({r: "bn16-bk512-w4-s3" for r in roles})
     l1t = fast.forward(tok20[:, :1], start)[0]
     res["tiled_row0_vs_m2"] = (lt[:, 0] - l1t[:, 0]).abs().max().item()
+    # token trees in the fast path (ancestor bits, RoPE at start + depth) vs the eager tree forward
+    from specpilot.engine.graphs import compact_path_, tree_inputs
+    from specpilot.models.layers import tree_ancestors
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 5], [-1, 0, 1, 0, 3, 3, 4]])
+    anc, depth = tree_ancestors(parents)
+    tt = torch.randint(0, 256, (B, 7), generator=g)
+    ltr = fast.forward(tt, start, capture=(1,), tree=tree_inputs(parents))
+    ltr = (ltr[0].clone(), ltr[1].clone())
+    lrr = ref(tt, start, anc, depth, capture=(1,))
+    res["tree"] = max(((ltr[0] - lrr[0]).abs().max() / lrr[0].abs().max()).item(),
+                      ((ltr[1] - lrr[1]).abs().max() / lrr[1].abs().max()).item())
+    res["tree_kv"] = max((m.cache.k[b, :, :, s:s + 7] - ref.cache.k[b, :, :, s:s + 7]).abs().max().item()
+                         + (m.cache.v[b, :, :, s:s + 7] - ref.cache.v[b, :, :, s:s + 7]).abs().max().item()
+                         for b, s in enumerate(start.tolist()))
+    chain = torch.tensor([[-1, 0, 1, 2, 3, 4, 5]] * B)
+    lc = fast.forward(tt, start, tree=tree_inputs(chain))[0].clone()
+    res["tree_chain_equal"] = bool(torch.equal(lc, fast.forward(tt, start)[0]))
+    # the accepted path's K/V compacted on the device vs the runner's host-side moves
+    fast.forward(tt, start, tree=tree_inputs(parents))
+    k0, v0 = m.cache.k.clone(), m.cache.v.clone()
+    path, counts = torch.tensor([[0, 2, 5, 6], [0, 3, 4, 6]]), torch.tensor([3, 4])
+    compact_path_(m.cache, start, counts, path)
+    for b in range(B):
+        for j in range(int(counts[b])):
+            src, dst = int(start[b] + path[b, j]), int(start[b] + j)
+            k0[b, :, :, dst] = k0[b, :, :, src].clone()
+            v0[b, :, :, dst] = v0[b, :, :, src].clone()
+    res["compact_equal"] = bool(torch.equal(k0, m.cache.k) and torch.equal(v0, m.cache.v))
 print("RESULT " + json.dumps(res))
 '''
 
@@ -311,6 +339,20 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["row_independent"]
     assert res["tiers"] == ["bn16-bk512-w4-s3", "bn32-bk32-w4-s3-m32", "bn16-bk64-w4-s3-p-m64"], res
     assert res["tiled"] < 1e-5 and res["tiled_row0_vs_m2"] < 1e-5, res
+    assert res["tree"] < 1e-5 and res["tree_kv"] < 1e-5 and res["tree_chain_equal"] and res["compact_equal"], res
+
+
+def test_tree_bits_pack_ancestors():
+    from specpilot.engine.graphs import tree_inputs
+    from specpilot.engine.triton_step import tree_bits
+
+    bits = tree_bits(chain_ancestors(1, 64, "cpu"))
+    assert int(bits[0, 0]) == 1 and int(bits[0, 1]) == 3 and int(bits[0, 63]) == -1  # all 64 bits
+    b, d = tree_inputs(torch.tensor([[-1, 0, 0, 1, 2]]))
+    assert b.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10101]] and d.tolist() == [[0, 1, 1, 2, 2]]
+    assert d.dtype == torch.int32
+    with pytest.raises(SpecpilotError, match="at most 64"):
+        tree_inputs(torch.full((1, 65), -1))
 
 
 def test_row_tiles_and_config_tables():

@@ -331,7 +331,14 @@ class FastTarget:
         return torch.mm(x, w.t(), out=out)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
+
+        ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T]) from :func:`tree_inputs` for a
+        token tree (T <= 64): node t attends to the prefix and its ancestors, RoPE at start + depth;
+        its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
+        """
         K, m, c = self.k, self.model, self.model.config
         if m.cache is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
@@ -350,8 +357,9 @@ class FastTarget:
             self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
             K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
                             a.k_norm.weight if a.k_norm is not None else None, m.cos, m.sin, start, T,
-                            a.n_heads, a.n_kv, a.head_dim, eps)
-            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws)
+                            a.n_heads, a.n_kv, a.head_dim, eps, depth=tree[1] if tree else None)
+            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws,
+                        anc_bits=tree[0] if tree else None)
             self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
             self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
                          swiglu=True)
@@ -479,22 +487,72 @@ class StepGraphs:
         self.fast = FastTarget(model, configs) if kernels == "triton" else None
         self.cache = GraphCache()
 
-    def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
-        """One chain step without a graph (the function that is captured)."""
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+             tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """One chain (or tree, see :meth:`FastTarget.forward`) step without a graph (the captured function)."""
         if self.fast is not None:
-            return self.fast.forward(tokens, start, capture)
+            return self.fast.forward(tokens, start, capture, tree)
+        if tree is not None:
+            raise SpecpilotError("tree steps under CUDA graphs need the Triton kernels")
         B, T = tokens.shape
         with torch.inference_mode():
             return self.model(tokens, start, chain_ancestors(B, T, tokens.device), capture=capture)
 
-    def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
-        """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B]."""
+    def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+            tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B].
+
+        ``tree`` (from :func:`tree_inputs`) is an input of the graph like the tokens: one graph per
+        (B, T) serves every tree shape of that size.
+        """
         if self.model.cache is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
-        key = (tuple(tokens.shape), tuple(capture))
+        key = (tuple(tokens.shape), tuple(capture), tree is not None)
         token = (self.model.cache.k.data_ptr(), tuple(self.model.cache.k.shape), self.model.cos.data_ptr())
         with torch.inference_mode():
-            return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
+            if tree is None:
+                return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
+            return self.cache.run(key, lambda t, s, a, d: self.step(t, s, capture, (a, d)),
+                                  (tokens, start, *tree), token)
+
+
+def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor bits int64 [B, T], depth int32 [B, T]) of a token tree for :meth:`FastTarget.forward`.
+
+    ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
+    (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
+    """
+    from ..models.layers import tree_ancestors
+    from .triton_step import tree_bits
+
+    if parents.shape[1] > 64:
+        raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
+    anc, depth = tree_ancestors(parents)
+    return tree_bits(anc), depth.to(torch.int32).contiguous()
+
+
+@torch.no_grad()
+def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots: torch.Tensor) -> None:
+    """Move each row's accepted tree path to contiguous slots, on the device (no host sync).
+
+    Row b keeps ``counts[b]`` nodes; node ``path_slots[b, j]`` (block index, increasing along the
+    path) moves from slot ``length[b] + path_slots[b, j]`` to ``length[b] + j`` in every layer's
+    K and V of ``cache`` (a :class:`~specpilot.models.qwen3.KVCache`). Entries j >= counts[b] are
+    left as they are. Same result as the runner's host-side ``cache.move`` compaction; gathers all
+    sources before writing, so overlapping moves are safe. Graph-capturable (fixed shapes).
+    """
+    B, P = path_slots.shape
+    dev = cache.k.device
+    j = torch.arange(P, device=dev)[None, :]
+    base = length.to(dev)[:, None]
+    src = base + path_slots.to(dev)
+    dst = base + j
+    keep = j < counts.to(dev)[:, None]
+    src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
+    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
+    for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
+        vals = buf[rows, :, :, src]
+        buf[rows, :, :, dst] = vals
 
 
 def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict | None = None) -> StepGraphs:

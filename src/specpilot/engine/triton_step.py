@@ -207,15 +207,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr,
+def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, depth_ptr,
                           T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps,
-                          QK_NORM: tl.constexpr, D: tl.constexpr):
+                          QK_NORM: tl.constexpr, TREE: tl.constexpr, D: tl.constexpr):
     """Per (row m = b*T + t, head h): q heads -> norm, RoPE -> q[m, h]; k heads -> norm, RoPE -> cache; v -> cache."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     b = m // T
     t = m % T
-    pos = tl.load(start_ptr + b).to(tl.int32) + t  # RoPE position = cache slot (chain)
+    slot = tl.load(start_ptr + b).to(tl.int32) + t  # block slot t is cache slot start + t
+    if TREE:  # RoPE position = start + the node's depth
+        pos = slot - t + tl.load(depth_ptr + m).to(tl.int32)
+    else:  # chain: RoPE position = cache slot
+        pos = slot
     offs = tl.arange(0, D // 2)
     row = qkv_ptr + m.to(tl.int64) * stride_qkv
     dt = q_ptr.dtype.element_ty
@@ -238,7 +242,7 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
         tl.store(dst + D // 2 + offs, o2)
     else:
         kh = h - HQ
-        base = b.to(tl.int64) * stride_cb + kh * stride_ch + pos.to(tl.int64) * stride_cs
+        base = b.to(tl.int64) * stride_cb + kh * stride_ch + slot.to(tl.int64) * stride_cs
         tl.store(kc_ptr + base + offs, o1)
         tl.store(kc_ptr + base + D // 2 + offs, o2)
         offs_d = tl.arange(0, D)
@@ -248,8 +252,12 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
 
 def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
+                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float,
+                  depth: torch.Tensor | None = None) -> None:
     """Split ``qkv`` [B*T, (Hq + 2 Hkv) * D]: q -> ``q_out`` [B*T, Hq*D]; k, v -> cache slots start..start+T-1.
+
+    ``depth`` int32 [B, T] (tree blocks): RoPE position of node t = start + depth[b, t]
+    (default: start + t, a chain); its K/V still go to slot start + t.
 
     ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
     """
@@ -258,15 +266,16 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
     qk = q_norm is not None
     _qk_rope_cache_kernel[(M, n_heads + n_kv)](
         qkv, q_out, k_cache, v_cache, q_norm if qk else qkv, k_norm if qk else qkv, cos, sin, start,
+        depth if depth is not None else start,
         T, n_heads, n_kv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        QK_NORM=qk, D=head_dim, num_warps=1)
+        QK_NORM=qk, TREE=depth is not None, D=head_dim, num_warps=1)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, l_ws,
                          T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
-                         INTERP: tl.constexpr):
+                         TREE: tl.constexpr, INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
     bh = tl.program_id(0)
@@ -283,6 +292,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
     q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None], other=0.0)
     last = start + t  # last visible slot of each row: the prefix and the block's chain up to itself
+    if TREE:  # bit j of anc[b, t]: block node j is t itself or an ancestor of t
+        anc = tl.load(anc_ptr + b * T + t, mask=rmask, other=0)
     kbase = kc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
     vbase = vc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
     m_i = tl.full((BR_,), float("-inf"), tl.float32)
@@ -301,7 +312,13 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
         else:
             sc = tl.dot(q, tl.trans(k))
         sc = sc * scale
-        vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
+        if TREE:
+            j = (offs_s - start).to(tl.int64)
+            inblk = (j >= 0) & (j < T)
+            bit = (anc[:, None] >> tl.where(inblk, j, 0)[None, :]) & 1
+            vis = ((j < 0)[None, :] | (inblk[None, :] & (bit != 0))) & smask[None, :]
+        else:
+            vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
         sc = tl.where(vis, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -390,23 +407,40 @@ class AttnWorkspace:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
-              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace) -> torch.Tensor:
-    """Causal block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
+              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace,
+              anc_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """Block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
-    Row t of block b sees cache slots 0 .. start[b] + t (the committed prefix and the block's chain
-    up to itself, whose K/V were just written). Writes ``out`` [B*T, Hq*D].
+    Chain (``anc_bits`` None): row t of block b sees cache slots 0 .. start[b] + t (the committed
+    prefix and the block's chain up to itself, whose K/V were just written). Tree: ``anc_bits``
+    int64 [B, T] (T <= 64; :func:`tree_bits`), row t sees the prefix and the block slots j whose bit
+    j is set (itself and its ancestors). Writes ``out`` [B*T, Hq*D].
     """
     B = start.shape[0]
     G = n_heads // n_kv
     scale = head_dim ** -0.5
     _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
-        q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
+        q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
+        CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=anc_bits is not None, INTERP=INTERPRET,
+        num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
         CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, num_warps=4)
     return out
+
+
+def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
+    """Pack an ancestor mask bool [B, T, T] (T <= 64) into int64 [B, T]: bit j of row t set when
+    block node j is t or an ancestor of t (the tree form of :func:`attention`). Raises ValueError
+    for T > 64."""
+    B, T, _ = ancestors.shape
+    if T > 64:
+        raise ValueError(f"tree blocks of at most 64 nodes fit the ancestor bit mask, got {T}")
+    w = torch.ones(T, dtype=torch.int64, device=ancestors.device) << torch.arange(T, device=ancestors.device)
+    if T == 64:
+        w[63] = -(1 << 63)  # the sign bit
+    return (ancestors.to(torch.int64) * w).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------
