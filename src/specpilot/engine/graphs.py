@@ -8,7 +8,10 @@ instead of minutes of compilation):
 - target step, one graph per (batch, block length T, captured layers): T = 1 for AR decode, the
   block size for chain verification. Inputs: static token [B, T] and start [B] buffers; outputs:
   static logits [B, T, vocab] and captured hidden states [B, T, F] (valid until the next replay
-  of the same shape). Prefill (variable length) and tree verification stay eager.
+  of the same shape). Prefill (variable length) stays eager. Token trees (<= 64 nodes) run in the
+  Triton step too (``StepGraphs.run(..., tree=tree_inputs(parents))``, the accepted path then
+  compacted on the device by :func:`compact_path_`); checked against the eager tree forward under
+  Triton's interpreter only so far, and the runner still verifies trees eagerly.
 - drafter steps, one graph per shape: ``draft`` (anchor [B], start [B]) and ``add_context``
   (features [B, T, F], start [B]).
 
