@@ -633,7 +633,7 @@ class Bench:
         each checked (row independence, graph == no graph, error vs eager); the fastest correct one
         is used for everything after."""
         torch = self.torch
-        from specpilot.engine.graphs import LINEAR_ROLES, step_graphs
+        from specpilot.engine.graphs import LINEAR_ROLES, step_graphs, with_decode_configs
         from specpilot.models.layers import chain_ancestors
 
         mm = self.R.get("matmul", {})
@@ -652,7 +652,7 @@ class Bench:
         res = {}
         for name, cfgs in sets.items():
             try:
-                sg = step_graphs(self.model, "triton", cfgs)
+                sg = step_graphs(self.model, "triton", with_decode_configs(cfgs))
                 d = self.ar_step(1, 512, iters=15)
                 r = self.last_runner
                 g = torch.Generator(device=self.dev).manual_seed(11)
@@ -678,7 +678,7 @@ class Bench:
             best = min(ok, key=lambda k: ok[k]["step_s"])
             self.cfgs = ok[best]["configs"]
             self.R["variant_used"] = best
-            step_graphs(self.model, "triton", self.cfgs)
+            step_graphs(self.model, "triton", with_decode_configs(self.cfgs))
             (self.out / "kernel_configs.json").write_text(json.dumps(self.cfgs, indent=1) + "\n")
             if chosen and "o" in chosen:
                 from specpilot.engine.graphs import set_fast_linear_config
@@ -1063,7 +1063,7 @@ class Bench:
     def ar_27b(self):
         """AR decode step of the 27B-class dense shape (batch 1, ctx 512) with the same kernels."""
         torch = self.torch
-        from specpilot.engine.graphs import step_graphs
+        from specpilot.engine.graphs import step_graphs, with_decode_configs
         from specpilot.models.random_checkpoint import build_target
 
         for name in ("model", "drafter"):
@@ -1077,7 +1077,7 @@ class Bench:
         params = sum(p.numel() for p in self.model.parameters())
         self.R["model_27b"] = {"params": params, "bytes": params * 2, "build_s": time.time() - t}
         if self.kernels == "triton":
-            step_graphs(self.model, "triton", getattr(self, "cfgs", None) or {})
+            step_graphs(self.model, "triton", with_decode_configs(getattr(self, "cfgs", None) or {}))
         self.R["model"] = dict(self.R["model"], bytes_8b=self.R["model"]["bytes"])
         saved = self.R["model"]["bytes"]
         self.R["model"]["bytes"] = params * 2

@@ -76,7 +76,7 @@ def main() -> int:
 
     if args.only in ("engine", "all"):
         from specpilot.engine import triton_step as T
-        from specpilot.engine.graphs import DEFAULT_CONFIGS
+        from specpilot.engine.graphs import DECODE_CONFIGS as DEFAULT_CONFIGS
 
         H, I, NQ, NKV, D = 4096, 12288, 32, 8, 128
         roles = {"qkv": ((NQ + 2 * NKV) * D, H, dict(norm=True)), "o": (H, NQ * D, dict(res=True)),

@@ -279,6 +279,47 @@ with torch.inference_mode():
         lc, hc = fast.forward(tok, start, capture=(0, 1))
         res[name] = max(((lc - lr).abs().max() / lr.abs().max()).item(), ((hc - hr).abs().max() / hr.abs().max()).item())
         fast.set_configs({r: "bn16-bk512-w4-s3" for r in ("qkv", "o", "gate_up", "down", "lm_head")})
+    # M-aware row tiles: a table by rows; 2 x 20 = 40 rows run 32-row tiles (one partial), K steps
+    # that divide K (no K mask); rows of the 40-row block vs the eager forward and vs a 2-row step
+    roles = ("qkv", "o", "gate_up", "down", "lm_head")
+    fast.set_configs({r: {"16": "bn16-bk512-w4-s3", "64": "bn32-bk32-w4-s3-m32", "4096": "bn16-bk64-w4-s3-p-m64"}
+                      for r in roles})
+    res["tiers"] = [fast.config_for("qkv", n).key() for n in (1, 40, 100)]
+    tok20 = torch.randint(0, 256, (B, 20), generator=g)
+    lt = fast.forward(tok20, start)[0].clone()
+    lr20 = ref(tok20, start, chain_ancestors(B, 20, "cpu"))[0]
+    res["tiled"] = ((lt - lr20).abs().max() / lr20.abs().max()).item()
+    fast.set_configs({r: "bn16-bk512-w4-s3" for r in roles})
+    l1t = fast.forward(tok20[:, :1], start)[0]
+    res["tiled_row0_vs_m2"] = (lt[:, 0] - l1t[:, 0]).abs().max().item()
+    # token trees in the fast path (ancestor bits, RoPE at start + depth) vs the eager tree forward
+    from specpilot.engine.graphs import compact_path_, tree_inputs
+    from specpilot.models.layers import tree_ancestors
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 5], [-1, 0, 1, 0, 3, 3, 4]])
+    anc, depth = tree_ancestors(parents)
+    tt = torch.randint(0, 256, (B, 7), generator=g)
+    ltr = fast.forward(tt, start, capture=(1,), tree=tree_inputs(parents))
+    ltr = (ltr[0].clone(), ltr[1].clone())
+    lrr = ref(tt, start, anc, depth, capture=(1,))
+    res["tree"] = max(((ltr[0] - lrr[0]).abs().max() / lrr[0].abs().max()).item(),
+                      ((ltr[1] - lrr[1]).abs().max() / lrr[1].abs().max()).item())
+    res["tree_kv"] = max((m.cache.k[b, :, :, s:s + 7] - ref.cache.k[b, :, :, s:s + 7]).abs().max().item()
+                         + (m.cache.v[b, :, :, s:s + 7] - ref.cache.v[b, :, :, s:s + 7]).abs().max().item()
+                         for b, s in enumerate(start.tolist()))
+    chain = torch.tensor([[-1, 0, 1, 2, 3, 4, 5]] * B)
+    lc = fast.forward(tt, start, tree=tree_inputs(chain))[0].clone()
+    res["tree_chain_equal"] = bool(torch.equal(lc, fast.forward(tt, start)[0]))
+    # the accepted path's K/V compacted on the device vs the runner's host-side moves
+    fast.forward(tt, start, tree=tree_inputs(parents))
+    k0, v0 = m.cache.k.clone(), m.cache.v.clone()
+    path, counts = torch.tensor([[0, 2, 5, 6], [0, 3, 4, 6]]), torch.tensor([3, 4])
+    compact_path_(m.cache, start, counts, path)
+    for b in range(B):
+        for j in range(int(counts[b])):
+            src, dst = int(start[b] + path[b, j]), int(start[b] + j)
+            k0[b, :, :, dst] = k0[b, :, :, src].clone()
+            v0[b, :, :, dst] = v0[b, :, :, src].clone()
+    res["compact_equal"] = bool(torch.equal(k0, m.cache.k) and torch.equal(v0, m.cache.v))
 print("RESULT " + json.dumps(res))
 '''
 
@@ -296,6 +337,61 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["logits"] < 1e-5 and res["hidden"] < 1e-5 and res["kv"] < 1e-5, res
     assert res["cublas"] < 1e-5 and res["mixed"] < 1e-5 and res["prenorm"] < 1e-5, res
     assert res["row_independent"]
+    assert res["tiers"] == ["bn16-bk512-w4-s3", "bn32-bk32-w4-s3-m32", "bn16-bk64-w4-s3-p-m64"], res
+    assert res["tiled"] < 1e-5 and res["tiled_row0_vs_m2"] < 1e-5, res
+    assert res["tree"] < 1e-5 and res["tree_kv"] < 1e-5 and res["tree_chain_equal"] and res["compact_equal"], res
+
+
+def test_tree_bits_pack_ancestors():
+    from specpilot.engine.graphs import tree_inputs
+    from specpilot.engine.triton_step import tree_bits
+
+    bits = tree_bits(chain_ancestors(1, 64, "cpu"))
+    assert int(bits[0, 0]) == 1 and int(bits[0, 1]) == 3 and int(bits[0, 63]) == -1  # all 64 bits
+    b, d = tree_inputs(torch.tensor([[-1, 0, 0, 1, 2]]))
+    assert b.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10101]] and d.tolist() == [[0, 1, 1, 2, 2]]
+    assert d.dtype == torch.int32
+    with pytest.raises(SpecpilotError, match="at most 64"):
+        tree_inputs(torch.full((1, 65), -1))
+
+
+def test_row_tiles_and_config_tables():
+    from specpilot.engine import triton_step as K
+    from specpilot.engine.graphs import FastTarget
+
+    assert [K.row_tile(m, 128) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 384)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+    assert [K.row_tile(m, 16) for m in (1, 17, 384)] == [16, 16, 16]
+    assert K.row_tile(300, 256) == 256 and K.row_tile(40, 32) == 32
+    c = K.LinearConfig.parse("bn128-bk64-w8-s3-p-m128")
+    assert (c.bn, c.bk, c.warps, c.stages, c.prenorm, c.bm) == (128, 64, 8, 3, True, 128)
+    assert c.key() == "bn128-bk64-w8-s3-p-m128" and K.LinearConfig.parse("bn64-bk256-w4-s3").bm == 16
+    with pytest.raises(ValueError, match="bm must be"):
+        K.LinearConfig.parse("bn64-bk256-w4-s3-m48")
+    fast = FastTarget.__new__(FastTarget)  # table logic only, no model
+    fast.k = K
+    t = fast._tiers({"64": "bn32-bk256-w4-s4-m64", "16": "bn64-bk256-w4-s3", "384": "cublas"})
+    fast.configs = {"qkv": t}
+    assert [fast.config_for("qkv", n) if n > 64 else fast.config_for("qkv", n).key() for n in (1, 16, 17, 64)] == \
+        ["bn64-bk256-w4-s3", "bn64-bk256-w4-s3", "bn32-bk256-w4-s4-m64", "bn32-bk256-w4-s4-m64"]
+    assert fast.config_for("qkv", 65) == "cublas" and fast.config_for("qkv", 1000) == "cublas"
+    with pytest.raises(SpecpilotError, match="row counts"):
+        fast._tiers({"many": "bn64-bk256-w4-s3"})
+    with pytest.raises(SpecpilotError, match="bad matmul config"):
+        fast._tiers({"16": "bn64"})
+
+
+def test_decode_configs_merge_into_tables():
+    from specpilot.engine.graphs import with_decode_configs
+
+    tables = {"qkv": {"16": "bn32-bk128-w4-s6-p", "64": "bn64-bk128-w4-s4-p-m64"},
+              "o": {"16": "bn32-bk256-w4-s4", "384": "bn128-bk64-w8-s5-m128"}}
+    m = with_decode_configs({"qkv": "bn16-bk512-w4-s3-p", "o": "bn64-bk256-w4-s3"}, tables)
+    assert m == {"qkv": {"16": "bn16-bk512-w4-s3-p", "64": "bn64-bk128-w4-s4-p-m64"},
+                 "o": {"16": "bn64-bk256-w4-s3", "384": "bn128-bk64-w8-s5-m128"}}
+    # a fused-norm decode config would round differently from the prenorm buckets: not taken
+    assert with_decode_configs({"qkv": "bn64-bk256-w4-s3"}, tables)["qkv"] == tables["qkv"]
+    assert with_decode_configs({"o": "cublas"}, tables)["o"] == "cublas"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ instead of minutes of compilation):
 - target step, one graph per (batch, block length T, captured layers): T = 1 for AR decode, the
   block size for chain verification. Inputs: static token [B, T] and start [B] buffers; outputs:
   static logits [B, T, vocab] and captured hidden states [B, T, F] (valid until the next replay
-  of the same shape). Prefill (variable length) and tree verification stay eager.
+  of the same shape). Prefill (variable length) stays eager. Token trees (<= 64 nodes) run in the
+  Triton step too (``StepGraphs.run(..., tree=tree_inputs(parents))``, the accepted path then
+  compacted on the device by :func:`compact_path_`); checked against the eager tree forward under
+  Triton's interpreter only so far, and the runner still verifies trees eagerly.
 - drafter steps, one graph per shape: ``draft`` (anchor [B], start [B]) and ``add_context``
   (features [B, T, F], start [B]).
 
@@ -16,8 +19,11 @@ Two step implementations (``kernels``):
 
 - ``"triton"`` (default on CUDA with bf16 weights): :class:`FastTarget`, 7 Triton kernels per
   layer (:mod:`specpilot.engine.triton_step`): norms folded into the matmuls, fused q/k/v and
-  gate/up weights, split-KV attention that reads only the live context. Row-independent, so
-  verifying a block gives bit-identical logits to decoding its tokens one by one.
+  gate/up weights, split-KV attention that reads only the live context, matmul row tiles chosen
+  by M (16 rows for decode, up to 128/256 for batched verification; tables by rows in
+  ``DEFAULT_CONFIGS``). Row-independent, so verifying a block, alone or in a batch of any size,
+  gives bit-identical logits to decoding its tokens one by one (checked on the GPU by
+  ``benchmarks/bench_verify.py`` for M = 1 .. 384).
 - ``"torch"``: the eager :class:`~specpilot.models.qwen3.Transformer` forward (cuBLAS, SDPA)
   captured as is.
 
@@ -42,12 +48,50 @@ from ..models.qwen3 import Transformer
 
 KERNELS = ("auto", "triton", "torch")
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
-# Matmul block configs per role, tuned on an H200 for the Qwen3-8B shape (benchmarks/bench_engine.py,
-# 2026-11-30; kernels/tuned/engine_h200.json). Override with FastTarget(configs=...) or
-# ``specpilot run --kernel-configs FILE``.
-DEFAULT_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
-                   "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
+# Matmul block configs per role for up to 16 rows (AR decode, 16-token verify), tuned on an H200 for
+# the Qwen3-8B shape (benchmarks/bench_engine.py, 2026-11-30; kernels/tuned/engine_h200.json), with
+# 16-row tiles for every M: the configs of the fast path before M-aware row tiles.
+DECODE_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
+                  "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
+# The default tables by rows (M = batch x block length; FastTarget picks the smallest max_rows >= M):
+# the fastest configs whose every output row was bit-equal to the same row computed alone (M = 1),
+# per row bucket, from benchmarks/bench_verify.py on an H200 (2026-12-01, run 2,
+# benchmarks/verify_h200_2026-12-01_run2.json). qkv runs prenorm: with the fused-norm prologue
+# its rows differed between configs (the sum of squares reduces in a tile-dependent layout).
+DEFAULT_CONFIGS = {
+    "qkv": {"16": "bn32-bk128-w4-s6-p", "32": "bn64-bk256-w4-s3-p-m32", "64": "bn64-bk128-w4-s4-p-m64", "128": "bn64-bk128-w4-s3-p-m64", "256": "bn128-bk64-w8-s5-p-m128", "384": "bn128-bk64-w8-s3-p-m256"},
+    "o": {"16": "bn32-bk256-w4-s4", "32": "bn32-bk256-w4-s4-m32", "64": "bn32-bk256-w4-s4-m64", "128": "bn64-bk64-w4-s6-m64", "256": "bn64-bk128-w4-s3-m128", "384": "bn128-bk64-w8-s5-m128"},
+    "gate_up": {"16": "bn128-bk64-w4-s4-p", "32": "bn128-bk64-w8-s4-p-m32", "64": "bn128-bk64-w8-s4-p-m64", "128": "bn128-bk64-w8-s4-p-m128", "256": "bn64-bk128-w4-s3-p-m128", "384": "bn128-bk64-w8-s3-p-m128"},
+    "down": {"16": "bn32-bk512-w4-s3", "32": "bn32-bk256-w4-s4-m32", "64": "bn32-bk256-w4-s4-m64", "128": "bn64-bk64-w4-s6-m64", "256": "bn64-bk128-w4-s3-m128", "384": "bn128-bk64-w8-s5-m128"},
+    "lm_head": {"16": "bn64-bk128-w4-s4-p", "32": "bn64-bk128-w4-s4-p-m32", "64": "bn128-bk128-w4-s3-p-m64", "128": "bn128-bk64-w8-s5-p-m128", "256": "bn128-bk64-w8-s4-p-m256", "384": "bn128-bk64-w8-s3-p-m128"},
+}
+DEFAULT_ATTN_ROWS = 0  # query rows per attention program: 0 = 16 for decode, 64 for blocks (AttnWorkspace)
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
+
+
+def with_decode_configs(decode: dict, tables: dict | None = None) -> dict:
+    """Tables by rows with their up-to-16-rows entry replaced by ``decode`` {role: config key}.
+
+    For tuners that time one row (benchmarks/bench_engine.py): the row buckets above 16 keep the
+    table's configs. A decode config is taken only where it keeps the role's norm placement
+    (prenorm or not) of the other buckets, or is ``"cublas"`` (then the role runs cuBLAS for every
+    M): a fused-norm prologue and a separate norm round differently, which would make a row's bits
+    depend on M. Returns a new dict; unknown roles pass through for FastTarget to reject.
+    """
+    tables = DEFAULT_CONFIGS if tables is None else tables
+    out = {}
+    for role, key in decode.items():
+        t = tables.get(role)
+        if key == CUBLAS or not isinstance(t, dict):
+            out[role] = key
+            continue
+        others = [v for k, v in t.items() if int(k) > 16 and v != CUBLAS]
+        pre = key.split("-")[4:5] == ["p"]
+        if all((o.split("-")[4:5] == ["p"]) == pre for o in others):
+            out[role] = {**t, "16": key}
+        else:
+            out[role] = dict(t)
+    return out
 
 
 def triton_available() -> bool:
@@ -167,47 +211,93 @@ class FastTarget:
     buffers, overwritten by the next call of the same shape.
 
     ``configs`` maps each matmul role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``) to a
-    Triton block config (:class:`~specpilot.engine.triton_step.LinearConfig` or its key) or to
-    ``"cublas"``: then that matmul runs through ``torch.mm`` (cuBLAS) with the norm, SwiGLU and
-    residual as separate kernels (residual through the GEMM's beta = 1). cuBLAS picks its
-    algorithm by shape, so with any cuBLAS role the rows are padded to a multiple of 16: a
-    1-token decode then runs the same GEMMs as a 16-token block (row independence between AR
-    decode and 16-token verification; not across other block sizes).
+    Triton block config (:class:`~specpilot.engine.triton_step.LinearConfig` or its key), to
+    ``"cublas"``, or to a table by rows ``{max_rows: config}`` (JSON keys may be strings): a
+    matmul of M rows (M = batch x block length) uses the entry with the smallest ``max_rows`` >= M,
+    the largest entry beyond them all. With ``"cublas"`` that matmul runs through ``torch.mm``
+    (cuBLAS) with the norm, SwiGLU and residual as separate kernels. The key ``attn_rows`` sets the
+    query rows per attention program (as ``attn_rows=``) (residual through the GEMM's
+    beta = 1). cuBLAS picks its algorithm by shape, so with any cuBLAS entry the rows are padded to
+    a multiple of 16, and rows are then not independent of M beyond 16 (token forcing's near-tie
+    classification covers that). Row independence of Triton entries: see
+    :mod:`specpilot.engine.triton_step` (checked on the GPU by ``benchmarks/bench_verify.py``).
+
+    Raises SpecpilotError for an unknown role or a malformed config.
     """
 
-    def __init__(self, model: Transformer, configs: dict | None = None):
+    def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None):
         from . import triton_step
 
         self.k = triton_step
         self.model = model
+        # query rows per attention program (0: by block length, see triton_step.AttnWorkspace)
+        self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
         fuse_weights(model)
-        self.configs = {role: triton_step.LinearConfig.parse(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
-        self.set_configs(configs or {})
+        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self._ws: dict[tuple, _Workspace] = {}
+        self.set_configs(configs or {})
+
+    def _one(self, c):
+        if isinstance(c, self.k.LinearConfig) or c == CUBLAS:
+            return c
+        try:
+            return self.k.LinearConfig.parse(c)
+        except (ValueError, TypeError) as e:
+            raise SpecpilotError(f"bad matmul config {c!r}: {e}") from None
+
+    def _tiers(self, c) -> tuple:
+        """Normalize a role's config to ((max_rows, config), ...) sorted by max_rows."""
+        if isinstance(c, dict):
+            try:
+                items = sorted((int(k), v) for k, v in c.items())
+            except ValueError:
+                raise SpecpilotError(f"matmul config table keys must be row counts, got {list(c)}") from None
+            if not items or items[0][0] < 1:
+                raise SpecpilotError(f"matmul config table needs row counts >= 1, got {list(c)}")
+            return tuple((k, self._one(v)) for k, v in items)
+        return ((1 << 30, self._one(c)),)
 
     def set_configs(self, configs: dict) -> bool:
         """Set block configs per role; returns True when something changed."""
         changed = False
         for role, c in configs.items():
+            if role == "attn_rows":  # query rows per attention program (not a matmul)
+                changed |= self.attn_rows != int(c)
+                self.attn_rows = int(c)
+                self._ws.clear()
+                continue
             if role not in LINEAR_ROLES:
                 raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
-            if not isinstance(c, self.k.LinearConfig) and c != CUBLAS:
-                c = self.k.LinearConfig.parse(c)
-            changed |= self.configs[role] != c
-            self.configs[role] = c
+            t = self._tiers(c)
+            changed |= self.configs[role] != t
+            self.configs[role] = t
         return changed
 
+    def config_for(self, role: str, rows: int):
+        """The config (LinearConfig or ``"cublas"``) a matmul of ``role`` uses for ``rows`` rows."""
+        tiers = self.configs[role]
+        for max_rows, c in tiers:
+            if rows <= max_rows:
+                return c
+        return tiers[-1][1]
+
     def config_keys(self) -> dict:
-        return {r: c if c == CUBLAS else c.key() for r, c in self.configs.items()}
+        def key(c):
+            return c if c == CUBLAS else c.key()
+
+        out = {}
+        for r, t in self.configs.items():
+            out[r] = key(t[0][1]) if len(t) == 1 else {str(m): key(c) for m, c in t}
+        return out
 
     @property
     def pad(self) -> int:
-        return 16 if any(c == CUBLAS for c in self.configs.values()) else 1
+        return 16 if any(c == CUBLAS for t in self.configs.values() for _, c in t) else 1
 
     def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
         m, c = self.model, self.model.config
         pad = self.pad
-        key = (B, T, n_capture, m.cache.max_seq, pad)
+        key = (B, T, n_capture, m.cache.max_seq, pad, self.attn_rows)
         ws = self._ws.get(key)
         if ws is None:
             M = -(-B * T // pad) * pad
@@ -220,7 +310,7 @@ class FastTarget:
                 h=torch.zeros(M, c.intermediate_size, **z), logits=torch.zeros(M, c.vocab_size, **z),
                 feats=torch.zeros(M, n_capture * c.hidden_size, **z) if n_capture else None,
                 attn_ws=self.k.AttnWorkspace(B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                             m.cache.max_seq, dev))
+                                             m.cache.max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
@@ -228,7 +318,7 @@ class FastTarget:
         return ws
 
     def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
-        cfg = self.configs[role]
+        cfg = self.config_for(role, x.shape[0])
         eps = self.model.config.rms_norm_eps
         if cfg != CUBLAS:
             if cfg.prenorm and norm is not None:
@@ -244,7 +334,14 @@ class FastTarget:
         return torch.mm(x, w.t(), out=out)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
+
+        ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T]) from :func:`tree_inputs` for a
+        token tree (T <= 64): node t attends to the prefix and its ancestors, RoPE at start + depth;
+        its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
+        """
         K, m, c = self.k, self.model, self.model.config
         if m.cache is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
@@ -263,8 +360,9 @@ class FastTarget:
             self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
             K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
                             a.k_norm.weight if a.k_norm is not None else None, m.cos, m.sin, start, T,
-                            a.n_heads, a.n_kv, a.head_dim, eps)
-            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws)
+                            a.n_heads, a.n_kv, a.head_dim, eps, depth=tree[1] if tree else None)
+            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws,
+                        anc_bits=tree[0] if tree else None)
             self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
             self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
                          swiglu=True)
@@ -392,22 +490,72 @@ class StepGraphs:
         self.fast = FastTarget(model, configs) if kernels == "triton" else None
         self.cache = GraphCache()
 
-    def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
-        """One chain step without a graph (the function that is captured)."""
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+             tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """One chain (or tree, see :meth:`FastTarget.forward`) step without a graph (the captured function)."""
         if self.fast is not None:
-            return self.fast.forward(tokens, start, capture)
+            return self.fast.forward(tokens, start, capture, tree)
+        if tree is not None:
+            raise SpecpilotError("tree steps under CUDA graphs need the Triton kernels")
         B, T = tokens.shape
         with torch.inference_mode():
             return self.model(tokens, start, chain_ancestors(B, T, tokens.device), capture=capture)
 
-    def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = ()):
-        """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B]."""
+    def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
+            tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B].
+
+        ``tree`` (from :func:`tree_inputs`) is an input of the graph like the tokens: one graph per
+        (B, T) serves every tree shape of that size.
+        """
         if self.model.cache is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
-        key = (tuple(tokens.shape), tuple(capture))
+        key = (tuple(tokens.shape), tuple(capture), tree is not None)
         token = (self.model.cache.k.data_ptr(), tuple(self.model.cache.k.shape), self.model.cos.data_ptr())
         with torch.inference_mode():
-            return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
+            if tree is None:
+                return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
+            return self.cache.run(key, lambda t, s, a, d: self.step(t, s, capture, (a, d)),
+                                  (tokens, start, *tree), token)
+
+
+def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor bits int64 [B, T], depth int32 [B, T]) of a token tree for :meth:`FastTarget.forward`.
+
+    ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
+    (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
+    """
+    from ..models.layers import tree_ancestors
+    from .triton_step import tree_bits
+
+    if parents.shape[1] > 64:
+        raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
+    anc, depth = tree_ancestors(parents)
+    return tree_bits(anc), depth.to(torch.int32).contiguous()
+
+
+@torch.no_grad()
+def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots: torch.Tensor) -> None:
+    """Move each row's accepted tree path to contiguous slots, on the device (no host sync).
+
+    Row b keeps ``counts[b]`` nodes; node ``path_slots[b, j]`` (block index, increasing along the
+    path) moves from slot ``length[b] + path_slots[b, j]`` to ``length[b] + j`` in every layer's
+    K and V of ``cache`` (a :class:`~specpilot.models.qwen3.KVCache`). Entries j >= counts[b] are
+    left as they are. Same result as the runner's host-side ``cache.move`` compaction; gathers all
+    sources before writing, so overlapping moves are safe. Graph-capturable (fixed shapes).
+    """
+    B, P = path_slots.shape
+    dev = cache.k.device
+    j = torch.arange(P, device=dev)[None, :]
+    base = length.to(dev)[:, None]
+    src = base + path_slots.to(dev)
+    dst = base + j
+    keep = j < counts.to(dev)[:, None]
+    src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
+    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
+    for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
+        vals = buf[rows, :, :, src]
+        buf[rows, :, :, dst] = vals
 
 
 def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict | None = None) -> StepGraphs:

@@ -12,11 +12,20 @@ it streams every weight once. Per layer it runs 7 kernels:
 5. ``linear`` with norm prologue and SwiGLU epilogue: ``h = silu(norm(x) @ Wg.T) * (norm(x) @ Wu.T)``;
 6. ``linear`` with residual epilogue: ``x = x + h @ Wd.T``.
 
+Rows per tile (M-aware): a matmul over M rows runs row tiles of ``BM`` = the smallest of 16, 32,
+64, 128, 256 that covers M, capped by the config's ``bm``; so a verify of 64 or 256 rows streams
+each weight tile once per 64 / ``bm`` rows instead of once per 16 rows (which made a 256-row verify
+cost 6.4x a 16-row one on the H200).
+
 Row independence ("batch invariance"): every kernel computes each output row with the same
-arithmetic whatever the number of rows M (fixed 16-row tiles, the same block config for every M,
-no split-K, fixed KV chunks that depend on the cache size only). So the logits of a token are
-bit-identical whether it is decoded alone (AR) or verified inside a block, and the speculative
-engine reproduces the AR engine token for token on the GPU too.
+arithmetic whatever the number of rows M: the reduction over K runs in the same order (K steps of
+``bk``, ascending, accumulated in fp32 by the tensor cores; no split-K), the row tile only changes
+how many rows share a weight tile, never a row's sum, and the KV chunks of attention depend on the
+cache size only. So the logits of a token are bit-identical whether it is decoded alone (AR) or
+verified inside a block or a batch. That a tile of more rows (or another column / K tiling of the
+tensor-core product) leaves each row's bits unchanged is a property of the hardware's MMA, not of
+the language: ``benchmarks/bench_verify.py`` checks it on the GPU for every config and M it uses,
+and ``tests/test_gpu_path.py`` under the interpreter.
 
 The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
 row's sum of squares accumulated from the same x loads, so the norm costs no extra kernel.
@@ -35,8 +44,10 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-BM = 16  # rows per tile of every matmul (tensor-core minimum); fixed for row independence
-BR = 16  # query rows per attention tile
+BM = 16  # fewest rows per matmul tile (tensor-core minimum)
+ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
+BR = 16  # query rows per attention tile (default; AttnWorkspace(rows=0) picks by block length)
+COMBINE_ROWS = 16  # rows per program of the attention combine kernel
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,10 @@ class LinearConfig:
     ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
     (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
     work in every program, which pays only when programs own many output columns).
+
+    ``bm``: the most rows per tile (one of :data:`ROW_TILES`); M rows use the smallest row tile
+    that covers M, at most ``bm`` (:func:`row_tile`). 16 reproduces the fixed 16-row tiles.
+    Key: ``bn{bn}-bk{bk}-w{warps}-s{stages}[-p][-m{bm}]`` (no ``-m`` part: ``bm`` = 16).
     """
 
     bn: int = 16
@@ -53,20 +68,34 @@ class LinearConfig:
     warps: int = 4
     stages: int = 3
     prenorm: bool = False
+    bm: int = 16
+
+    def __post_init__(self):
+        if self.bm not in ROW_TILES:
+            raise ValueError(f"bm must be one of {ROW_TILES}, got {self.bm}")
 
     def key(self) -> str:
-        return f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
+        return (f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
+                + (f"-m{self.bm}" if self.bm != BM else ""))
 
     @classmethod
     def parse(cls, key: str) -> "LinearConfig":
-        """Inverse of :meth:`key`."""
+        """Inverse of :meth:`key`; raises ValueError naming a malformed key."""
         import re
 
-        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?", key)
+        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?(?:-m(\d+))?", key)
         if m is None:
             raise ValueError(f"bad linear config key {key!r}")
         bn, bk, w, s = map(int, m.groups()[:4])
-        return cls(bn, bk, w, s, m.group(5) is not None)
+        return cls(bn, bk, w, s, m.group(5) is not None, int(m.group(6) or BM))
+
+
+def row_tile(M: int, cap: int) -> int:
+    """Rows per matmul tile for M rows: the smallest of :data:`ROW_TILES` >= M, at most ``cap``."""
+    for bm in ROW_TILES:
+        if bm >= M or bm >= cap:
+            return min(bm, cap)
+    return cap
 
 
 CANDIDATES = (
@@ -87,7 +116,8 @@ CANDIDATES = (
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
-                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+                   BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   INTERP: tl.constexpr):
     """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
     pid_n = tl.program_id(1)
@@ -103,22 +133,29 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
     ss = tl.zeros((BM_,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + offs_k
-        mask_k = kk < K
-        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if EVEN_K:  # K % BK == 0: no K mask (the same values, wider loads)
+            xmask = mask_m[:, None]
+            wmask = mask_n[:, None]
+        else:
+            mk = kk < K
+            xmask = mask_m[:, None] & mk[None, :]
+            wmask = mask_n[:, None] & mk[None, :]
+        x = tl.load(x_rows + kk[None, :], mask=xmask, other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+            if EVEN_K:
+                nw = tl.load(nw_ptr + kk).to(tl.float32)
+            else:
+                nw = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
             x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if INTERP:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
-            w2 = tl.load(w_rows + N * K + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                         eviction_policy="evict_first")
+            w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
             if INTERP:
                 acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
             else:
@@ -146,6 +183,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            swiglu: bool = False) -> torch.Tensor:
     """``out = epilogue(prologue(x) @ w.T)`` for x [M, K] (row stride free, unit column stride).
 
+    Rows run in tiles of :func:`row_tile` (M, ``cfg.bm``) rows; each weight tile is read once per
+    row tile.
+
     norm: RMSNorm weight [K] applied to x first. residual: [M, N] added to the product (may be
     ``out`` itself: each program reads its tile before writing it). swiglu: ``w`` is [2N, K]
     (gate rows then up rows) and the result is ``silu(gate) * up``.
@@ -155,26 +195,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     assert w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, cfg.bn))
+    bm = row_tile(M, cfg.bm)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.bn))
     r = residual if residual is not None else out
     _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
                          M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
-                         BM_=BM, BN=cfg.bn, BK=cfg.bk, INTERP=INTERPRET,
+                         BM_=bm, BN=cfg.bn, BK=cfg.bk, EVEN_K=K % cfg.bk == 0, INTERP=INTERPRET,
                          num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
 @triton.jit(do_not_specialize=["T"])
-def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr,
+def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, depth_ptr,
                           T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps,
-                          QK_NORM: tl.constexpr, D: tl.constexpr):
+                          QK_NORM: tl.constexpr, TREE: tl.constexpr, D: tl.constexpr):
     """Per (row m = b*T + t, head h): q heads -> norm, RoPE -> q[m, h]; k heads -> norm, RoPE -> cache; v -> cache."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     b = m // T
     t = m % T
-    pos = tl.load(start_ptr + b).to(tl.int32) + t  # RoPE position = cache slot (chain)
+    slot = tl.load(start_ptr + b).to(tl.int32) + t  # block slot t is cache slot start + t
+    if TREE:  # RoPE position = start + the node's depth
+        pos = slot - t + tl.load(depth_ptr + m).to(tl.int32)
+    else:  # chain: RoPE position = cache slot
+        pos = slot
     offs = tl.arange(0, D // 2)
     row = qkv_ptr + m.to(tl.int64) * stride_qkv
     dt = q_ptr.dtype.element_ty
@@ -197,7 +242,7 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
         tl.store(dst + D // 2 + offs, o2)
     else:
         kh = h - HQ
-        base = b.to(tl.int64) * stride_cb + kh * stride_ch + pos.to(tl.int64) * stride_cs
+        base = b.to(tl.int64) * stride_cb + kh * stride_ch + slot.to(tl.int64) * stride_cs
         tl.store(kc_ptr + base + offs, o1)
         tl.store(kc_ptr + base + D // 2 + offs, o2)
         offs_d = tl.arange(0, D)
@@ -207,8 +252,12 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
 
 def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float) -> None:
+                  start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float,
+                  depth: torch.Tensor | None = None) -> None:
     """Split ``qkv`` [B*T, (Hq + 2 Hkv) * D]: q -> ``q_out`` [B*T, Hq*D]; k, v -> cache slots start..start+T-1.
+
+    ``depth`` int32 [B, T] (tree blocks): RoPE position of node t = start + depth[b, t]
+    (default: start + t, a chain); its K/V still go to slot start + t.
 
     ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
     """
@@ -217,15 +266,16 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
     qk = q_norm is not None
     _qk_rope_cache_kernel[(M, n_heads + n_kv)](
         qkv, q_out, k_cache, v_cache, q_norm if qk else qkv, k_norm if qk else qkv, cos, sin, start,
+        depth if depth is not None else start,
         T, n_heads, n_kv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        QK_NORM=qk, D=head_dim, num_warps=1)
+        QK_NORM=qk, TREE=depth is not None, D=head_dim, num_warps=1)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, l_ws,
                          T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
-                         INTERP: tl.constexpr):
+                         TREE: tl.constexpr, INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
     bh = tl.program_id(0)
@@ -242,11 +292,14 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
     q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None], other=0.0)
     last = start + t  # last visible slot of each row: the prefix and the block's chain up to itself
+    if TREE:  # bit j of anc[b, t]: block node j is t itself or an ancestor of t
+        anc = tl.load(anc_ptr + b * T + t, mask=rmask, other=0)
     kbase = kc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
     vbase = vc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
     m_i = tl.full((BR_,), float("-inf"), tl.float32)
     l_i = tl.zeros((BR_,), dtype=tl.float32)
     acc = tl.zeros((BR_, D), dtype=tl.float32)
+    ones = tl.full((BS, 16), 1.0, dtype=vc_ptr.dtype.element_ty)
     s_lo = c * CHUNK
     s_hi = tl.minimum(s_lo + CHUNK, start + T)
     for s0 in range(s_lo, s_hi, BS):
@@ -259,18 +312,29 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
         else:
             sc = tl.dot(q, tl.trans(k))
         sc = sc * scale
-        vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
+        if TREE:
+            j = (offs_s - start).to(tl.int64)
+            inblk = (j >= 0) & (j < T)
+            bit = (anc[:, None] >> tl.where(inblk, j, 0)[None, :]) & 1
+            vis = ((j < 0)[None, :] | (inblk[None, :] & (bit != 0))) & smask[None, :]
+        else:
+            vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
         sc = tl.where(vis, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vbase + kv_off, mask=smask[:, None], other=0.0)
         if INTERP:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pb = p.to(v.dtype)
+            # row sums through the tensor cores, like p @ v: a fixed order per row whatever the
+            # tile's rows (a tl.sum reduces in a layout that depends on the tile); read back with a
+            # max over 16 equal columns (exact)
+            l_i = l_i * alpha + tl.max(tl.dot(pb, ones), axis=1)
+            pv = tl.dot(pb, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
@@ -281,26 +345,35 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, o_ws, m_ws, l_ws,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
-                         CHUNK: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
-    """Program (b*Hkv + kv head, row): merge the chunks' partial results into out[b*T + t, h]."""
+                         CHUNK: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+    """Program (b*Hkv + kv head, tile of RB rows): merge the chunks' partial results into
+    out[b*T + t, h]. Chunks are merged one after the other (element-wise per row), so a row's
+    result does not depend on the tile it sits in."""
     bh = tl.program_id(0)
-    r = tl.program_id(1)
+    rt = tl.program_id(1)
     b = bh // HKV
     kh = bh % HKV
     n_valid = (tl.load(start_ptr + b).to(tl.int32) + T + CHUNK - 1) // CHUNK
+    r = rt * RB + tl.arange(0, RB)
+    rmask = r < G * T
     t = r // G
     h = kh * G + r % G
-    cs = tl.arange(0, NC)
-    cmask = cs < n_valid
-    ws = (bh * n_chunks + cs).to(tl.int64) * R_pad + r
-    m = tl.load(m_ws + ws, mask=cmask, other=float("-inf"))
-    mx = tl.max(m, axis=0)
-    wgt = tl.where(cmask, tl.exp(m - mx), 0.0)
-    lsum = tl.sum(wgt * tl.load(l_ws + ws, mask=cmask, other=0.0), axis=0)
+    base = (bh * n_chunks).to(tl.int64) * R_pad + r
+    mx = tl.full((RB,), float("-inf"), tl.float32)
+    for c in range(0, n_valid):
+        mx = tl.maximum(mx, tl.load(m_ws + base + c * R_pad, mask=rmask, other=float("-inf")))
+    mx = tl.where(rmask, mx, 0.0)  # rows past the block: no -inf - -inf
     offs_d = tl.arange(0, D)
-    o = tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
-    out = tl.sum(wgt[:, None] * o, axis=0) / lsum
-    tl.store(out_ptr + ((b * T + t).to(tl.int64) * HQ + h) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+    lsum = tl.zeros((RB,), dtype=tl.float32)
+    acc = tl.zeros((RB, D), dtype=tl.float32)
+    for c in range(0, n_valid):
+        ws = base + c * R_pad
+        w = tl.exp(tl.load(m_ws + ws, mask=rmask, other=float("-inf")) - mx)
+        lsum += w * tl.load(l_ws + ws, mask=rmask, other=0.0)
+        acc += w[:, None] * tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    out = acc / lsum[:, None]
+    dst = out_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 # KV slots per attention program. Fixed, so a request's partial sums never depend on the cache
@@ -311,12 +384,22 @@ ATTN_CHUNK = 128
 class AttnWorkspace:
     """fp32 partial results of :func:`attention` for one (batch, block length, cache size)."""
 
-    def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device):
+    def __init__(self, B: int, T: int, n_heads: int, n_kv: int, head_dim: int, max_seq: int, device,
+                 rows: int = BR):
+        """``rows``: query rows (query head x block token of one KV head) per attention program; a
+        power of two >= 16, or 0: 16 when the block's rows (G x T) fit in 16, else 64. The row
+        sums run through the tensor cores like the products, so a row's bits do not depend on the
+        tile (checked on the GPU by benchmarks/bench_verify.py)."""
         G = n_heads // n_kv
+        if rows == 0:
+            rows = 16 if G * T <= 16 else 64
+        if rows < 16 or rows & (rows - 1):
+            raise ValueError(f"attention rows per tile must be a power of two >= 16 (or 0), got {rows}")
+        self.br = rows
         self.chunk = ATTN_CHUNK
         self.n_chunks = triton.cdiv(max_seq, self.chunk)
-        self.row_tiles = triton.cdiv(G * T, BR)
-        self.r_pad = self.row_tiles * BR
+        self.row_tiles = triton.cdiv(G * T, rows)
+        self.r_pad = self.row_tiles * rows
         n = B * n_kv * self.n_chunks * self.r_pad
         self.o = torch.empty(n * head_dim, dtype=torch.float32, device=device)
         self.m = torch.empty(n, dtype=torch.float32, device=device)
@@ -324,23 +407,40 @@ class AttnWorkspace:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
-              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace) -> torch.Tensor:
-    """Causal block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
+              n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace,
+              anc_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """Block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
-    Row t of block b sees cache slots 0 .. start[b] + t (the committed prefix and the block's chain
-    up to itself, whose K/V were just written). Writes ``out`` [B*T, Hq*D].
+    Chain (``anc_bits`` None): row t of block b sees cache slots 0 .. start[b] + t (the committed
+    prefix and the block's chain up to itself, whose K/V were just written). Tree: ``anc_bits``
+    int64 [B, T] (T <= 64; :func:`tree_bits`), row t sees the prefix and the block slots j whose bit
+    j is set (itself and its ancestors). Writes ``out`` [B*T, Hq*D].
     """
     B = start.shape[0]
     G = n_heads // n_kv
     scale = head_dim ** -0.5
     _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
-        q, k_cache, v_cache, start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
+        q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=BR, D=head_dim, INTERP=INTERPRET, num_warps=4, num_stages=2)
-    _attn_combine_kernel[(B * n_kv, G * T)](
+        CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=anc_bits is not None, INTERP=INTERPRET,
+        num_warps=4, num_stages=2)
+    _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
-        CHUNK=ws.chunk, NC=triton.next_power_of_2(ws.n_chunks), D=head_dim, num_warps=4)
+        CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, num_warps=4)
     return out
+
+
+def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
+    """Pack an ancestor mask bool [B, T, T] (T <= 64) into int64 [B, T]: bit j of row t set when
+    block node j is t or an ancestor of t (the tree form of :func:`attention`). Raises ValueError
+    for T > 64."""
+    B, T, _ = ancestors.shape
+    if T > 64:
+        raise ValueError(f"tree blocks of at most 64 nodes fit the ancestor bit mask, got {T}")
+    w = torch.ones(T, dtype=torch.int64, device=ancestors.device) << torch.arange(T, device=ancestors.device)
+    if T == 64:
+        w[63] = -(1 << 63)  # the sign bit
+    return (ancestors.to(torch.int64) * w).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------

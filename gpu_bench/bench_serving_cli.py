@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""The product's CLI end to end on the GPU: AR and stock at concurrency 16 and 1 (issues 15 / 16).
+
+What it runs, all through ``specpilot`` subcommands (``python3 -m specpilot.cli``):
+
+1. ``random-checkpoint --shape qwen3-8b`` (random-weight target and DFlash drafter, written to
+   ``--work``, default /tmp/specpilot_e2e);
+2. a prompt file of ``--requests`` random prompts of ``--prompt-len`` tokens (seeded);
+3. for each concurrency c in ``--concurrency`` (default 16 1): ``run --engine ar``, then
+   ``run --engine stock --replay-profile study_stock --replay-reference <ar records>`` (block
+   ``--block``, ``--new`` new tokens; at c = 1 only the first ``--requests-c1`` prompts), then
+   ``force --candidate stock --reference ar`` (again with ``--target`` on the GPU, so mismatches
+   are classified by logit margin, if the first check finds any); and ``force`` of AR at c = 1 against AR at c = 16 (batch invariance of AR);
+4. prints per cell: per-request speedup (geometric mean over requests of AR decode_s / stock
+   decode_s), tau, AR tok/s per request and aggregate (tokens / decode time of the lock-step
+   batches), wall time of each CLI run, forcing verdicts.
+
+Serving here is what the CLI does today: static batches of c requests decoded in lock step (a
+batch waits for its slowest row). Writes ``serving.json`` and the records under ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(cmd: list[str], log: list) -> tuple[int, float, str]:
+    t = time.time()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    p = subprocess.run([sys.executable, "-m", "specpilot.cli", *cmd], capture_output=True, text=True, env=env)
+    dt = time.time() - t
+    out = (p.stdout + p.stderr).strip()
+    log.append({"cmd": "specpilot " + " ".join(cmd), "rc": p.returncode, "wall_s": round(dt, 2), "tail": out[-1500:]})
+    print(f"[{dt:6.1f}s rc={p.returncode}] specpilot {' '.join(cmd)}\n    {out[-400:]}", flush=True)
+    return p.returncode, dt, out
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "serving_out"))
+    ap.add_argument("--work", default="/tmp/specpilot_e2e")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests-c1", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--profile", default="study_stock")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 1])
+    ap.add_argument("--shape", default="qwen3-8b", help="random-checkpoint shape (tiny: a CPU check of the script)")
+    ap.add_argument("--tag", default="", help="suffix of the records folder (several runs on one checkpoint)")
+    ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
+    args = ap.parse_args()
+    out, work = Path(args.out_dir), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log: list = []
+    R = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "commands": log, "cells": {}}
+    tgt, dr = work / "target", work / "drafter"
+    rec = work / f"records{args.tag}"  # records and verdicts; packed into serving_records.tar.gz under --out-dir
+    rec.mkdir(exist_ok=True)
+    if not (tgt / "config.json").exists():
+        rc, _, _ = sh(["random-checkpoint", "--shape", args.shape, "--out", str(tgt), "--drafter-out", str(dr)], log)
+        if rc:
+            return rc
+    import random
+
+    rng = random.Random(0)
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"request_id": f"random/{i:04d}", "benchmark": "random",
+                                           "prompt_ids": [rng.randrange(1000 if args.shape == "tiny" else 151000) for _ in range(args.prompt_len)]}) + "\n"
+                               for i in range(args.requests)))
+    extra = ["--kernel-configs", args.kernel_configs] if args.kernel_configs else []
+    common = ["--target", str(tgt), "--prompts", str(prompts), "--max-new-tokens", str(args.new), "--gpu", "h200",
+              *extra]
+    def save():
+        (out / "serving.json").write_text(json.dumps(R, indent=1))
+
+    for c in args.concurrency:
+        lim = [] if c > 1 else ["--limit", str(args.requests_c1)]
+        ar, st = rec / f"ar-c{c}.jsonl", rec / f"stock-c{c}.jsonl"
+        cell = R["cells"][f"c{c}"] = {}
+        rc, cell["ar_wall_s"], _ = sh(["run", "--engine", "ar", "--out", str(ar), "--concurrency", str(c), *common, *lim], log)
+        if rc:
+            continue
+        rc, cell["stock_wall_s"], _ = sh(["run", "--engine", "stock", "--drafter", str(dr), "--out", str(st),
+                                          "--concurrency", str(c), "--block-size", str(args.block),
+                                          "--replay-profile", args.profile, "--replay-reference", str(ar),
+                                          *common, *lim], log)
+        if rc:
+            continue
+        fo = ["force", "--candidate", str(st), "--reference", str(ar), "--out", str(rec / f"stock-c{c}.forcing.json")]
+        rc, _, txt = sh(fo, log)
+        if rc:  # mismatches: classify them by the target's logit margin (near-ties)
+            rc, _, txt = sh(fo + ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda"], log)
+        cell["forcing_rc"] = rc
+        cell["forcing"] = txt[-300:]
+        a = {r["request_id"]: r for r in read_records(ar)}
+        s = {r["request_id"]: r for r in read_records(st)}
+        ratios = [a[k]["decode_s"] / s[k]["decode_s"] for k in s if k in a and s[k]["decode_s"] > 0]
+        taus = [t for r in s.values() for t in r["committed_per_step"]]
+        ntok = sum(r["new_tokens"] for r in a.values())
+        cell.update({
+            "n_requests": len(s),
+            "stock_speedup_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+            "stock_tau": sum(taus) / len(taus) if taus else None,
+            "equal_outputs": sum(a[k]["output_ids"] == s[k]["output_ids"] for k in s if k in a),
+            "ar_decode_s_mean": sum(r["decode_s"] for r in a.values()) / len(a),
+            "stock_decode_s_mean": sum(r["decode_s"] for r in s.values()) / len(s),
+            "ar_tok_s_per_request": sum(r["new_tokens"] / r["decode_s"] for r in a.values()) / len(a),
+            # lock-step batches of c: every request of a batch decodes for the batch's time
+            "ar_tok_s_aggregate": ntok / (sum(r["decode_s"] for r in a.values()) / c),
+            "stock_tok_s_aggregate": sum(r["new_tokens"] for r in s.values()) / (sum(r["decode_s"] for r in s.values()) / c),
+        })
+        save()
+    if "c1" in R["cells"] and "c16" in R["cells"]:
+        rc, _, txt = sh(["force", "--candidate", str(rec / "ar-c1.jsonl"), "--reference", str(rec / "ar-c16.jsonl"),
+                         "--out", str(rec / "ar-c1-vs-c16.forcing.json")], log)
+        R["ar_c1_vs_c16_forcing_rc"] = rc
+        R["ar_c1_vs_c16_forcing"] = txt[-300:]
+    for f in sorted(rec.glob("*.forcing.json")):
+        R.setdefault("forcing", {})[f.name] = json.loads(f.read_text())
+    save()
+    import tarfile
+
+    with tarfile.open(out / "serving_records.tar.gz", "w:gz") as tf:
+        tf.add(rec, arcname="records")
+    print("\ncell  n  stock/AR(geomean)  tau  equal  AR tok/s/req  AR agg tok/s  stock agg tok/s  forcing_rc")
+    for k, cell in R["cells"].items():
+        if "stock_speedup_geomean" in cell:
+            print(f"{k:4s} {cell['n_requests']:3d}  {cell['stock_speedup_geomean']:.3f}  {cell['stock_tau']:.2f}  "
+                  f"{cell['equal_outputs']}/{cell['n_requests']}  {cell['ar_tok_s_per_request']:.1f}  "
+                  f"{cell['ar_tok_s_aggregate']:.0f}  {cell['stock_tok_s_aggregate']:.0f}  {cell['forcing_rc']}")
+    print("AR c1 vs AR c16 forcing rc:", R.get("ar_c1_vs_c16_forcing_rc"), R.get("ar_c1_vs_c16_forcing", "")[-200:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
