@@ -41,7 +41,7 @@ def test_prompt_that_fits_exactly_runs(models, quick_prompts, engine, config, co
                   warmup=False)
     assert [r.output_ids for r in exact] == [r.output_ids for r in roomy]
     assert all(r.new_tokens == new for r in exact)
-    with pytest.raises(SpecpilotError, match=f"needs {need} positions, more than {need - 1} KV-cache slots"):
+    with pytest.raises(SpecpilotError, match=f"needs {need} KV cache slots, more than the KV cache of {need - 1} slots"):
         serve(spec, target, drafter, rows, new, concurrency, META, max_seq=need - 1, progress=False, warmup=False)
 
 
