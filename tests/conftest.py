@@ -21,9 +21,15 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def quick_deployment(tmp_path_factory, data_dir) -> Path:
-    """A deployment built with the QUICK recipe (a few seconds; not a useful model)."""
+    """A deployment built with the QUICK recipe (a few seconds; not a useful model).
+
+    ``$SPECPILOT_QUICK_DIR`` names one already built (``build-tiny --quick``) to reuse read-only.
+    """
     from specpilot.tiny.build import QUICK, build_tiny
 
+    ready = os.environ.get("SPECPILOT_QUICK_DIR")
+    if ready and (Path(ready) / "build.json").is_file():
+        return Path(ready)
     out = tmp_path_factory.mktemp("quick")
     build_tiny(out, data_dir, seed=0, recipe=QUICK, log=lambda *_: None)
     return out
