@@ -153,10 +153,11 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     max_seq = max_seq or min(max(needs.values()), limit)
     for p in prompts:
         if needs[p["request_id"]] > max_seq:
-            what = f"the target's max_position_embeddings {limit}" if max_seq == limit else f"{max_seq} KV-cache slots"
+            what = (f"the target's max_position_embeddings {limit}" if max_seq == limit
+                    else f"the KV cache of {max_seq} slots")
             raise SpecpilotError(
                 f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {max_new_tokens} new tokens "
-                f"(verify width {spec.verify_width}) needs {needs[p['request_id']]} positions, more than {what}")
+                f"(verify width {spec.verify_width}) needs {needs[p['request_id']]} KV cache slots, more than {what}")
     opts = dict(graphs=graphs, kernels=kernels)
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         first = [p["prompt_ids"] for p in prompts[:concurrency]]
