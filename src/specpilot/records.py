@@ -44,6 +44,9 @@ class Record:
         verify_s: seconds spent in target verify/decode forwards during decode.
         prompt_ids: the prompt's token ids, kept only where no prompt file holds them (later turns
             of multi-turn chaining); None otherwise.
+        arrival_s, first_token_s, finish_s: when the request was issued, got its first token and
+            its last token [seconds from the cell's start] under continuous batching
+            (:mod:`specpilot.engine.scheduler`); None from the static-batch regime.
     """
 
     request_id: str
@@ -66,6 +69,9 @@ class Record:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prompt_ids: list[int] | None = None
+    arrival_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
 
     @property
     def tau(self) -> float:

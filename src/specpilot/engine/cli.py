@@ -24,7 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-name", default="dflash")
     p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="closed-loop concurrency c: requests in flight, a finished one's slot refilled at once")
+    p.add_argument("--regime", choices=("continuous", "static"), default="continuous",
+                   help="continuous batching (default) or the earlier static batches of c in lock step")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
     p.add_argument("--device", default="auto")
@@ -98,7 +101,7 @@ def run(args) -> int:
                            "drafter": drafter_name, "gpu": args.gpu},
                      eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
                      graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile)
+                     profile=not args.no_profile, regime=args.regime)
 
     if args.multi_turn:
         from transformers import AutoTokenizer
@@ -112,5 +115,6 @@ def run(args) -> int:
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),
                       "tau": round(sum(taus) / max(len(taus), 1), 3),
-                      "decode_s": round(sum(r.decode_s for r in records), 3)}))
+                      "decode_s": round(sum(r.decode_s for r in records), 3),
+                      "wall_s": round(max((r.finish_s or 0.0) for r in records), 3)}))
     return 0
