@@ -180,3 +180,64 @@ def test_cli_concurrency_3(quick_deployment, quick_prompts, tmp_path):
     st = outs["stock"]
     assert all(r.concurrency == 3 and r.finish_s >= r.first_token_s >= r.arrival_s for r in st)
     assert sum(r.arrival_s > 0 for r in st) == 2  # two requests waited for a slot
+
+
+def test_plan_lengths_takes_the_global_best_prefix():
+    from specpilot.engine.verify_budget import plan_lengths
+
+    surv = torch.tensor([[1.0, 0.9, 0.8, 0.1], [1.0, 0.2, 0.1, 0.05]])
+    # admission order (0,1) (0,2) (1,1) (0,3) (1,2) (1,3); rates 2.0, 2.64, 3.08, 3.25, 1.33, ...
+    assert plan_lengths(surv, {1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0}).tolist() == [3, 2]
+    # a cheap widest step beats every earlier prefix (staircase costs: global argmax, not first dip)
+    assert plan_lengths(surv, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.25}).tolist() == [4, 4]
+    # a large fixed overhead favours verifying everything; a costly width 2+ favours plain decode
+    assert plan_lengths(surv, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, overhead_s=100.0).tolist() == [4, 4]
+    assert plan_lengths(surv, {1: 1.0, 2: 9.0, 3: 9.0, 4: 9.0}).tolist() == [1, 1]
+    with pytest.raises(SpecpilotError, match="width 1"):
+        plan_lengths(surv, {2: 1.0})
+
+
+def test_load_aware_verify_length_keeps_outputs(pair, quick_prompts):
+    from specpilot.agent.directions import REGISTRY
+
+    target, drafter = pair
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    prompts = quick_prompts[:5]
+    ar = serve(EngineSpec("ar"), target, None, prompts, 12, 3, meta, progress=False)
+    la = serve(EngineSpec("specpilot", 6, {"verify_budget": "load_aware"}), target, drafter, prompts, 12, 3, meta,
+               progress=False)
+    assert [r.output_ids for r in la] == [r.output_ids for r in ar]
+    assert all(max(r.committed_per_step) <= 6 for r in la)
+    d = REGISTRY["verify_budget"]
+    assert d.apply({}, {"verify_budget": "off"}) == {} and d.cost_term == "verify"
+    assert d.applies({"drafter": "dflash", "concurrency": 16}) and not d.applies({"drafter": "dflash"})
+    with pytest.raises(SpecpilotError, match="verify_budget"):
+        serve(EngineSpec("specpilot", 6, {"verify_budget": "wide"}), target, drafter, prompts, 4, 3, meta,
+              progress=False)
+
+
+def test_cost_model_batched_terms():
+    from specpilot.agent.costmodel import analyze, idle_fraction
+    from specpilot.models.config import TargetConfig
+    from specpilot.records import Record
+
+    cfg = TargetConfig(vocab_size=1000, hidden_size=100, intermediate_size=300, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=25)
+    ceil = {"memory_bandwidth_bytes_per_s": 1e9, "matmul_flop_per_s": 1e12}
+
+    def rec(i, arrival, finish, stall):  # 10 steps of tau 4: draft 1 ms, verify 2 ms, decode 4 ms + stall
+        return Record(request_id=f"x/{i:04d}", benchmark="x", deployment="d", target="t", drafter="dflash",
+                      gpu="cpu", engine="stock", concurrency=2, prompt_tokens=50, new_tokens=41, prefill_s=0.0,
+                      decode_s=0.040 + stall, verify_steps=10, committed_per_step=[4] * 10, output_ids=[0] * 41,
+                      draft_s=0.010, verify_s=0.020, arrival_s=arrival, first_token_s=arrival, finish_s=finish,
+                      prefill_stall_s=stall)
+
+    # two slots over 1 s: slot A busy 0..1, slot B busy 0..0.25 and 0.5..1 -> idle 0.25 of 2 slot-seconds
+    recs = [rec(0, 0.0, 1.0, 0.010), rec(1, 0.0, 0.25, 0.0), rec(2, 0.5, 1.0, 0.0)]
+    assert idle_fraction(recs) == pytest.approx(0.125)
+    a = analyze(recs, cfg, None, ceil, 4, block_size=8)
+    terms = {t["term"]: t for t in a["terms"]}
+    assert terms["prefill_stall"]["gap_s_per_token"] == pytest.approx(0.001 / 3 / 4)  # mean stall per step / tau
+    assert terms["host"]["gap_s_per_token"] == pytest.approx(0.001 / 4)  # the stall is not host time
+    assert terms["idle_slots"]["gap_s_per_token"] == pytest.approx(0.125 * 0.004 / 4)
+    assert a["verify_rows"] == 16

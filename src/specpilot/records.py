@@ -47,6 +47,8 @@ class Record:
         arrival_s, first_token_s, finish_s: when the request was issued, got its first token and
             its last token [seconds from the cell's start] under continuous batching
             (:mod:`specpilot.engine.scheduler`); None from the static-batch regime.
+        prefill_stall_s: seconds of the decode spent in other requests' prefill steps
+            (continuous batching; part of ``decode_s``).
     """
 
     request_id: str
@@ -72,6 +74,7 @@ class Record:
     arrival_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
+    prefill_stall_s: float = 0.0
 
     @property
     def tau(self) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 # Cost terms the cost model reports (see costmodel.py).
-COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "kernels")
+COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "kernels", "prefill_stall", "idle_slots")
 
 
 @dataclass

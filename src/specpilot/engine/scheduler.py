@@ -63,6 +63,7 @@ class RequestResult(RowResult):
     arrival_s: float = 0.0
     first_token_s: float = 0.0
     finish_s: float = 0.0
+    prefill_stall_s: float = 0.0  # seconds of neighbours' prefill steps while this request decoded
 
 
 class ARProposer:
@@ -202,6 +203,9 @@ class Scheduler:
                 slot[b] = None
                 freed.append(b)
         last = self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
+        if isinstance(drafter, ARProposer) and self.eos_id is None and self.on_step is None:
+            self._loop_ar(queue, slot, length, last, requests, out, t0)
+            return out
 
         while any(s is not None for s in slot):
             st = step(runner, drafter, last, self.accept, self.profile)
@@ -234,6 +238,59 @@ class Scheduler:
                 length[b] += counts[b]
             last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
         return out
+
+    def _loop_ar(self, queue, slot, length, last, requests, out, t0) -> None:
+        """AR without EOS: every running row commits exactly one token per step, so the host knows
+        when each request finishes without reading tokens; the device is synchronized only when a
+        request finishes (its tokens are read then) and for refills, not every step (as
+        :func:`~specpilot.engine.generate.generate_ar`). ``verify_s`` = ``decode_s``."""
+        runner, dev, B = self.runner, self.runner.device, self.runner.batch
+        hist: list[torch.Tensor] = []  # next token of every row, per step
+        begin = [0] * B  # step index where the slot's request started decoding
+        left = [0] * B
+        for b, i in enumerate(slot):
+            if i is not None:
+                left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
+        while any(i is not None for i in slot):
+            counts = [1 if i is not None else 0 for i in slot]
+            with torch.inference_mode():
+                logits, _ = runner.verify(last[:, None])
+                last = logits[:, 0].argmax(-1)
+                runner.commit(torch.tensor(counts, dtype=torch.long))
+            hist.append(last)
+            self.steps += 1
+            done = []
+            for b, i in enumerate(slot):
+                if i is not None:
+                    left[b] -= 1
+                    length[b] += 1
+                    if left[b] == 0:
+                        done.append(b)
+            if not done:
+                continue
+            toks = torch.stack(hist[min(begin[b] for b in done):], 1).tolist()
+            now = clock(dev) - t0
+            base = min(begin[b] for b in done)
+            for b in done:
+                i, r = slot[b], out[slot[b]]
+                new = toks[b][begin[b] - base:]
+                r.output_ids.extend(new)
+                r.committed_per_step.extend([1] * len(new))
+                r.finish_s = now
+                r.decode_s = r.verify_s = now - r.first_token_s
+                slot[b] = None
+                if self.on_finish is not None:
+                    self.on_finish(i)
+            last = self._refill(done, now, queue, slot, length, last, requests, out, t0)
+            for b, i in enumerate(slot):
+                if i is not None and b in done:
+                    begin[b] = len(hist)
+                    left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
+            if len(hist) > 4096 and all(i is None or begin[b] > 0 for b, i in enumerate(slot)):
+                cut = min(begin[b] for b, i in enumerate(slot) if i is not None) if any(
+                    i is not None for i in slot) else len(hist)
+                hist = hist[cut:]
+                begin = [max(0, x - cut) for x in begin]
 
     def _admit(self, b: int, i: int, first: int, arrival: float, prefill_s: float, first_s: float,
                requests: list[Request], out: list[RequestResult]) -> bool:
@@ -291,6 +348,9 @@ class Scheduler:
             first = last[rows]
             firsts = first.tolist()
             tb = clock(dev)
+            for i in slot:  # the running requests waited through this prefill
+                if i is not None:
+                    out[i].prefill_stall_s += tb - ta
             for (b, i), tok in zip(new, firsts):
                 length[b] = len(prompts[b])
                 slot[b] = i

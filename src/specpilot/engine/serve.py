@@ -189,7 +189,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             deployment=meta["deployment"], target=meta["target"],
             drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"],
             arrival_s=getattr(r, "arrival_s", None), first_token_s=getattr(r, "first_token_s", None),
-            finish_s=getattr(r, "finish_s", None)))
+            finish_s=getattr(r, "finish_s", None), prefill_stall_s=getattr(r, "prefill_stall_s", 0.0)))
     return records
 
 
