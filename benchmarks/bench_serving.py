@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="continuous regime: prefill chunk")
+    ap.add_argument("--regimes", nargs="+", default=["static", "continuous"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -50,13 +52,14 @@ def main() -> int:
     def run(engine, c, regime):
         t0 = time.perf_counter()
         recs = serve(EngineSpec(engine, args.block_size), target, drafter if engine != "ar" else None, prompts,
-                     args.max_new_tokens, c, meta, progress=False, regime=regime)
+                     args.max_new_tokens, c, meta, progress=False, regime=regime,
+                     prefill_chunk=args.prefill_chunk if regime == "continuous" else None)
         return recs, time.perf_counter() - t0
 
     ref, _ = run("ar", 1, "continuous")
     rows = []
     for c in args.concurrency:
-        for regime in ("static", "continuous"):
+        for regime in args.regimes:
             res = {}
             for engine in ("ar", "stock"):
                 recs, wall = run(engine, c, regime)

@@ -241,3 +241,15 @@ def test_cost_model_batched_terms():
     assert terms["host"]["gap_s_per_token"] == pytest.approx(0.001 / 4)  # the stall is not host time
     assert terms["idle_slots"]["gap_s_per_token"] == pytest.approx(0.125 * 0.004 / 4)
     assert a["verify_rows"] == 16
+
+
+def test_chunked_prefill_needs_fewer_slots_and_keeps_outputs(pair, workload):
+    target, drafter = pair
+    reqs, eos, ref = workload
+    prop = _proposer("stock", drafter)
+    need = slots_needed(reqs, prop.verify_width, 1, 3, chunk=8)
+    assert need < slots_needed(reqs, prop.verify_width, 1, 3)
+    sched = Scheduler(TargetRunner(target, 3, need, prop.capture), prop, eos_id=eos, prefill_chunk=8)
+    out = sched.run(reqs)
+    assert [r.output_ids for r in out] == ref
+    assert sched.prefill_steps > len(reqs) // 3 + 1  # long prompts took several chunks

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="closed-loop concurrency c: requests in flight, a finished one's slot refilled at once")
     p.add_argument("--regime", choices=("continuous", "static"), default="continuous",
                    help="continuous batching (default) or the earlier static batches of c in lock step")
+    p.add_argument("--prefill-chunk", type=int, help="continuous batching: prefill prompts in chunks of this many "
+                   "tokens (fewer KV-cache slots per row; default whole prompts)")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
     p.add_argument("--device", default="auto")
@@ -101,7 +103,7 @@ def run(args) -> int:
                            "drafter": drafter_name, "gpu": args.gpu},
                      eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
                      graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile, regime=args.regime)
+                     profile=not args.no_profile, regime=args.regime, prefill_chunk=args.prefill_chunk)
 
     if args.multi_turn:
         from transformers import AutoTokenizer

@@ -112,7 +112,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
           max_seq: int | None = None, warmup: bool = True, progress: bool = True,
           graphs: bool | None = None, kernels: str | None = None, replay=None,
           references: dict[str, list[int]] | None = None, profile: bool = True,
-          regime: str = "continuous") -> list[Record]:
+          regime: str = "continuous", prefill_chunk: int | None = None) -> list[Record]:
     """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) at closed-loop concurrency c.
 
     ``regime = "continuous"`` (default): :class:`~specpilot.engine.scheduler.Scheduler` keeps c
@@ -130,6 +130,8 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             the AR engine runs first).
         profile: synchronize around the draft step to time it (``draft_s``); off = one
             synchronization per verify step only.
+        prefill_chunk: continuous batching prefills prompts in chunks of this many tokens (fewer
+            KV-cache slots, see :class:`~specpilot.engine.scheduler.Scheduler`); None = whole prompts.
         max_seq: KV-cache slots per row; default = what the prompts need (continuous: longest
             prompt + max_new_tokens + the widest step, see
             :func:`~specpilot.engine.scheduler.slots_needed`), capped at the target's
@@ -157,7 +159,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
         dev = target.lm_head.weight.device
         bucket = 64 if use_graphs(graphs, dev) else 1
         need = slots_needed([Request(p["prompt_ids"], max_new_tokens) for p in prompts], spec.verify_width,
-                            bucket, min(concurrency, len(prompts)))
+                            bucket, min(concurrency, len(prompts)), prefill_chunk)
         max_seq = min(max(need, longest + room), limit)
     max_seq = max_seq or min(longest + room, limit)
     for p in prompts:
@@ -175,7 +177,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
                              progress, replay, references, profile, opts)
     else:
         rows = _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq,
-                                 warmup, progress, replay, references, profile, opts)
+                                 warmup, progress, replay, references, profile, dict(opts, chunk=prefill_chunk))
     records = []
     for p, r in zip(prompts, rows):
         records.append(Record(
@@ -208,9 +210,10 @@ def _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrenc
     proposer = make_engine_proposer(spec, target, drafter, opts["graphs"], opts["kernels"], replay,
                                     [r.reference for r in requests[:B]] if replay is not None else None)
     capture = proposer.capture if proposer is not None else ()
-    runner = TargetRunner(target, B, max_seq, capture, **opts)
+    runner = TargetRunner(target, B, max_seq, capture, graphs=opts["graphs"], kernels=opts["kernels"])
     bar = tqdm(total=len(requests), desc=f"{spec.engine} c{concurrency}", unit="req", disable=not progress)
-    sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=eos_id, profile=profile)
+    sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=eos_id, profile=profile,
+                      prefill_chunk=opts.get("chunk"))
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
     sched.on_finish = lambda i: bar.update(1)
