@@ -96,18 +96,12 @@ def prefill_width(lengths: list[int], bucket: int) -> int:
     return -(-w // bucket) * bucket
 
 
-def slots_needed(requests: list[Request], verify_width: int, bucket: int = 1, batch: int = 2,
-                 chunk: int | None = None) -> int:
-    """KV-cache slots per row that a run of ``requests`` over ``batch`` slots needs.
-
-    A running or idle row holds at most prompt + budget - 1 committed entries and a decode step
-    writes ``verify_width`` entries beyond them; with more than one slot a neighbour's prefill
-    block (``prefill_width``, at most ``chunk`` rounded to the bucket) is padding written beyond a
-    running row's entries too.
-    """
-    pre = prefill_width([min(len(r.prompt_ids), chunk or len(r.prompt_ids)) for r in requests], bucket)
-    top = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 1
-    return max(top + verify_width, pre) if batch == 1 else top + max(verify_width, pre)
+def slots_needed(requests: list[Request], verify_width: int) -> int:
+    """KV-cache slots per row that a run of ``requests`` needs: a running or idle row holds at
+    most prompt + budget - 1 committed entries and a decode step writes ``verify_width`` entries
+    beyond them. A prefill step's block is cut to the room every row has left (chunked prefill),
+    so it needs no slots of its own."""
+    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 1 + verify_width
 
 
 class Scheduler:
@@ -123,8 +117,9 @@ class Scheduler:
         prefill_bucket: prefill block widths are rounded up to a multiple of this (default: 64
             under CUDA graphs, else 1).
         prefill_chunk: newcomers' prompts are prefilled in chunks of at most this many tokens,
-            one prefill step per chunk (bounds the padding a neighbour's prefill writes beyond a
-            running row, so the KV cache needs fewer slots); None = the whole prompt at once.
+            one prefill step per chunk; None = as much as fits. A prefill block is always cut to
+            the KV-cache room every row has left (its entries land beyond each row's length, as
+            padding in the running rows), so a prompt may take several chunks near a full cache.
         on_step: optional callback(proposal, accepted paths) after each decode step.
     Raises:
         SpecpilotError: a drafter without ``reset_slot``.
@@ -161,10 +156,10 @@ class Scheduler:
                 raise SpecpilotError(f"request {i} has an empty prompt")
             if r.max_new_tokens < 1:
                 raise SpecpilotError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        need = slots_needed(requests, self.verify_width, self.bucket, self.runner.batch, self.chunk)
+        need = slots_needed(requests, self.verify_width)
         if need > self.runner.max_seq:
             raise SpecpilotError(f"continuous batching needs {need} KV-cache slots per row (longest prompt + "
-                                 f"budget + step width) but the cache holds {self.runner.max_seq}")
+                                 f"budget - 1 + verify width) but the cache holds {self.runner.max_seq}")
 
     def run(self, requests: list[Request]) -> list[RequestResult]:
         """Serve ``requests`` in queue order; returns one :class:`RequestResult` per request, in order.
@@ -321,29 +316,38 @@ class Scheduler:
             longest = max(len(p) for p in prompts.values())
             C = self.chunk or longest
             rows = torch.tensor([b for b, _ in new], device=dev)
-            first = None
-            for lo in range(0, longest, C):  # one prefill step per chunk of the prompts
-                parts = {b: p[lo: lo + C] for b, p in prompts.items()}
-                W = prefill_width([max(1, len(x)) for x in parts.values()], self.bucket)
-                block = torch.zeros(runner.batch, W, dtype=torch.long)
+            pos = {b: 0 for b in prompts}  # prompt tokens of each newcomer committed so far
+            while any(pos[b] < len(p) for b, p in prompts.items()):  # one prefill step per chunk
+                # every row (running, idle, new) gets this block's entries beyond its length: fit the room
+                room = runner.max_seq - max(length)
+                if room < 1:  # _check guarantees room >= verify width; a broken invariant must not loop
+                    raise SpecpilotError(f"no KV-cache room left for a prefill step (max_seq {runner.max_seq})")
+                W = min(max(len(p) - pos[b] for b, p in prompts.items()), self.chunk or runner.max_seq, room)
+                Wb = prefill_width([W], self.bucket)
+                if Wb > room:
+                    Wb = W
+                parts = {b: p[pos[b]: pos[b] + W] for b, p in prompts.items()}
+                block = torch.zeros(runner.batch, Wb, dtype=torch.long)
                 for b, x in parts.items():
                     block[b, : len(x)] = torch.tensor(x, dtype=torch.long)
                 block = block.to(dev)
                 with torch.inference_mode():
                     logits, feats = runner.verify(block)
                     # a prompt's first output token: the argmax at its last position (in its last chunk)
-                    ends = [b for b, p in prompts.items() if lo < len(p) <= lo + C]
+                    ends = [b for b, x in parts.items() if x and pos[b] + len(x) == len(prompts[b])]
                     if ends:
                         er = torch.tensor(ends, device=dev)
-                        ep = torch.tensor([len(prompts[b]) - 1 - lo for b in ends], device=dev)
-                        tok = logits[er, ep].argmax(-1)
+                        ep = torch.tensor([len(parts[b]) - 1 for b in ends], device=dev)
                         last = last.clone()
-                        last[er] = tok
+                        last[er] = logits[er, ep].argmax(-1)
                     counts = [len(parts[b]) if b in parts else 0 for b in range(runner.batch)]
                     committed = [list(parts[b]) if b in parts else [] for b in range(runner.batch)]
                     counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
                     self.drafter.observe(feats, runner.length, counts_t, committed)
                     runner.commit(counts_t)
+                for b, x in parts.items():
+                    pos[b] += len(x)
+                    length[b] += len(x)
                 self.prefill_steps += 1
             first = last[rows]
             firsts = first.tolist()
@@ -352,7 +356,6 @@ class Scheduler:
                 if i is not None:
                     out[i].prefill_stall_s += tb - ta
             for (b, i), tok in zip(new, firsts):
-                length[b] = len(prompts[b])
                 slot[b] = i
                 if self._admit(b, i, tok, now, tb - ta, tb - t0, requests, out):
                     slot[b] = None

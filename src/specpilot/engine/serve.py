@@ -132,9 +132,8 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             synchronization per verify step only.
         prefill_chunk: continuous batching prefills prompts in chunks of this many tokens (fewer
             KV-cache slots, see :class:`~specpilot.engine.scheduler.Scheduler`); None = whole prompts.
-        max_seq: KV-cache slots per row; default = what the prompts need (continuous: longest
-            prompt + max_new_tokens + the widest step, see
-            :func:`~specpilot.engine.scheduler.slots_needed`), capped at the target's
+        max_seq: KV-cache slots per row; default = longest prompt + max_new_tokens + verify
+            width + 1 (+ 64 under CUDA graphs, continuous), capped at the target's
             ``max_position_embeddings``.
     Raises:
         SpecpilotError: empty prompt list, a prompt that does not fit the KV cache, bad concurrency
@@ -154,13 +153,10 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     limit = target.config.max_position_embeddings
     if max_seq is None and regime == "continuous":
         from .runner import use_graphs
-        from .scheduler import Request, slots_needed
 
-        dev = target.lm_head.weight.device
-        bucket = 64 if use_graphs(graphs, dev) else 1
-        need = slots_needed([Request(p["prompt_ids"], max_new_tokens) for p in prompts], spec.verify_width,
-                            bucket, min(concurrency, len(prompts)), prefill_chunk)
-        max_seq = min(max(need, longest + room), limit)
+        # under CUDA graphs, room for a 64-token prefill chunk beyond a running row keeps the
+        # prefill widths on the scheduler's bucket (fewer captured shapes)
+        max_seq = min(longest + room + (64 if use_graphs(graphs, target.lm_head.weight.device) else 0), limit)
     max_seq = max_seq or min(longest + room, limit)
     for p in prompts:
         if len(p["prompt_ids"]) + room > max_seq:
