@@ -12,6 +12,9 @@ One row per cell (deployment, benchmark, concurrency) plus summary rows. For eac
   included), i.e. sum of ``committed_per_step`` over total ``verify_steps``;
   ``{engine}_tau_req``: mean over requests of each request's own mean (the z-lab convention);
 - ``{engine}_tok_s``: sum of new tokens / sum of decode seconds; ``ar_tok_s`` likewise for AR;
+- ``{engine}_throughput`` (and ``ar_throughput``): system throughput of the cell = its output
+  tokens / wall seconds (last ``finish_s`` - first ``arrival_s`` of its records; empty for
+  records without times, e.g. the static-batch regime), beside the per-request speedups;
 - ``{engine}_forcing``: ``pass``/``FAIL``/``not run`` from the cell's ``.forcing.json``
   (:func:`specpilot.forcing.verdict_word`: ``pass`` needs zero violations, coverage 100 % and a
   verdict over exactly the cell's requests and tokens). A cell whose forcing failed leaves that
@@ -59,7 +62,8 @@ COLUMNS = [
 ]
 MAX_SPREAD = 0.25  # default: repeated timings of one request differing by more => a loaded machine
 log = logging.getLogger("specpilot.table")
-_PER_ENGINE = ["speedup_arith", "tau_req", "tok_s", "forcing"]
+_PER_ENGINE = ["speedup_arith", "tau_req", "tok_s", "throughput", "forcing"]
+_VALUES = ["speedup", "speedup_arith", "tau", "tau_req", "tok_s", "throughput"]  # per-engine value columns
 
 _FORCING_NAME = re.compile(r"^(?P<engine>[A-Za-z0-9_]+)-c(?P<concurrency>\d+)\.forcing\.json$")
 
@@ -158,6 +162,15 @@ def tok_s(records: list[Record]) -> float:
     return sum(r.new_tokens for r in records) / secs if secs > 0 else math.nan
 
 
+def throughput(records: list[Record]) -> float:
+    """System throughput [tokens/s]: output tokens of all records / wall seconds of the cell
+    (latest ``finish_s`` - earliest ``arrival_s``); NaN when a record has no times."""
+    if not records or any(r.finish_s is None or r.arrival_s is None for r in records):
+        return math.nan
+    wall = max(r.finish_s for r in records) - min(r.arrival_s for r in records)
+    return sum(r.new_tokens for r in records) / wall if wall > 0 else math.nan
+
+
 def paired_speedups(ar: list[Record], eng: list[Record], where: str) -> tuple[float, float, int]:
     """(geometric-mean speedup, ratio-of-arithmetic-means speedup, requests left out).
 
@@ -224,13 +237,13 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
     row: dict = {
         "deployment": deployment, "target": ar[0].target, "drafter": named.drafter,
         "benchmark": benchmark, "concurrency": concurrency, "n_requests": len(ar),
-        "ar_tok_s": tok_s(ar),
+        "ar_tok_s": tok_s(ar), "ar_throughput": throughput(ar),
         "synthetic": any(r.synthetic for recs in engines.values() for r in recs),
     }
     notes, words = [], []
     for eng in candidates:
         recs = engines.get(eng)
-        for suffix in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]:
+        for suffix in _VALUES:
             row[f"{eng}_{suffix}"] = math.nan
         if not recs:
             row[f"{eng}_forcing"] = "not run"
@@ -246,7 +259,7 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
         geo, arith, left_out = paired_speedups(ar, recs, where)
         row.update({f"{eng}_speedup": geo, f"{eng}_speedup_arith": arith,
                     f"{eng}_tau": tau_over_steps(recs), f"{eng}_tau_req": tau_per_request(recs),
-                    f"{eng}_tok_s": tok_s(recs)})
+                    f"{eng}_tok_s": tok_s(recs), f"{eng}_throughput": throughput(recs)})
         if left_out:
             notes.append(f"{eng}: {left_out} request(s) without decode time left out of speedups")
         if word == "not run":
@@ -333,12 +346,11 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
     candidates = sorted({c[: -len("_forcing")] for r in rows_by_cell.values() for c in r
                          if c.endswith("_forcing")},
                         key=lambda e: (CANDIDATES.index(e) if e in CANDIDATES else len(CANDIDATES), e))
-    value_cols = ["ar_tok_s"] + [f"{e}_{s}" for e in candidates
-                                 for s in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]]
+    value_cols = ["ar_tok_s", "ar_throughput"] + [f"{e}_{s}" for e in candidates for s in _VALUES]
     # every row gets every candidate's columns (an engine may be absent from some cells)
     for r in rows_by_cell.values():
         for e in candidates:
-            for s in ["speedup", "speedup_arith", "tau", "tau_req", "tok_s"]:
+            for s in _VALUES:
                 r.setdefault(f"{e}_{s}", math.nan)
             r.setdefault(f"{e}_forcing", "not run")
 
@@ -356,7 +368,7 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
         rows = [r for c, r in rows_by_cell.items() if c[2] == conc]
         table.append(summary_row(rows, ALL, conc, value_cols, specpilot_note))
 
-    extra = [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + \
+    extra = ["ar_throughput"] + [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + \
             [f"{e}_{s}" for e in candidates for s in ["speedup", "tau"] if f"{e}_{s}" not in COLUMNS]
     cols = COLUMNS + [c for c in dict.fromkeys(extra) if c not in COLUMNS]
     return pd.DataFrame(table, columns=cols)

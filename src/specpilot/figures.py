@@ -1,7 +1,8 @@
 """``specpilot figures``: the study figures from ``table.csv``.
 
 Writes ``speedup.png`` (speedup over AR per benchmark, stock vs specpilot), ``tau.png``
-(acceptance length per benchmark) and ``concurrency.png`` (speedup vs concurrency) into the output
+(acceptance length per benchmark) and ``concurrency.png`` (per-request speedup and
+system throughput vs concurrency) into the output
 folder. Readable in grayscale: engines differ by gray level and hatching (bars) or line style and
 marker (lines). A value the table leaves empty (engine not run, or token forcing failed) is drawn as
 absent, labelled ``n/a`` or ``FAIL``, never as zero. A value from a cell timed on a loaded machine
@@ -145,41 +146,57 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
     return marked
 
 
+AR_STYLE = ("0.0", "", ":", "^")  # AR's line in the throughput panel
+
+
 def speedup_vs_concurrency(df: pd.DataFrame, path: Path) -> None:
-    """Geometric-mean speedup over AR against concurrency, one line per deployment and engine."""
+    """Two panels against concurrency, one line per deployment and engine: the geometric-mean
+    per-request speedup over AR (left) and the system throughput ``*_throughput`` in output
+    tokens/s, AR included (right; absent when the table has no throughput columns)."""
     plt = _plt()
     s = df[df["benchmark"] == SUMMARY]
     deployments = [d for d in dict.fromkeys(s["deployment"]) if d != "all"] or ["all"]
     grays = [str(g) for g in ([0.0] if len(deployments) == 1 else
                               [round(0.65 * i / (len(deployments) - 1), 2) for i in range(len(deployments))])]
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
-    drawn = 0
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.0, 4.0))
+    drawn = drawn_tp = 0
     for dep, gray in zip(deployments, grays):
         rows = s[s["deployment"] == dep].sort_values("concurrency")
-        for engine, (_, _, ls, marker) in ENGINE_STYLE.items():
-            col = f"{engine}_speedup"
-            if col not in rows:
-                continue
-            pts = [(c, v) for c, v in zip(rows["concurrency"], rows[col]) if _isnum(v)]
-            if not pts:
-                continue
-            for (_, r) in rows.iterrows():
-                if _warned(r) and _isnum(r[col]):
-                    ax.annotate("!", (r["concurrency"], r[col]), textcoords="offset points", xytext=(0, 5),
-                                ha="center", fontsize=9, fontweight="bold")
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, linestyle=ls, marker=marker, color=gray, markerfacecolor="white"
-                    if engine == "specpilot" else gray, label=f"{dep} {engine}")
-            drawn += 1
+        for engine, (_, _, ls, marker) in [("ar", AR_STYLE), *ENGINE_STYLE.items()]:
+            for axis, col in ((ax, f"{engine}_speedup"), (ax2, f"{engine}_throughput")):
+                if col not in rows:
+                    continue
+                pts = [(c, v) for c, v in zip(rows["concurrency"], rows[col]) if _isnum(v)]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                axis.plot(xs, ys, linestyle=ls, marker=marker, color=gray, markerfacecolor="white"
+                          if engine == "specpilot" else gray, label=f"{dep} {engine}")
+                if axis is ax:
+                    drawn += 1
+                    for (_, r) in rows.iterrows():
+                        if _warned(r) and _isnum(r[col]):
+                            ax.annotate("!", (r["concurrency"], r[col]), textcoords="offset points", xytext=(0, 5),
+                                        ha="center", fontsize=9, fontweight="bold")
+                else:
+                    drawn_tp += 1
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
     concs = sorted(set(int(c) for c in s["concurrency"]))
-    ax.set_xticks(concs)
-    ax.set_xlabel("concurrency (requests decoded together)")
-    ax.set_ylabel("speedup over AR (×, geomean over benchmarks)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Speedup over AR vs concurrency", fontsize=10)
-    if drawn:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    for axis in (ax, ax2):
+        axis.set_xticks(concs)
+        axis.set_xlabel("concurrency c (requests in flight)")
+        axis.set_ylim(bottom=0)
+    ax.set_ylabel("per-request speedup over AR (×, geomean over benchmarks)")
+    ax.set_title("Per-request speedup over AR vs concurrency", fontsize=10)
+    ax2.set_ylabel("system throughput (output tokens/s, geomean over benchmarks)")
+    ax2.set_title("Throughput vs concurrency", fontsize=10)
+    if drawn_tp:
+        ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    elif drawn:
+        ax.legend(fontsize=7, loc="upper left")
+    if not drawn_tp:
+        ax2.text(0.5, 0.5, "no throughput values\n(records without arrival/finish times)", ha="center",
+                 va="center", transform=ax2.transAxes, fontsize=8)
     notes = _notes(s)
     if not drawn:
         notes.insert(0, "no speedup values to draw")

@@ -50,6 +50,11 @@ class Record:
         decode_s_repeats: ``decode_s`` of every timing repeat of the cell [seconds] (the record's
             own timings are the fastest run's); None when the cell was timed once. Their spread is
             the table's loaded-machine check.
+        arrival_s, first_token_s, finish_s: when the request was issued, got its first token and
+            its last token [seconds from the cell's start] under continuous batching
+            (:mod:`specpilot.engine.scheduler`); None from the static-batch regime.
+        prefill_stall_s: seconds of the decode spent in other requests' prefill steps
+            (continuous batching; part of ``decode_s``).
     """
 
     request_id: str
@@ -74,6 +79,10 @@ class Record:
     prompt_ids: list[int] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     decode_s_repeats: list[float] | None = None
+    arrival_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    prefill_stall_s: float = 0.0
 
     @property
     def tau(self) -> float:

@@ -11,6 +11,13 @@ Terms reported, each in seconds per committed token (divide per-step seconds by 
 - ``verify``, ``draft``, ``host``: measured minus floor;
 - ``weight_bytes``: the weight-read part of the verify floor that a 12-bit format would save
   (a quarter of it), only for bf16 weights.
+Batched terms (continuous batching, records with times; the verify floor above is already at
+M = batch x block rows):
+- ``prefill_stall``: neighbours' prefill steps a running request waited through
+  (``prefill_stall_s``; taken out of ``host``), floor 0;
+- ``idle_slots``: the share f of slot-time without a running request (1 - sum of the requests'
+  time in flight / (c x wall time of the cell)); gap = f x the step's per-token cost, the
+  throughput the empty slots forgo.
 Kernel launch configs are tuned apart from the rounds, by the kernel sub-agent
 (:mod:`specpilot.agent.kernel_agent`), whose winners every round step and engine cell use.
 """
@@ -60,6 +67,20 @@ def step_floors(cfg: TargetConfig, dcfg: DrafterConfig | None, ceilings: dict, b
     return out
 
 
+def idle_fraction(records: list[Record]) -> float:
+    """Share of slot-time without a running request: 1 - sum(finish - arrival) / (c x wall), c =
+    the records' concurrency, wall = last finish - first arrival; 0 without times."""
+    if not records or any(getattr(r, "finish_s", None) is None or getattr(r, "arrival_s", None) is None
+                          for r in records):
+        return 0.0
+    c = max(r.concurrency for r in records)
+    wall = max(r.finish_s for r in records) - min(r.arrival_s for r in records)
+    if wall <= 0:
+        return 0.0
+    busy = sum(r.finish_s - r.arrival_s for r in records)
+    return max(0.0, 1.0 - busy / (c * wall))
+
+
 def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None, ceilings: dict,
             dtype_bytes: int, block_size: int) -> dict:
     """Rank the cost terms of an instrumented run (records with draft_s / verify_s).
@@ -72,7 +93,8 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
     n = len(steps)
     per = lambda f: sum(f(r) / r.verify_steps for r in steps) / n  # noqa: E731 mean per-step seconds
     draft, verify, total = per(lambda r: r.draft_s), per(lambda r: r.verify_s), per(lambda r: r.decode_s)
-    host = max(total - draft - verify, 0.0)
+    stall = per(lambda r: getattr(r, "prefill_stall_s", 0.0) or 0.0)
+    host = max(total - draft - verify - stall, 0.0)
     tau = sum(sum(r.committed_per_step) for r in steps) / sum(r.verify_steps for r in steps)
     batch = max(r.concurrency for r in steps)
     context = sum(r.prompt_tokens + r.new_tokens / 2 for r in steps) / n
@@ -95,9 +117,15 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
     terms.append({"term": "weight_bytes", "measured_s_per_token": fl["verify_weight_read"] / tau,
                   "floor_s_per_token": fl["verify_weight_read"] * 0.75 / tau, "gap_s_per_token": saving,
                   "ratio_to_floor": 4 / 3 if saving else 1.0})
+    terms.append(term("prefill_stall", stall, 0.0))
+    idle = idle_fraction(steps)
+    terms.append({"term": "idle_slots", "measured_s_per_token": step * idle / tau, "floor_s_per_token": 0.0,
+                  "gap_s_per_token": step * idle / tau, "ratio_to_floor": math.inf if idle else 1.0})
     terms.sort(key=lambda t: -t["gap_s_per_token"])
     return {"tau": tau, "block_size": block_size, "batch": batch, "context_tokens": context,
-            "measured_step_s": {"draft": draft, "verify": verify, "host": host, "total": total},
+            "measured_step_s": {"draft": draft, "verify": verify, "host": host, "prefill_stall": stall,
+                                "total": total},
+            "verify_rows": batch * block_size, "idle_slot_fraction": idle,
             "floor_step_s": fl, "terms": terms}
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 # Cost terms the cost model reports (see costmodel.py).
-COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes")
+COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "prefill_stall", "idle_slots")
 
 
 @dataclass
@@ -50,7 +50,8 @@ class Direction:
 
 
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
-DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",)}
+DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
+            "verify_budget": ("off",)}
 
 
 def normalize(config: dict) -> dict:
@@ -92,3 +93,11 @@ register(Direction(
     "w12_weights", "weight_bytes", {"weight_format": ["bf16", "w12"]},
     "lossless 12-bit weights: 25% fewer weight bytes per verify step, bit-identical outputs",
     applies=_w12_applies))
+
+
+register(Direction(
+    "verify_budget", "verify", {"verify_budget": ["off", "load_aware"]},
+    "load-aware verify length (DSpark Algorithm 1): per step, verify the (request, position) slots of "
+    "highest survival while expected committed tokens per second (profiled step-cost table) rises; "
+    "outputs unchanged, only verify width changes",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup") and int(ctx.get("concurrency", 1)) > 1))

@@ -47,6 +47,9 @@ class DFlashProposer:
         if self.branch < 0 or self.depth < 0:
             raise SpecpilotError(f"{self.kind}: tree_branch and tree_depth must be >= 0")
         self.capture = tuple(drafter.config.target_layer_ids)
+        # attach each draft's top-1 probability as its confidence (the load-aware verify length's
+        # survival proxy; eager drafting only, since the captured draft graph returns tokens only)
+        self.confidence = False
 
     @property
     def n_drafts(self) -> int:
@@ -66,7 +69,7 @@ class DFlashProposer:
         self.embed = runner.model.model.embed_tokens
         self.lm_head = runner.model.lm_head
         self.drafter.setup_cache(len(prompts), runner.max_seq)
-        if self.branch == 0 and use_graphs(self.use_graphs, first.device):
+        if self.branch == 0 and not self.confidence and use_graphs(self.use_graphs, first.device):
             from ..engine.graphs import drafter_graphs
 
             self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
@@ -85,7 +88,14 @@ class DFlashProposer:
         tokens, logits = self._draft(last, start)
         if self.branch:
             return spine_tree(last, tokens, side_branches(logits, tokens, self.depth, self.branch))
+        if self.confidence:
+            return chain(last, tokens, confidence=logits.float().softmax(-1).gather(-1, tokens[..., None])[..., 0])
         return chain(last, tokens)
+
+    def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
+        """Continuous batching: slot b now serves a new request. Nothing to reset on the host: the
+        scheduler's prefill step wrote the prompt's context from position 0 through
+        :meth:`observe`, and the draft only reads context slots below the row's length."""
 
     @torch.inference_mode()
     def observe(self, features, start, counts, committed) -> None:

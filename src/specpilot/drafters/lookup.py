@@ -35,6 +35,11 @@ class LookupProposer:
         self.device = first.device
         self.history = [list(p) + [t] for p, t in zip(prompts, first.tolist())]
 
+    def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
+        """Continuous batching: slot b now serves a new request; its history is that prompt + its
+        first token."""
+        self.history[b] = list(prompt_ids) + [int(first_token)]
+
     def _lookup(self, seq: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]

@@ -27,11 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-name", default="dflash", help="drafter name recorded with each request (default dflash)")
     p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests decoded together in one batch (default 1)")
+    p.add_argument("--concurrency", type=int, default=1, help="closed-loop concurrency c: requests in flight, a finished one's slot refilled at once (default 1)")
     p.add_argument("--block-size", default="8",
                    help="block size in the drafter's own counting (dflash/dflash2: verify width, anchor/bonus "
                         "included; dspark: gamma drafts); 'auto' = the drafter config's block_size (default 8; "
                         "the engine config's wins)")
+    p.add_argument("--regime", choices=("continuous", "static"), default="continuous",
+                   help="continuous batching (default) or the earlier static batches of c in lock step")
+    p.add_argument("--prefill-chunk", type=int, help="continuous batching: prefill prompts in chunks of this many "
+                   "tokens (fewer KV-cache slots per row; default whole prompts)")
     p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16")
@@ -129,7 +133,8 @@ def run(args) -> int:
                            "drafter": drafter_name, "gpu": args.gpu},
                      eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
                      graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile, warmup=warm["up"])
+                     profile=not args.no_profile, warmup=warm["up"], regime=args.regime,
+                     prefill_chunk=args.prefill_chunk)
 
     tokenizer = None
     if args.multi_turn:
@@ -155,5 +160,6 @@ def run(args) -> int:
     taus = [t for r in records for t in r.committed_per_step]
     print(json.dumps({"engine": args.engine, "requests": len(records),
                       "tau": round(sum(taus) / max(len(taus), 1), 3),
-                      "decode_s": round(sum(r.decode_s for r in records), 3)}))
+                      "decode_s": round(sum(r.decode_s for r in records), 3),
+                      "wall_s": round(max((r.finish_s or 0.0) for r in records), 3)}))
     return 0

@@ -231,38 +231,84 @@ def generate(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], m
         one :class:`RowResult` per prompt.
     """
     rows, done, last, t1 = _begin(runner, drafter, prompts, max_new_tokens, eos_id)
-    dev = runner.device
-    B = len(prompts)
     while not all(done):
-        ta = clock(dev) if profile else 0.0
-        prop = drafter.propose(last, runner.length)
-        if prop.tokens.shape[0] != B:
-            raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
-        tb = clock(dev) if profile else 0.0
-        logits, feats = runner.verify(prop.tokens, prop.parents)
-        if prop.is_chain:
-            paths, bonus = _verify_chain(prop, logits, accept)
-        else:
-            paths, bonus = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
-        toks_l = prop.tokens.tolist()
-        tc = clock(dev)
+        st = step(runner, drafter, last, accept, profile)
         if on_step is not None:
-            on_step(prop, paths)
-        proposed = [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]] for b in range(B)]
-        counts, committed = _record_step(rows, done, proposed, max_new_tokens, eos_id, (t1, ta, tb, tc), profile)
-        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
-        path_slots = path_feats = None
-        if not prop.is_chain:
-            width = max(len(p) for p in paths)
-            path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
-            if feats is not None:
-                path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
-        else:
-            path_feats = feats
-        drafter.observe(path_feats, runner.length, counts_t, committed)
-        runner.commit(counts_t, path_slots=path_slots)
-        last = torch.tensor(bonus, dtype=torch.long, device=dev)
+            on_step(st.proposal, st.paths)
+        counts, committed = _record_step(rows, done, st.proposed, max_new_tokens, eos_id,
+                                         (t1, st.t_draft, st.t_verify, st.t_end), profile)
+        last = advance(runner, drafter, st, counts, committed)
     return rows
+
+
+@dataclass
+class Step:
+    """One draft + verify step before commit (see :func:`step`).
+
+    Attributes:
+        proposal: what the drafter proposed; paths: per row the accepted block indices (root
+        first); bonus: per row the target's token after the accepted path; proposed: per row the
+        tokens the step would commit (accepted drafts + bonus), before budgets/EOS; feats:
+        captured target features [B, N, F] of the verified block (or None); t_draft, t_verify,
+        t_end: clock readings [s] at the draft start, verify start and after the acceptance
+        decision (the first two are 0.0 without ``profile``).
+    """
+
+    proposal: Proposal
+    paths: list[list[int]]
+    bonus: list[int]
+    proposed: list[list[int]]
+    feats: torch.Tensor | None
+    t_draft: float
+    t_verify: float
+    t_end: float
+
+
+def step(runner: TargetRunner, drafter: Drafter, last: torch.Tensor, accept: Callable = accept_greedy,
+         profile: bool = True) -> Step:
+    """Propose after ``last`` int64 [B], verify every row's candidates in one target forward and
+    decide acceptance; nothing is committed yet (call :func:`advance`).
+
+    Shared by :func:`generate` (static batches) and :mod:`specpilot.engine.scheduler`
+    (continuous batching). Raises SpecpilotError when the drafter proposes the wrong row count.
+    """
+    dev = runner.device
+    B = runner.batch
+    ta = clock(dev) if profile else 0.0
+    prop = drafter.propose(last, runner.length)
+    if prop.tokens.shape[0] != B:
+        raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
+    tb = clock(dev) if profile else 0.0
+    logits, feats = runner.verify(prop.tokens, prop.parents)
+    if prop.is_chain:
+        paths, bonus = _verify_chain(prop, logits, accept)
+    else:
+        paths, bonus = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
+    toks_l = prop.tokens.tolist()
+    tc = clock(dev)
+    proposed = [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]] for b in range(B)]
+    return Step(prop, paths, bonus, proposed, feats, ta, tb, tc)
+
+
+def advance(runner: TargetRunner, drafter: Drafter, st: Step, counts: list[int],
+            committed: list[list[int]]) -> torch.Tensor:
+    """Commit ``counts[b]`` entries of row b's accepted path (0 = row does not advance) and tell
+    the drafter; tree paths are compacted in the cache. Returns the next anchors int64 [B]
+    (the bonus tokens; a row that did not advance gets its bonus too, which its owner ignores)."""
+    dev = runner.device
+    counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+    feats, paths = st.feats, st.paths
+    path_slots = path_feats = None
+    if not st.proposal.is_chain:
+        width = max(len(p) for p in paths)
+        path_slots = torch.tensor([p + [0] * (width - len(p)) for p in paths], dtype=torch.long, device=dev)
+        if feats is not None:
+            path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
+    else:
+        path_feats = feats
+    drafter.observe(path_feats, runner.length, counts_t, committed)
+    runner.commit(counts_t, path_slots=path_slots)
+    return torch.tensor(st.bonus, dtype=torch.long, device=dev)
 
 
 def generate_speculative(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,

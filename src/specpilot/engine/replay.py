@@ -204,6 +204,16 @@ class ReplayProposer:
             rows.append(d)
         return chain(last, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
 
+    def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
+        """Continuous batching: slot b now serves a new request whose AR output is ``reference``.
+
+        Raises SpecpilotError without a reference."""
+        if reference is None:
+            raise SpecpilotError("replay: a request without a reference output (run AR first)")
+        self.refs[b], self.pos[b] = list(reference), 1
+        if self.network is not None:
+            self.network.reset_slot(b, prompt_ids, first_token)
+
     def observe(self, features, start, counts, committed) -> None:
         if self.network is not None:
             self.network.observe(features, start, counts, committed)

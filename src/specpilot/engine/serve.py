@@ -95,49 +95,80 @@ def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter
     if replay is not None and references is None:
         references = [r.output_ids for r in generate_batch(EngineSpec("ar"), target, None, prompts, max_new_tokens,
                                                             max_seq, eos_id, graphs=graphs, kernels=kernels)]
+    proposer = make_engine_proposer(spec, target, drafter, graphs, kernels, replay, references)
+    runner = TargetRunner(target, len(prompts), max_seq, proposer.capture, graphs=graphs, kernels=kernels)
+    return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile)
+
+
+def make_engine_proposer(spec: EngineSpec, target: Transformer, drafter, graphs: bool | None = None,
+                         kernels: str | None = None, replay=None, references: list[list[int]] | None = None):
+    """The drafter plug-in of engine ``spec`` (None for AR): replay (``references`` = per row the
+    AR output ids), lookup, or the drafter network's plug-in. Raises SpecpilotError when a
+    drafter-based engine has no drafter."""
+    if spec.engine == "ar":
+        return None
     if replay is not None:
         from .replay import ReplayProposer
 
         net = make_proposer(drafter, spec.block_size, {}, graphs, kernels) if drafter is not None else None
         width = net.verify_width if net is not None else spec.block_size  # the drafter's counting
-        proposer = ReplayProposer(references, replay, target.config.vocab_size, net,
-                                  seed=int(spec.config.get("replay_seed", 0)), block_size=width)
-    elif spec.engine == "lookup":
-        proposer = LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
-    else:
-        if drafter is None:
-            raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
-        proposer = make_proposer(drafter, spec.block_size, spec.config, graphs, kernels)
-    runner = TargetRunner(target, len(prompts), max_seq, proposer.capture, graphs=graphs, kernels=kernels)
-    return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile)
+        return ReplayProposer(references, replay, target.config.vocab_size, net,
+                              seed=int(spec.config.get("replay_seed", 0)), block_size=width)
+    if spec.engine == "lookup":
+        return LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
+    if drafter is None:
+        raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
+    proposer = make_proposer(drafter, spec.block_size, spec.config, graphs, kernels)
+    budget = spec.config.get("verify_budget", "off")
+    if budget == "load_aware":
+        from .verify_budget import LoadAwareVerify
+
+        return LoadAwareVerify(proposer)
+    if budget != "off":
+        raise SpecpilotError(f"unknown verify_budget {budget!r}; use off or load_aware")
+    return proposer
 
 
 def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, prompts: list[dict],
           max_new_tokens: int, concurrency: int, meta: dict, eos_id: int | None = None,
           max_seq: int | None = None, warmup: bool = True, progress: bool = True,
           graphs: bool | None = None, kernels: str | None = None, replay=None,
-          references: dict[str, list[int]] | None = None, profile: bool = True) -> list[Record]:
-    """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) in batches of ``concurrency``.
+          references: dict[str, list[int]] | None = None, profile: bool = True,
+          regime: str = "continuous", prefill_chunk: int | None = None) -> list[Record]:
+    """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) at closed-loop concurrency c.
+
+    ``regime = "continuous"`` (default): :class:`~specpilot.engine.scheduler.Scheduler` keeps c
+    requests in flight over one runner and drafter built once, refilling a finished request's
+    slot from the queue at once (SGLang ``bench_serving --max-concurrency c``). Records carry
+    ``arrival_s``, ``first_token_s``, ``finish_s`` (seconds from the cell's start) and
+    ``decode_s`` = finish - first token. ``"static"``: the earlier regime, batches of c decoded
+    in lock step, a new runner per batch (kept to measure against).
 
     Args:
         meta: record fields fixed for the run: deployment, target, drafter, gpu.
         graphs, kernels: the CUDA-graph step path (default on for CUDA), see :class:`TargetRunner`.
         replay: acceptance profile of the replay drafter (system benchmarks on random weights;
             records are marked ``synthetic``); ``references``: request_id -> AR output ids (else
-            the AR engine runs first on each batch).
+            the AR engine runs first).
         profile: synchronize around the draft step to time it (``draft_s``); off = one
             synchronization per verify step only.
-        max_seq: KV-cache slots; default = what the longest prompt needs (:func:`kv_slots_needed`),
-            capped at the target's ``max_position_embeddings``.
+        prefill_chunk: continuous batching prefills prompts in chunks of this many tokens (fewer
+            KV-cache slots, see :class:`~specpilot.engine.scheduler.Scheduler`); None = whole prompts.
+        max_seq: KV-cache slots; default = what the longest prompt needs (:func:`kv_slots_needed`;
+            + 64 under CUDA graphs in the continuous regime, so prefill widths stay on the
+            scheduler's buckets), capped at the target's ``max_position_embeddings``.
     Raises:
         SpecpilotError: empty prompt list, a prompt that does not fit the KV cache (exactly as
             much room as :func:`kv_slots_needed` is required), ``max_seq`` beyond the target's
-            ``max_position_embeddings`` (positions it was not trained for), bad concurrency.
+            ``max_position_embeddings`` (positions it was not trained for), bad concurrency or
+            regime, replay references that lack a request.
     """
     if not prompts:
         raise SpecpilotError("the prompt file holds no prompts")
     if concurrency < 1:
         raise SpecpilotError(f"concurrency must be >= 1, got {concurrency}")
+    if regime not in ("continuous", "static"):
+        raise SpecpilotError(f"unknown serving regime {regime!r}; use continuous or static")
     for p in prompts:
         if not p.get("prompt_ids"):
             raise SpecpilotError(f"request {p.get('request_id')!r} has an empty prompt")
@@ -150,7 +181,14 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     batched = concurrency > 1 and len(prompts) > 1
     needs = {p["request_id"]: kv_slots_needed(len(p["prompt_ids"]), max_new_tokens, spec.verify_width, batched)
              for p in prompts}
-    max_seq = max_seq or min(max(needs.values()), limit)
+    extra = 0
+    if regime == "continuous":
+        from .runner import use_graphs
+
+        # under CUDA graphs, room for a 64-token prefill chunk beyond a running row keeps the
+        # prefill widths on the scheduler's bucket (fewer captured shapes)
+        extra = 64 if use_graphs(graphs, target.lm_head.weight.device) else 0
+    max_seq = max_seq or min(max(needs.values()) + extra, limit)
     for p in prompts:
         if needs[p["request_id"]] > max_seq:
             what = (f"the target's max_position_embeddings {limit}" if max_seq == limit
@@ -158,33 +196,80 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             raise SpecpilotError(
                 f"request {p['request_id']}: prompt of {len(p['prompt_ids'])} tokens + {max_new_tokens} new tokens "
                 f"(verify width {spec.verify_width}) needs {needs[p['request_id']]} KV cache slots, more than {what}")
+    if replay is not None and references is not None:
+        missing = [p["request_id"] for p in prompts if p["request_id"] not in references]
+        if missing:
+            raise SpecpilotError(f"replay reference records lack request(s) {missing[:5]}")
     opts = dict(graphs=graphs, kernels=kernels)
+    if regime == "static":
+        rows = _serve_static(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq, warmup,
+                             progress, replay, references, profile, opts)
+    else:
+        rows = _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq,
+                                 warmup, progress, replay, references, profile, dict(opts, chunk=prefill_chunk))
+    records = []
+    for p, r in zip(prompts, rows):
+        records.append(Record(
+            request_id=p["request_id"], benchmark=p["benchmark"], engine=spec.engine,
+            concurrency=concurrency, prompt_tokens=len(p["prompt_ids"]), new_tokens=len(r.output_ids),
+            prefill_s=r.prefill_s, decode_s=r.decode_s, verify_steps=r.verify_steps,
+            committed_per_step=r.committed_per_step, output_ids=r.output_ids,
+            engine_config={"block_size": spec.block_size if spec.engine != "ar" else 1, **spec.config},
+            draft_s=r.draft_s, verify_s=r.verify_s,
+            synthetic=bool(meta.get("synthetic", False)) or replay is not None,
+            deployment=meta["deployment"], target=meta["target"],
+            drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"],
+            arrival_s=getattr(r, "arrival_s", None), first_token_s=getattr(r, "first_token_s", None),
+            finish_s=getattr(r, "finish_s", None), prefill_stall_s=getattr(r, "prefill_stall_s", 0.0)))
+    return records
+
+
+def _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq, warmup,
+                      progress, replay, references, profile, opts) -> list[RowResult]:
+    """All prompts through one :class:`~specpilot.engine.scheduler.Scheduler` of c slots."""
+    from .scheduler import Request, Scheduler
+
+    if replay is not None and references is None:  # the AR engine first, through the same regime
+        ar = _serve_continuous(EngineSpec("ar"), target, None, prompts, max_new_tokens, concurrency, eos_id,
+                               max_seq, warmup, False, None, None, False, opts)
+        references = {p["request_id"]: r.output_ids for p, r in zip(prompts, ar)}
+    requests = [Request(p["prompt_ids"], max_new_tokens, references[p["request_id"]] if replay is not None else None)
+                for p in prompts]
+    B = min(concurrency, len(prompts))
+    proposer = make_engine_proposer(spec, target, drafter, opts["graphs"], opts["kernels"], replay,
+                                    [r.reference for r in requests[:B]] if replay is not None else None)
+    capture = proposer.capture if proposer is not None else ()
+    runner = TargetRunner(target, B, max_seq, capture, graphs=opts["graphs"], kernels=opts["kernels"])
+    bar = tqdm(total=len(requests), desc=f"{spec.engine} c{concurrency}", unit="req", disable=not progress)
+    chunk = opts.get("chunk")
+    ring = getattr(getattr(target, "state", None), "ring", None)
+    if ring is not None and ring.R < ring.window + (chunk or max_seq):
+        # a sliding-window target's ring holds only `reserve` slots beyond the window: a refill's
+        # prompt goes in chunks no wider, so it never evicts a running row's live entries
+        chunk = min(chunk or ring.reserve, ring.reserve)
+    sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=eos_id, profile=profile,
+                      prefill_chunk=chunk)
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
+        sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
+    sched.on_finish = lambda i: bar.update(1)
+    rows = sched.run(requests)
+    bar.close()
+    return rows
+
+
+def _serve_static(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq, warmup,
+                  progress, replay, references, profile, opts) -> list[RowResult]:
+    """Batches of ``concurrency`` prompts decoded in lock step, a new runner per batch."""
+    if warmup:
         first = [p["prompt_ids"] for p in prompts[:concurrency]]
         generate_batch(spec, target, drafter, first, min(8, max_new_tokens), max_seq, eos_id, replay=replay, **opts)
-    records = []
+    rows = []
     batches = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
-    for batch in tqdm(batches, desc=f"{spec.engine} c{concurrency}", unit="batch", disable=not progress):
-        refs = None
-        if replay is not None and references is not None:
-            missing = [p["request_id"] for p in batch if p["request_id"] not in references]
-            if missing:
-                raise SpecpilotError(f"replay reference records lack request(s) {missing[:5]}")
-            refs = [references[p["request_id"]] for p in batch]
-        rows = generate_batch(spec, target, drafter, [p["prompt_ids"] for p in batch], max_new_tokens,
-                              max_seq, eos_id, profile=profile, replay=replay, references=refs, **opts)
-        for p, r in zip(batch, rows):
-            records.append(Record(
-                request_id=p["request_id"], benchmark=p["benchmark"], engine=spec.engine,
-                concurrency=concurrency, prompt_tokens=len(p["prompt_ids"]), new_tokens=len(r.output_ids),
-                prefill_s=r.prefill_s, decode_s=r.decode_s, verify_steps=r.verify_steps,
-                committed_per_step=r.committed_per_step, output_ids=r.output_ids,
-                engine_config={"block_size": spec.block_size if spec.engine != "ar" else 1, **spec.config},
-                draft_s=r.draft_s, verify_s=r.verify_s,
-                synthetic=bool(meta.get("synthetic", False)) or replay is not None,
-                deployment=meta["deployment"], target=meta["target"],
-                drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"]))
-    return records
+    for batch in tqdm(batches, desc=f"{spec.engine} c{concurrency} static", unit="batch", disable=not progress):
+        refs = [references[p["request_id"]] for p in batch] if replay is not None and references is not None else None
+        rows += generate_batch(spec, target, drafter, [p["prompt_ids"] for p in batch], max_new_tokens,
+                               max_seq, eos_id, profile=profile, replay=replay, references=refs, **opts)
+    return rows
 
 
 def pick_device(name: str) -> torch.device:

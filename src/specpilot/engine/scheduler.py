@@ -1,0 +1,364 @@
+"""Closed-loop continuous batching: c request slots over one static-shape batch.
+
+The serving regime of SGLang ``bench_serving --max-concurrency c`` (and of nano-vllm /
+mini-sglang's schedulers): c requests are in flight; when one finishes, the next request from the
+queue takes its slot at once, so no slot idles while work is queued and nothing waits for a
+batch's slowest row. The :class:`TargetRunner` and the drafter are built once for the c slots and
+kept; each slot has its own committed length (KV cache rows) and drafter state.
+
+One scheduler iteration is
+
+1. a **decode step** for every slot: :func:`specpilot.engine.generate.step` (the same propose /
+   verify / accept as :func:`~specpilot.engine.generate.generate`) and
+   :func:`~specpilot.engine.generate.advance` with count 0 for slots that hold no running request
+   (idle, or the queue is empty);
+2. for the slots whose request finished in that step, while the queue has requests, a **prefill
+   step**: the slots' committed lengths are reset to 0 (``runner.rollback`` with a length
+   vector), the newcomers' prompts are the block of their rows in one ``runner.verify`` (the
+   other rows carry padding), and ``runner.commit`` keeps prompt-length entries for the new rows
+   and 0 for the others. Verify never changes committed state before commit, so a running row is
+   untouched by its neighbours' prefill. The drafter is told the prompt as committed context
+   (``observe``: DFlash's draft cache is rewritten from position 0) and then
+   ``reset_slot(b, prompt_ids, first_token, reference)`` resets its host-side per-slot state
+   (lookup: the n-gram history; replay: the reference output).
+
+AR runs through the same loop with :class:`ARProposer` (a proposal of width 1: no drafts, the
+bonus token is the AR token). Outputs equal AR token for token at every concurrency (tests).
+
+Times (seconds from the run's start, device synchronized before each clock read): a closed-loop
+client issues a request when a slot frees (``arrival_s``: 0 for the first c requests, else the
+end of the step that freed the slot); ``first_token_s`` = end of its prefill step;
+``finish_s`` = end of the step that committed its last token. ``decode_s`` = finish - first token
+(its own prefill excluded; the neighbours' prefill steps it waited through included: that is what
+continuous batching costs a running request).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import SpecpilotError
+from .generate import RowResult, _take, accept_greedy, advance, step
+from .runner import TargetRunner, clock
+
+
+@dataclass
+class Request:
+    """One queued request: prompt ids, its new-token budget, and the replay drafter's reference
+    output (AR output ids of the same prompt; only the replay drafter reads it)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    reference: list[int] | None = None
+
+
+@dataclass
+class RequestResult(RowResult):
+    """A :class:`RowResult` plus the request's times in the run [s from the run's start]."""
+
+    arrival_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    prefill_stall_s: float = 0.0  # seconds of neighbours' prefill steps while this request decoded
+
+
+class ARProposer:
+    """The AR engine as a drafter: proposes nothing (width-1 proposals: the anchor only), so each
+    verify step commits exactly the target's next token. Lets AR share the scheduler's loop."""
+
+    kind = "ar"
+    capture: tuple[int, ...] = ()
+    verify_width = 1
+
+    def start(self, runner, prompts, features, first) -> None:
+        pass
+
+    def propose(self, last: torch.Tensor, start: torch.Tensor):
+        from ..drafters.proposal import chain
+
+        return chain(last, last.new_zeros((last.shape[0], 0)))
+
+    def observe(self, features, start, counts, committed) -> None:
+        pass
+
+    def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
+        pass
+
+
+def prefill_width(lengths: list[int], bucket: int) -> int:
+    """Block width of a prefill step: the longest prompt rounded up to a multiple of ``bucket``
+    (bounds the CUDA-graph shapes a run captures; 1 = no rounding)."""
+    w = max(lengths)
+    return -(-w // bucket) * bucket
+
+
+def slots_needed(requests: list[Request], verify_width: int) -> int:
+    """KV-cache slots per row that a run of ``requests`` needs: a running or idle row holds at
+    most prompt + budget - 1 committed entries and a decode step writes ``verify_width`` entries
+    beyond them. A prefill step's block is cut to the room every row has left (chunked prefill),
+    so it needs no slots of its own."""
+    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 1 + verify_width
+
+
+class Scheduler:
+    """Closed-loop continuous batching over ``runner.batch`` slots (see the module docstring).
+
+    Args:
+        runner: the target runner; its batch is the concurrency c (built once, reused by runs).
+        drafter: a drafter plug-in with ``reset_slot`` (:mod:`specpilot.drafters`, the replay
+            drafter), or None for AR (:class:`ARProposer`).
+        accept: chain verification rule (as :func:`~specpilot.engine.generate.generate`).
+        eos_id: stop a request at this token (None: every request decodes its whole budget).
+        profile: time the draft and verify phases per step (``draft_s``/``verify_s``).
+        prefill_bucket: prefill block widths are rounded up to a multiple of this (default: 64
+            under CUDA graphs, else 1).
+        prefill_chunk: newcomers' prompts are prefilled in chunks of at most this many tokens,
+            one prefill step per chunk; None = as much as fits. A prefill block is always cut to
+            the KV-cache room every row has left (its entries land beyond each row's length, as
+            padding in the running rows), so a prompt may take several chunks near a full cache.
+        on_step: optional callback(proposal, accepted paths) after each decode step.
+    Raises:
+        SpecpilotError: a drafter without ``reset_slot``.
+    """
+
+    def __init__(self, runner: TargetRunner, drafter=None, accept: Callable = accept_greedy,
+                 eos_id: int | None = None, profile: bool = True, prefill_bucket: int | None = None,
+                 on_step: Callable | None = None, prefill_chunk: int | None = None):
+        self.runner = runner
+        self.drafter = drafter if drafter is not None else ARProposer()
+        if not hasattr(self.drafter, "reset_slot"):
+            raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
+                                 f"under continuous batching")
+        self.accept, self.eos_id, self.profile, self.on_step = accept, eos_id, profile, on_step
+        self.bucket = int(prefill_bucket or (64 if runner.graphs is not None else 1))
+        if self.bucket < 1:
+            raise SpecpilotError(f"prefill_bucket must be >= 1, got {self.bucket}")
+        self.chunk = None if prefill_chunk is None else int(prefill_chunk)
+        if self.chunk is not None and self.chunk < 1:
+            raise SpecpilotError(f"prefill_chunk must be >= 1, got {self.chunk}")
+        self.on_finish: Callable[[int], None] | None = None  # called with a request's index when it finishes
+        self.steps = 0  # decode steps of the last run
+        self.prefill_steps = 0  # prefill steps of the last run (the initial fill included)
+
+    @property
+    def verify_width(self) -> int:
+        return int(getattr(self.drafter, "verify_width", 1))
+
+    def _check(self, requests: list[Request]) -> None:
+        if not requests:
+            raise SpecpilotError("no requests to serve")
+        for i, r in enumerate(requests):
+            if not r.prompt_ids:
+                raise SpecpilotError(f"request {i} has an empty prompt")
+            if r.max_new_tokens < 1:
+                raise SpecpilotError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        need = slots_needed(requests, self.verify_width)
+        if need > self.runner.max_seq:
+            raise SpecpilotError(f"continuous batching needs {need} KV-cache slots per row (longest prompt + "
+                                 f"budget - 1 + verify width) but the cache holds {self.runner.max_seq}")
+
+    def run(self, requests: list[Request]) -> list[RequestResult]:
+        """Serve ``requests`` in queue order; returns one :class:`RequestResult` per request, in order.
+
+        Raises SpecpilotError for an empty list, an empty prompt or a budget < 1, and when the
+        KV cache is too small (:func:`slots_needed`).
+        """
+        self._check(requests)
+        runner, drafter, dev = self.runner, self.drafter, self.runner.device
+        B = runner.batch
+        n = len(requests)
+        out = [RequestResult() for _ in requests]
+        slot: list[int | None] = [None] * B  # request index per slot (None = idle)
+        length = [0] * B  # committed entries per row, known on the host
+        self.steps = self.prefill_steps = 0
+        queue = deque(range(n))
+        t0 = clock(dev)
+
+        # the first c requests: one regular prefill of the whole batch (idle rows repeat request 0)
+        first_idx = [queue.popleft() for _ in range(min(B, n))]
+        prompts = [requests[i].prompt_ids for i in first_idx]
+        prompts += [prompts[0]] * (B - len(prompts))
+        with torch.inference_mode():
+            last_logits, feats, _ = runner.prefill(prompts)
+            last = last_logits.argmax(-1)
+            drafter.start(runner, prompts, feats, last)
+        firsts = last.tolist()
+        t1 = clock(dev)
+        self.prefill_steps += 1
+        freed = []
+        for b, p in enumerate(prompts):
+            length[b] = len(p)
+        for b, i in enumerate(first_idx):
+            slot[b] = i
+            if self._admit(b, i, firsts[b], 0.0, t1 - t0, t1 - t0, requests, out):
+                slot[b] = None
+                freed.append(b)
+        last = self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
+        if isinstance(drafter, ARProposer) and self.eos_id is None and self.on_step is None:
+            self._loop_ar(queue, slot, length, last, requests, out, t0)
+            return out
+
+        while any(s is not None for s in slot):
+            st = step(runner, drafter, last, self.accept, self.profile)
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(st.proposal, st.paths)
+            now = st.t_end - t0
+            counts, committed, freed = [], [], []
+            for b in range(B):
+                i = slot[b]
+                if i is None:
+                    counts.append(0), committed.append([])
+                    continue
+                r = out[i]
+                done = _take(r, st.proposed[b], requests[i].max_new_tokens, self.eos_id)
+                counts.append(r.committed_per_step[-1])
+                committed.append(st.proposed[b][: counts[-1]])
+                if self.profile:
+                    r.draft_s += st.t_verify - st.t_draft
+                    r.verify_s += st.t_end - st.t_verify
+                if done:
+                    r.finish_s = now
+                    r.decode_s = r.finish_s - r.first_token_s
+                    slot[b] = None
+                    freed.append(b)
+                    if self.on_finish is not None:
+                        self.on_finish(i)
+            last = advance(runner, drafter, st, counts, committed)
+            for b in range(B):
+                length[b] += counts[b]
+            last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
+        return out
+
+    def _loop_ar(self, queue, slot, length, last, requests, out, t0) -> None:
+        """AR without EOS: every running row commits exactly one token per step, so the host knows
+        when each request finishes without reading tokens; the device is synchronized only when a
+        request finishes (its tokens are read then) and for refills, not every step (as
+        :func:`~specpilot.engine.generate.generate_ar`). ``verify_s`` = ``decode_s``."""
+        runner, dev, B = self.runner, self.runner.device, self.runner.batch
+        hist: list[torch.Tensor] = []  # next token of every row, per step
+        begin = [0] * B  # step index where the slot's request started decoding
+        left = [0] * B
+        for b, i in enumerate(slot):
+            if i is not None:
+                left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
+        while any(i is not None for i in slot):
+            counts = [1 if i is not None else 0 for i in slot]
+            with torch.inference_mode():
+                logits, _ = runner.verify(last[:, None])
+                last = logits[:, 0].argmax(-1)
+                runner.commit(torch.tensor(counts, dtype=torch.long))
+            hist.append(last)
+            self.steps += 1
+            done = []
+            for b, i in enumerate(slot):
+                if i is not None:
+                    left[b] -= 1
+                    length[b] += 1
+                    if left[b] == 0:
+                        done.append(b)
+            if not done:
+                continue
+            toks = torch.stack(hist[min(begin[b] for b in done):], 1).tolist()
+            now = clock(dev) - t0
+            base = min(begin[b] for b in done)
+            for b in done:
+                i, r = slot[b], out[slot[b]]
+                new = toks[b][begin[b] - base:]
+                r.output_ids.extend(new)
+                r.committed_per_step.extend([1] * len(new))
+                r.finish_s = now
+                r.decode_s = r.verify_s = now - r.first_token_s
+                slot[b] = None
+                if self.on_finish is not None:
+                    self.on_finish(i)
+            last = self._refill(done, now, queue, slot, length, last, requests, out, t0)
+            for b, i in enumerate(slot):
+                if i is not None and b in done:
+                    begin[b] = len(hist)
+                    left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
+            if len(hist) > 4096 and all(i is None or begin[b] > 0 for b, i in enumerate(slot)):
+                cut = min(begin[b] for b, i in enumerate(slot) if i is not None) if any(
+                    i is not None for i in slot) else len(hist)
+                hist = hist[cut:]
+                begin = [max(0, x - cut) for x in begin]
+
+    def _admit(self, b: int, i: int, first: int, arrival: float, prefill_s: float, first_s: float,
+               requests: list[Request], out: list[RequestResult]) -> bool:
+        """Record request i's first token in slot b and reset the drafter's slot; True if it is done."""
+        req, r = requests[i], out[i]
+        r.arrival_s, r.prefill_s, r.first_token_s = arrival, prefill_s, first_s
+        r.output_ids.append(first)
+        self.drafter.reset_slot(b, list(req.prompt_ids), first, req.reference)
+        done = req.max_new_tokens <= 1 or first == self.eos_id
+        if done:
+            r.finish_s, r.decode_s = first_s, 0.0
+            if self.on_finish is not None:
+                self.on_finish(i)
+        return done
+
+    def _refill(self, freed: list[int], now: float, queue: deque, slot: list, length: list[int],
+                last: torch.Tensor, requests: list[Request], out: list[RequestResult], t0: float) -> torch.Tensor:
+        """Prefill queued requests into the freed slots (repeatedly: a newcomer may finish at once)."""
+        runner, dev = self.runner, self.runner.device
+        while freed and queue:
+            new = [(b, queue.popleft()) for b in freed[: len(queue)]]
+            freed = freed[len(new):]
+            ta = clock(dev)
+            for b, _ in new:
+                length[b] = 0
+            runner.rollback(torch.tensor(length, dtype=torch.long))
+            prompts = {b: requests[i].prompt_ids for b, i in new}
+            longest = max(len(p) for p in prompts.values())
+            C = self.chunk or longest
+            rows = torch.tensor([b for b, _ in new], device=dev)
+            pos = {b: 0 for b in prompts}  # prompt tokens of each newcomer committed so far
+            while any(pos[b] < len(p) for b, p in prompts.items()):  # one prefill step per chunk
+                # every row (running, idle, new) gets this block's entries beyond its length: fit the room
+                room = runner.max_seq - max(length)
+                if room < 1:  # _check guarantees room >= verify width; a broken invariant must not loop
+                    raise SpecpilotError(f"no KV-cache room left for a prefill step (max_seq {runner.max_seq})")
+                W = min(max(len(p) - pos[b] for b, p in prompts.items()), self.chunk or runner.max_seq, room)
+                Wb = prefill_width([W], self.bucket)
+                if Wb > room:
+                    Wb = W
+                parts = {b: p[pos[b]: pos[b] + W] for b, p in prompts.items()}
+                block = torch.zeros(runner.batch, Wb, dtype=torch.long)
+                for b, x in parts.items():
+                    block[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+                block = block.to(dev)
+                with torch.inference_mode():
+                    logits, feats = runner.verify(block)
+                    # a prompt's first output token: the argmax at its last position (in its last chunk)
+                    ends = [b for b, x in parts.items() if x and pos[b] + len(x) == len(prompts[b])]
+                    if ends:
+                        er = torch.tensor(ends, device=dev)
+                        ep = torch.tensor([len(parts[b]) - 1 for b in ends], device=dev)
+                        last = last.clone()
+                        last[er] = logits[er, ep].argmax(-1)
+                    counts = [len(parts[b]) if b in parts else 0 for b in range(runner.batch)]
+                    committed = [list(parts[b]) if b in parts else [] for b in range(runner.batch)]
+                    counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+                    self.drafter.observe(feats, runner.length, counts_t, committed)
+                    runner.commit(counts_t)
+                for b, x in parts.items():
+                    pos[b] += len(x)
+                    length[b] += len(x)
+                self.prefill_steps += 1
+            first = last[rows]
+            firsts = first.tolist()
+            tb = clock(dev)
+            for i in slot:  # the running requests waited through this prefill
+                if i is not None:
+                    out[i].prefill_stall_s += tb - ta
+            for (b, i), tok in zip(new, firsts):
+                slot[b] = i
+                if self._admit(b, i, tok, now, tb - ta, tb - t0, requests, out):
+                    slot[b] = None
+                    freed.append(b)
+            now = tb - t0
+        return last

@@ -1,0 +1,148 @@
+"""Load-aware verify length: per step, how many of each request's drafted tokens to verify.
+
+DSpark (arXiv 2607.05147, Algorithm 1) and vLLM "Adaptive Verification": score every (request,
+position) slot by its **survival** value (the probability that the draft at that position and all
+before it are accepted: the running product of per-position confidences), and admit slots in
+descending survival order while the expected accepted tokens per second of the step rises, the
+step's cost coming from a step-cost table profiled at startup. TensorRT-LLM PR #17056 takes the
+global argmax of that rate over the admitted prefix (the cost curve is a staircase, not unimodal);
+so does :func:`plan_lengths`. Only the verify width changes, never the drafted tokens, so the
+committed tokens (and the output) are those of greedy AR decoding: a shorter row just accepts at
+most its admitted prefix.
+
+Our runner verifies a static [B, N] block, so a step's cost depends on the widest row:
+``cost[N]`` (seconds of one verify forward of the whole batch at width N, profiled by
+:func:`profile_step_costs`). Expected committed tokens of a row verified to length L (anchor
+included) = 1 (the bonus) + sum of its survival values at positions 1..L-1.
+
+Survival sources: DSpark's confidence head; for DFlash/DFlash2 the draft's top-1 probability per
+position (:attr:`~specpilot.drafters.dflash.DFlashProposer.confidence`), an unverified proxy
+(mechanisms.md section E).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecpilotError
+from .runner import TargetRunner, clock
+
+
+def profile_step_costs(runner: TargetRunner, widths: list[int], repeats: int = 3) -> dict[int, float]:
+    """Seconds of one ``runner.verify`` of a [batch, w] chain for each width w (best of ``repeats``).
+
+    Verify never changes committed state (nothing is committed here), so this may run between
+    decode steps. Raises SpecpilotError when the cache has no room for the widest block.
+    """
+    out = {}
+    dev = runner.device
+    for w in sorted(set(widths)):
+        block = torch.zeros(runner.batch, w, dtype=torch.long, device=dev)
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t0 = clock(dev)
+            runner.verify(block)
+            best = min(best, clock(dev) - t0)
+        out[w] = best
+    runner.rollback(runner.length.clone())  # forget the uncommitted blocks (lengths unchanged)
+    return out
+
+
+def plan_lengths(survival: torch.Tensor, cost: dict[int, float], overhead_s: float = 0.0) -> torch.Tensor:
+    """Per-row verify lengths (anchor included) maximizing expected committed tokens per second.
+
+    Args:
+        survival: float [B, N]; column 0 (the anchor) is ignored, column j >= 1 = probability that
+            drafts 1..j of the row are all accepted (non-increasing along a row).
+        cost: step seconds by verify width (at least width 1 and the widths up to N that may be
+            chosen); a width missing from the table is never chosen.
+        overhead_s: seconds per step that do not depend on the width (draft, host).
+    Returns:
+        int64 [B] lengths in 1..N: slots admitted in descending survival order, the prefix of
+        admissions with the highest (B + admitted survival) / (cost[widest row] + overhead).
+    Raises:
+        SpecpilotError: no cost for width 1.
+    """
+    if 1 not in cost:
+        raise SpecpilotError("the step-cost table needs the cost of width 1")
+    B, N = survival.shape
+    s = survival[:, 1:].float().cpu()
+    lengths = [1] * B
+    if N == 1:
+        return torch.ones(B, dtype=torch.long)
+    order = torch.argsort(s.reshape(-1), descending=True, stable=True).tolist()
+    expected, widest = float(B), 1
+    best = (expected / (cost[1] + overhead_s), list(lengths))
+    for flat in order:
+        b, j = divmod(flat, N - 1)
+        if lengths[b] != j + 1:  # a row's positions are admitted in order (survival is non-increasing)
+            continue
+        lengths[b] = j + 2
+        expected += float(s[b, j])
+        widest = max(widest, lengths[b])
+        if widest in cost:
+            rate = expected / (cost[widest] + overhead_s)
+            if rate > best[0]:
+                best = (rate, list(lengths))
+    return torch.tensor(best[1], dtype=torch.long)
+
+
+class LoadAwareVerify:
+    """Wraps a chain drafter plug-in: each step its proposal is truncated to :func:`plan_lengths`.
+
+    The step-cost table is profiled at the first :meth:`start` for the runner's batch size (the
+    warm-up run of serve pays for it) at every width 1..verify_width.
+
+    Args:
+        inner: a drafter plug-in whose proposals are chains with ``confidence`` (DSpark; DFlash
+            and DFlash2 when their ``confidence`` flag is set, which this wrapper does).
+        overhead_s: width-independent seconds per step added to every cost.
+    Tree proposals pass unchanged. Raises SpecpilotError for a chain proposal without confidences.
+    """
+
+    kind = "load_aware"
+
+    def __init__(self, inner, overhead_s: float = 0.0):
+        self.inner = inner
+        if hasattr(inner, "confidence"):
+            inner.confidence = True
+        self.overhead_s = float(overhead_s)
+        self.cost: dict[int, float] | None = None
+        self.cost_batch = None
+        self.widths: list[int] = []  # chosen widest row per step (for tests and reports)
+
+    capture = property(lambda self: self.inner.capture)
+    verify_width = property(lambda self: self.inner.verify_width)
+
+    @property
+    def block_size(self):
+        return self.inner.block_size
+
+    @block_size.setter
+    def block_size(self, v):
+        self.inner.block_size = v
+
+    def start(self, runner, prompts, features, first) -> None:
+        self.inner.start(runner, prompts, features, first)
+        if self.cost is None or self.cost_batch != runner.batch:
+            self.cost = profile_step_costs(runner, list(range(1, self.inner.verify_width + 1)))
+            self.cost_batch = runner.batch
+
+    def propose(self, last, start):
+        prop = self.inner.propose(last, start)
+        if not prop.is_chain:  # trees keep their static shape (the planner ranks chain positions)
+            return prop
+        surv = prop.survival
+        if surv is None:
+            raise SpecpilotError(f"verify_budget load_aware needs draft confidences; drafter "
+                                 f"{getattr(self.inner, 'kind', type(self.inner).__name__)} gives none")
+        lengths = plan_lengths(surv, self.cost, self.overhead_s).to(prop.tokens.device)
+        out = prop.truncate(lengths)
+        self.widths.append(out.width)
+        return out
+
+    def observe(self, features, start, counts, committed) -> None:
+        self.inner.observe(features, start, counts, committed)
+
+    def reset_slot(self, b, prompt_ids, first_token, reference=None) -> None:
+        self.inner.reset_slot(b, prompt_ids, first_token, reference)
