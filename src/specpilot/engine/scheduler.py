@@ -96,12 +96,14 @@ def prefill_width(lengths: list[int], bucket: int) -> int:
     return -(-w // bucket) * bucket
 
 
-def slots_needed(requests: list[Request], verify_width: int) -> int:
-    """KV-cache slots per row that a run of ``requests`` needs: a running or idle row holds at
-    most prompt + budget - 1 committed entries and a decode step writes ``verify_width`` entries
-    beyond them. A prefill step's block is cut to the room every row has left (chunked prefill),
-    so it needs no slots of its own."""
-    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 1 + verify_width
+def slots_needed(requests: list[Request], verify_width: int, batched: bool = True) -> int:
+    """KV-cache slots per row that a run of ``requests`` needs (as
+    :func:`specpilot.engine.serve.kv_slots_needed`): a running row verifies while it has fewer
+    than its budget of tokens, so from at most prompt + budget - 2 committed entries, writing
+    ``verify_width`` entries beyond them; with more than one slot (``batched``) an idle row, done
+    at prompt + budget - 1 entries, is verified beside the others, one slot more. A prefill step's
+    block is cut to the room every row has left (chunked prefill), so it needs no slots of its own."""
+    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 2 + verify_width + (1 if batched else 0)
 
 
 class Scheduler:
@@ -156,10 +158,10 @@ class Scheduler:
                 raise SpecpilotError(f"request {i} has an empty prompt")
             if r.max_new_tokens < 1:
                 raise SpecpilotError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        need = slots_needed(requests, self.verify_width)
+        need = slots_needed(requests, self.verify_width, self.runner.batch > 1)
         if need > self.runner.max_seq:
             raise SpecpilotError(f"continuous batching needs {need} KV-cache slots per row (longest prompt + "
-                                 f"budget - 1 + verify width) but the cache holds {self.runner.max_seq}")
+                                 f"budget - 2 + verify width, + 1 with several slots) but the cache holds {self.runner.max_seq}")
 
     def run(self, requests: list[Request]) -> list[RequestResult]:
         """Serve ``requests`` in queue order; returns one :class:`RequestResult` per request, in order.

@@ -63,8 +63,8 @@ def kv_slots_needed(prompt_tokens: int, max_new_tokens: int, verify_width: int, 
     ``n < max_new_tokens`` output tokens, of which ``n - 1`` are in the cache, and writes
     ``verify_width`` slots from there, so the last one ends at ``P + max_new_tokens - 2 + W``
     (AR: ``W = 1``, so ``P + max_new_tokens - 1``). In a batch of several rows a finished row is
-    verified again with the others (committing nothing) from ``P + max_new_tokens - 1``, one slot
-    more. With ``max_new_tokens == 1`` nothing is decoded: ``P``.
+    verified (or decoded) again with the others, committing nothing, from ``P + max_new_tokens - 1``:
+    one slot more. With ``max_new_tokens == 1`` nothing is decoded: ``P``.
 
     Args:
         prompt_tokens: ``P`` [tokens]; max_new_tokens: per request; verify_width: ``W``, tokens
@@ -74,7 +74,7 @@ def kv_slots_needed(prompt_tokens: int, max_new_tokens: int, verify_width: int, 
     """
     if max_new_tokens <= 1:
         return prompt_tokens
-    return prompt_tokens + max_new_tokens - 2 + verify_width + (1 if batched and verify_width > 1 else 0)
+    return prompt_tokens + max_new_tokens - 2 + verify_width + (1 if batched else 0)
 
 
 def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None,
