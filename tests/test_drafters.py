@@ -167,12 +167,14 @@ def test_stock_and_tree_equal_ar_for_every_drafter(quick_deployment, quick_promp
     block = 5
     ar = serve(EngineSpec("ar"), target, None, prompts, 32, 1, META, progress=False)
     for conc in (1, 3):
-        chain_recs = serve(EngineSpec("stock", block), target, net, prompts, 32, conc, META, progress=False)
+        meta = dict(META, drafter=kind)  # the records name the drafter: forcing knows its block counting
+        chain_recs = serve(EngineSpec("stock", block), target, net, prompts, 32, conc, meta, progress=False)
         tree = serve(EngineSpec("specpilot", block, {"tree_branch": 2, "tree_depth": 2}), target, net, prompts, 32,
-                     conc, META, progress=False)
+                     conc, meta, progress=False)
         width = block + (1 if kind == "dspark" else 0)
         for a, c, t in zip(ar, chain_recs, tree):
             assert c.output_ids == a.output_ids and t.output_ids == a.output_ids
             assert max(c.committed_per_step) <= width
         assert sum(t.verify_steps for t in tree) <= sum(c.verify_steps for c in chain_recs)
-        assert check(chain_recs, ar)["passed"] and check(tree, ar)["passed"]
+        ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
+        assert check(chain_recs, ar, ids, target)["passed"] and check(tree, ar, ids, target)["passed"]

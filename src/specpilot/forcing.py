@@ -79,19 +79,21 @@ def tolerance_for(setting, dtype: str) -> float:
     return float(value)
 
 
-def verify_width(engine: str, engine_config: dict) -> int:
+def verify_width(engine: str, engine_config: dict, drafter: str | None = None) -> int:
     """Most tokens one verify step of this engine config can commit (anchor/bonus included).
 
-    AR: 1. A block drafter: ``block_size`` for a chain, and no more for a tree either (a tree
-    commits one root-to-leaf path, at most ``block_size`` tokens), so this is ``block_size``.
-    Raises SpecpilotError when ``block_size`` is missing or not a positive integer.
+    AR: 1. A block drafter: ``block_size`` for a chain in DFlash counting (anchor + drafts), and no
+    more for a tree either (a tree commits one root-to-leaf path, at most ``block_size`` tokens).
+    DSpark counts ``block_size`` = gamma drafts sampled from the anchor (:mod:`specpilot.drafters`),
+    so a step commits at most gamma + 1. Raises SpecpilotError when ``block_size`` is missing or
+    not a positive integer.
     """
     if engine == "ar":
         return 1
     block = engine_config.get("block_size")
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise SpecpilotError(f"engine_config block_size must be a positive integer, got {block!r}")
-    return block
+    return block + 1 if drafter == "dspark" else block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def structure_problems(r: Record, prompt_len: int | None, vocab: int) -> list[di
     if r.new_tokens < 1:
         bad("new_tokens", f"new_tokens {r.new_tokens}: every request generates at least one token")
     try:
-        width = verify_width(r.engine, r.engine_config or {})
+        width = verify_width(r.engine, r.engine_config or {}, r.drafter)
         off = [(i, c) for i, c in enumerate(steps) if not (isinstance(c, int) and 1 <= c <= width)]
         if off:
             bad("committed_per_step", f"{len(off)} step(s) commit outside 1..{width} (verify width), "
