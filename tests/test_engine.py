@@ -189,7 +189,8 @@ def test_cli_run_and_force_roundtrip(quick_deployment, quick_prompts, tmp_path):
                    "--out", str(tmp_path / f"{eng}.jsonl"), "--max-new-tokens", "16", "--block-size", "4")
         assert res.returncode == 0, res.stderr
     res = _cli("force", "--candidate", str(tmp_path / "stock.jsonl"), "--reference", str(tmp_path / "ar.jsonl"),
-               "--target", t, "--prompts", str(prompts), "--out", str(tmp_path / "f.json"))
+               "--target", t, "--drafter", d, "--max-new-tokens", "16", "--prompts", str(prompts),
+               "--out", str(tmp_path / "f.json"))
     assert res.returncode == 0, res.stderr
     verdict = json.loads((tmp_path / "f.json").read_text())
     assert verdict["passed"] and verdict["tokens_checked"] == 3 * 16

