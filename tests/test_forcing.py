@@ -191,7 +191,14 @@ def test_cheat_b_near_tie_then_garbage(cell):
     margin, i, p, second = best
     tol = 2 * margin
     a = cell.ar[i]
+    prompt = cell.prompts[a.request_id]
     garbage = a.output_ids[:p] + [second] + [0] * (N - p - 1)
+    # garbage that is clearly wrong at every later position, whatever the build: left to right, the
+    # token the target scores lowest given the garbage so far (the context the check sees there)
+    for j in range(p + 1, N):
+        with torch.inference_mode():
+            logits, _ = cell.target.forward_causal(torch.tensor([prompt + garbage[:j]]))
+        garbage[j] = int(logits[0, -1].argmin())
     cand = [dataclasses.replace(s, output_ids=garbage if k == i else list(s.output_ids))
             for k, s in enumerate(cell.stock)]
 
@@ -266,7 +273,7 @@ def sensitive(cell):
     return SimpleNamespace(target=target, rows=rows, ar=ar, prompts={r["request_id"]: r["prompt_ids"] for r in rows})
 
 
-def test_cheat_d_stale_kv_cache(sensitive, monkeypatch):
+def test_cheat_d_stale_kv_cache(cell, sensitive, monkeypatch):
     commit = TargetRunner.commit
 
     def no_rollback(self, counts, path_slots=None):
@@ -294,7 +301,7 @@ def test_cheat_d_stale_kv_cache(sensitive, monkeypatch):
         j = next(j for j, c in enumerate(steps) if c < BLOCK)
         assert v["position"] >= 1 + sum(steps[: j + 1])
     assert verdict["coverage"] == 1.0
-    assert_table_fails(table_row(cell, cand, verdict))
+    assert_table_fails(table_row(cell, [dataclasses.replace(r, engine="stock") for r in cand], verdict))
 
 
 # ---------------------------------------------------------------------------------------------
