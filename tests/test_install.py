@@ -68,7 +68,8 @@ def test_non_editable_install_runs_the_cli(tmp_path, data_dir, quick_deployment)
     cli(*base, "--engine", "ar", "--out", cell / "ar-c1.jsonl")
     cli(*base, "--engine", "stock", "--out", cell / "stock-c1.jsonl")
     cli("force", "--candidate", cell / "stock-c1.jsonl", "--reference", cell / "ar-c1.jsonl", "--target", dep / "target",
-        "--prompts", work / "p.jsonl", "--out", cell / "stock-c1.forcing.json")
+        "--drafter", dep / "drafter-dflash", "--max-new-tokens", 12, "--prompts", work / "p.jsonl",
+        "--out", cell / "stock-c1.forcing.json")
     verdict = json.loads((cell / "stock-c1.forcing.json").read_text())
     assert verdict["passed"] and verdict["tokens_checked"] > 0
     cli(*base, "--engine", "stock", "--replay-profile", "study_stock", "--replay-reference", cell / "ar-c1.jsonl",
