@@ -1,7 +1,8 @@
 """RMSNorm variants of the hybrid and Muse-Glimmer families (Zhang & Sennrich 2019, fp32 math).
 
-- :class:`CenteredRMSNorm`: scale ``1 + w`` with ``w`` stored zero-centred (Qwen3.5 ``Qwen3_5RMSNorm``,
-  Muse-Glimmer's layer norms); the product is taken in fp32, then cast.
+- :class:`WeightedRMSNorm`: scale ``1 + w`` with ``w`` stored zero-centred (``offset``: Qwen3.5
+  ``Qwen3_5RMSNorm``, Muse-Glimmer's layer norms) or plain ``w`` (Muse-Glimmer's final norm); the
+  product is taken in fp32, then cast.
 - :class:`ScalelessRMSNorm`: no weight at all (Muse-Glimmer's q/k norm and embedding norm).
 - :class:`GatedRMSNorm`: ``w * norm(x) * silu(z)`` (the Gated DeltaNet output norm; Yang et al.,
   "Gated Delta Networks", arXiv 2412.06464).
@@ -23,16 +24,19 @@ def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class CenteredRMSNorm(nn.Module):
-    """``norm(x) * (1 + w)`` in fp32, cast back; ``w`` initialised to zero."""
+class WeightedRMSNorm(nn.Module):
+    """``norm(x) * (1 + w)`` when ``offset`` (``w`` initialised to zero), else ``norm(x) * w`` (``w``
+    initialised to one); the product in fp32, cast back."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normalize(x.float(), self.eps) * (1.0 + self.weight.float())).type_as(x)
+        w = self.weight.float()
+        return (_normalize(x.float(), self.eps) * (1.0 + w if self.offset else w)).type_as(x)
 
 
 class ScalelessRMSNorm(nn.Module):
@@ -44,18 +48,6 @@ class ScalelessRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _normalize(x.float(), self.eps).type_as(x)
-
-
-class FinalRMSNorm(nn.Module):
-    """``norm(x) * w`` with the product in fp32 (Muse-Glimmer's final norm), cast back."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normalize(x.float(), self.eps) * self.weight.float()).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -74,4 +66,4 @@ class GatedRMSNorm(nn.Module):
 
 def make_norm(dim: int, eps: float, offset: bool) -> nn.Module:
     """The weighted RMSNorm of a family: ``1 + w`` when ``offset`` (Qwen3.5, Muse-Glimmer), else ``w``."""
-    return CenteredRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)
+    return WeightedRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)

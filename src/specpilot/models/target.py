@@ -22,7 +22,7 @@ from .attention import Attention
 from .config import TargetConfig
 from .gdn import GatedDeltaNet
 from .layers import MLP, block_mask, rope_tables
-from .norms import FinalRMSNorm, ScalelessRMSNorm, make_norm
+from .norms import ScalelessRMSNorm, WeightedRMSNorm, make_norm
 from .state import GDNState, KVCache, RingKV, StepContext, TargetState
 
 DEFAULT_VERIFY_WIDTH = 64  # widest verify block a sliding-window ring is sized for by default
@@ -87,7 +87,7 @@ class Backbone(nn.Module):
         if cfg.final_norm_offset or not cfg.norm_offset:
             self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.final_norm_offset)
         else:
-            self.norm = FinalRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = WeightedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=False)
         # weightless, so not in the checkpoint; the drafter embeds with embed_tokens alone
         self.embed_norm = ScalelessRMSNorm(cfg.rms_norm_eps) if cfg.embed_norm else None
 
