@@ -342,6 +342,92 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["tree"] < 1e-5 and res["tree_kv"] < 1e-5 and res["tree_chain_equal"] and res["compact_equal"], res
 
 
+DRAFT_CHECK = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path[:0] = [os.path.join(sys.argv[1], "src")]
+import torch
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from triton_interp import patch_interpreter
+patch_interpreter()
+from torch import nn
+from specpilot.engine.graphs import FastDrafter, fast_drafter_supported
+from specpilot.models.dflash import DFlashDrafter, DrafterConfig
+from specpilot.models.random_checkpoint import fill_random_
+
+V, H = 256, 64
+cfg = DrafterConfig(hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, vocab_size=V, target_layer_ids=[0, 1], mask_token_id=3,
+                    block_size=6)
+fast_net, ref = fill_random_(DFlashDrafter(cfg), 7).eval(), fill_random_(DFlashDrafter(cfg), 7).eval()
+emb, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+torch.manual_seed(1); nn.init.normal_(emb.weight, std=0.5); nn.init.normal_(head.weight, std=0.5)
+B, S = 2, 160
+for d in (fast_net, ref):
+    d.setup_cache(B, S)
+fast = FastDrafter(fast_net, emb.weight, head.weight)
+g = torch.Generator().manual_seed(0)
+res = {"supported": fast_drafter_supported(fast_net)}
+with torch.inference_mode():
+    feats = torch.randn(B, 140, 2 * H, generator=g)
+    zero = torch.zeros(B, dtype=torch.long)
+    fast.add_context(feats, zero); ref.add_context(feats, zero)
+    res["ctx_kv"] = max(((fast_net.ctx_k - ref.ctx_k).abs().max() / ref.ctx_k.abs().max()).item(),
+                        ((fast_net.ctx_v - ref.ctx_v).abs().max() / ref.ctx_v.abs().max()).item())
+    start = torch.tensor([130, 137])  # rows at different lengths, more than one KV chunk
+    anchor = torch.tensor([5, 9])
+    tf = fast.draft(anchor, start, 6).clone()
+    tr, lr = ref.draft(anchor, start, emb, head, 6)
+    res["tokens_equal"] = bool(torch.equal(tf, tr))
+    lf = next(w for k, w in fast._ws.items() if k[:2] == (B, 6)).logits[: B * 6].view(B, 6, -1)[:, 1:]
+    res["logits"] = ((lf - lr).abs().max() / lr.abs().max()).item()
+    # a block's K/V sit past start: the next context injection overwrites them, and a second
+    # draft at the same start gives the same tokens (nothing of the first leaks into the second)
+    res["redraft_equal"] = bool(torch.equal(fast.draft(anchor, start, 6), tf))
+    # an incremental context step (T = 6 at start) then a draft further on
+    f2 = torch.randn(B, 6, 2 * H, generator=g)
+    fast.add_context(f2, start); ref.add_context(f2, start)
+    t2f = fast.draft(anchor, start + 6, 6).clone()
+    t2r = ref.draft(anchor, start + 6, emb, head, 6)[0]
+    res["tokens2_equal"] = bool(torch.equal(t2f, t2r))
+    kk = [(fast_net.ctx_k[:, b, :, :s + 6] - ref.ctx_k[:, b, :, :s + 6]).abs().max().item()
+          for b, s in enumerate(start.tolist())]
+    res["ctx_kv2"] = max(kk)
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
+    """FastDrafter (the DFlash draft step and context injection in the target's Triton kernels) vs
+    the eager DFlash network: context K/V, draft logits and tokens, at two rows of different lengths."""
+    script = tmp_path / "draft_check.py"
+    script.write_text(DRAFT_CHECK)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert res["supported"]
+    assert res["ctx_kv"] < 1e-5 and res["ctx_kv2"] < 1e-5, res
+    assert res["logits"] < 1e-5, res
+    assert res["tokens_equal"] and res["redraft_equal"] and res["tokens2_equal"], res
+
+
+def test_fast_drafter_refuses_other_networks():
+    """DFlash2 (convolutions) and causal/sliding drafters stay on the eager network."""
+    from specpilot.engine.graphs import fast_drafter_supported
+    from specpilot.models.dflash import DFlashDrafter, DrafterConfig
+
+    base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=64, target_layer_ids=[0, 1], mask_token_id=3)
+    assert fast_drafter_supported(DFlashDrafter(DrafterConfig(**base)))
+    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(**base, is_causal=True)))
+    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(
+        **base, layer_types=["sliding_attention", "full_attention"], sliding_window=8)))
+    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(**dict(base, head_dim=24))))
+
+
 def test_tree_bits_pack_ancestors():
     from specpilot.engine.graphs import tree_inputs
     from specpilot.engine.triton_step import tree_bits

@@ -68,7 +68,8 @@ class DFlashProposer:
     def start(self, runner: TargetRunner, prompts, features, first) -> None:
         self.embed = runner.model.model.embed_tokens
         self.lm_head = runner.model.lm_head
-        self.drafter.setup_cache(len(prompts), runner.max_seq)
+        # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
+        self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
         if self.branch == 0 and not self.confidence and use_graphs(self.use_graphs, first.device):
             from ..engine.graphs import drafter_graphs
 

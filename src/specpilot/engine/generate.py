@@ -16,7 +16,7 @@ import torch
 
 from ..drafters.proposal import Proposal
 from ..errors import SpecpilotError
-from .runner import TargetRunner, clock
+from .runner import PhaseTimer, TargetRunner, clock
 
 
 @dataclass
@@ -272,20 +272,20 @@ def step(runner: TargetRunner, drafter: Drafter, last: torch.Tensor, accept: Cal
     Shared by :func:`generate` (static batches) and :mod:`specpilot.engine.scheduler`
     (continuous batching). Raises SpecpilotError when the drafter proposes the wrong row count.
     """
-    dev = runner.device
     B = runner.batch
-    ta = clock(dev) if profile else 0.0
+    timer = PhaseTimer(runner.device, profile)  # no host synchronization between draft and verify
+    timer.mark()
     prop = drafter.propose(last, runner.length)
     if prop.tokens.shape[0] != B:
         raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
-    tb = clock(dev) if profile else 0.0
+    timer.mark()
     logits, feats = runner.verify(prop.tokens, prop.parents)
     if prop.is_chain:
         paths, bonus = _verify_chain(prop, logits, accept)
     else:
         paths, bonus = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
     toks_l = prop.tokens.tolist()
-    tc = clock(dev)
+    ta, tb, tc = timer.finish()
     proposed = [[toks_l[b][i] for i in paths[b][1:]] + [bonus[b]] for b in range(B)]
     return Step(prop, paths, bonus, proposed, feats, ta, tb, tc)
 

@@ -135,27 +135,36 @@ def fast_path_supported(model: Transformer) -> bool:
 
 
 @torch.no_grad()
-def fuse_weights(model: Transformer) -> None:
-    """Store each layer's q/k/v weights in one tensor and gate/up in another (in place, once).
+def fuse_layer_weights(layers) -> None:
+    """Store each layer's q/k/v weights in one tensor (``layer.fused_qkv``) and gate/up in another
+    (``layer.fused_gate_up``), in place, once per layer.
 
-    The HF-named parameters (``q_proj.weight``, ...) become views into the fused tensors, so the
-    eager forward and ``state_dict`` keep working unchanged and no memory is duplicated.
+    ``layers``: modules with ``self_attn.{q,k,v}_proj`` and ``mlp.{gate,up}_proj`` linears (the
+    target's decoder layers, or a DFlash drafter's). The HF-named parameters (``q_proj.weight``,
+    ...) become views into the fused tensors, so the eager forward and ``state_dict`` keep
+    working unchanged and no memory is duplicated.
     """
+    for layer in layers:
+        if getattr(layer, "fused_qkv", None) is not None:
+            continue
+        a, mlp = layer.self_attn, layer.mlp
+        for names, attr in ((("q_proj", "k_proj", "v_proj"), "fused_qkv"), (("gate_proj", "up_proj"), "fused_gate_up")):
+            owner = a if attr == "fused_qkv" else mlp
+            parts = [getattr(owner, n) for n in names]
+            w = torch.cat([m.weight for m in parts], 0)
+            o = 0
+            for m in parts:
+                n = m.weight.shape[0]
+                m.weight = nn.Parameter(w[o:o + n], requires_grad=False)
+                o += n
+            setattr(layer, attr, w)
+
+
+def fuse_weights(model: Transformer) -> None:
+    """:func:`fuse_layer_weights` over every decoder layer of a target (in place, once)."""
     if getattr(model, "_fused_weights", False):
         return
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
-        nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
-        a.q_proj.weight = nn.Parameter(w[:nq], requires_grad=False)
-        a.k_proj.weight = nn.Parameter(w[nq:nq + nk], requires_grad=False)
-        a.v_proj.weight = nn.Parameter(w[nq + nk:], requires_grad=False)
-        layer.fused_qkv = w
-        wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
-        ni = mlp.gate_proj.weight.shape[0]
-        mlp.gate_proj.weight = nn.Parameter(wgu[:ni], requires_grad=False)
-        mlp.up_proj.weight = nn.Parameter(wgu[ni:], requires_grad=False)
-        layer.fused_gate_up = wgu
+    fuse_layer_weights(model.model.layers)
     model._fused_weights = True
 
 
@@ -197,6 +206,7 @@ class _Workspace:
     attn_ws: object
     xn: torch.Tensor | None = None
     gu: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # FastDrafter's buffers (context, K/V projections, tree bits)
 
 
 CUBLAS = "cublas"
@@ -294,14 +304,18 @@ class FastTarget:
     def pad(self) -> int:
         return 16 if any(c == CUBLAS for t in self.configs.values() for _, c in t) else 1
 
+    def _dims(self) -> tuple:
+        """(config, KV-cache slots, device, dtype) the workspaces are sized for."""
+        m = self.model
+        return m.config, m.cache.max_seq, m.lm_head.weight.device, m.lm_head.weight.dtype
+
     def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
-        m, c = self.model, self.model.config
+        c, max_seq, dev, dt = self._dims()
         pad = self.pad
-        key = (B, T, n_capture, m.cache.max_seq, pad, self.attn_rows)
+        key = (B, T, n_capture, max_seq, pad, self.attn_rows)
         ws = self._ws.get(key)
         if ws is None:
             M = -(-B * T // pad) * pad
-            dev, dt = m.lm_head.weight.device, m.lm_head.weight.dtype
             nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
             z = dict(dtype=dt, device=dev)
             ws = _Workspace(
@@ -310,7 +324,7 @@ class FastTarget:
                 h=torch.zeros(M, c.intermediate_size, **z), logits=torch.zeros(M, c.vocab_size, **z),
                 feats=torch.zeros(M, n_capture * c.hidden_size, **z) if n_capture else None,
                 attn_ws=self.k.AttnWorkspace(B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                             m.cache.max_seq, dev, self.attn_rows))
+                                             max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
@@ -333,6 +347,23 @@ class FastTarget:
             return self.k.silu_mul(ws.gu, out)
         return torch.mm(x, w.t(), out=out)
 
+    def _layer(self, x, layer, kc, vc, cos, sin, start, T: int, M: int, ws: _Workspace, anc_bits=None, depth=None):
+        """One pre-norm attention + SwiGLU layer on the residual stream ``x`` [>= M, hidden] (in place).
+
+        Writes the block's K/V to slots start .. start+T-1 of ``kc``/``vc`` (one layer's cache,
+        (B, Hkv, S, D)); ``anc_bits``/``depth``: tree visibility and RoPE depths (None: a chain).
+        """
+        K, a, eps = self.k, layer.self_attn, self.model.config.rms_norm_eps
+        self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
+        K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
+                        a.k_norm.weight if a.k_norm is not None else None, cos, sin, start, T,
+                        a.n_heads, a.n_kv, a.head_dim, eps, depth=depth)
+        K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws, anc_bits=anc_bits)
+        self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
+        self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
+                     swiglu=True)
+        self._linear("down", ws.h, layer.mlp.down_proj.weight, x, ws, residual=x)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
                 tree: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -348,31 +379,139 @@ class FastTarget:
         B, T = tokens.shape
         M, H = B * T, c.hidden_size
         ws = self._workspace(B, T, len(capture))
-        eps = c.rms_norm_eps
         if ws.tok.shape[0] == M:
             x = F.embedding(tokens.reshape(M), m.model.embed_tokens.weight)
         else:  # padded rows embed token 0 and are never read back
             ws.tok[:M].copy_(tokens.reshape(M))
             x = F.embedding(ws.tok, m.model.embed_tokens.weight)
         for i, layer in enumerate(m.model.layers):
-            a = layer.self_attn
-            kc, vc = m.cache.k[:, i], m.cache.v[:, i]
-            self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
-            K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
-                            a.k_norm.weight if a.k_norm is not None else None, m.cos, m.sin, start, T,
-                            a.n_heads, a.n_kv, a.head_dim, eps, depth=tree[1] if tree else None)
-            K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws,
-                        anc_bits=tree[0] if tree else None)
-            self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
-            self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
-                         swiglu=True)
-            self._linear("down", ws.h, layer.mlp.down_proj.weight, x, ws, residual=x)
+            self._layer(x, layer, m.cache.k[:, i], m.cache.v[:, i], m.cos, m.sin, start, T, M, ws,
+                        anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None)
             if i in capture:
                 j = capture.index(i)
                 ws.feats[:, j * H:(j + 1) * H].copy_(x)
         self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=m.model.norm.weight)
         feats = ws.feats[:M].view(B, T, -1) if capture else None
         return ws.logits[:M].view(B, T, -1), feats
+
+
+def fast_drafter_supported(drafter) -> bool:
+    """True when :class:`FastDrafter` can run ``drafter``: a plain DFlash network (not a DFlash2 /
+    DSpark subclass), every layer non-causal without a window (the DFlash default), plain linears
+    without bias and a power-of-two head_dim."""
+    from ..models.dflash import DFlashDrafter
+
+    cfg = drafter.config
+    hd = cfg.head_dim
+    if type(drafter) is not DFlashDrafter or hd & (hd - 1):
+        return False
+    if any(cfg.layer_causal(i) or cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)):
+        return False
+    for layer in drafter.layers:
+        if layer.attention_conv is not None or layer.mlp_conv is not None:
+            return False
+    lin = [m for m in drafter.modules() if isinstance(m, nn.Linear)]
+    return all(type(m) is nn.Linear and m.bias is None for m in lin)
+
+
+class FastDrafter(FastTarget):
+    """The DFlash draft step and context injection through the target fast path's Triton kernels.
+
+    A DFlash drafter layer is a Qwen3 layer whose block queries see the injected context and the
+    whole block (Chen, Liang, Liu, arXiv 2602.06036; z-lab/dflash ``DFlashDraftModel``): the
+    block's K/V are written to the draft cache at slots start .. start+T-1 (the next
+    :meth:`add_context` overwrites the committed ones with the target's features) and attention
+    runs as a tree whose every node sees every other (all ancestor bits set), so the layer is
+    :meth:`FastTarget._layer` unchanged: 7 kernels per layer, matmul tiles by rows from the same
+    tables (the drafter has the target's width). The LM head is the target's; its output scaling
+    and softcap are monotonic, so the argmax (the draft) skips them.
+
+    Drafts may differ from the eager drafter's in low bits (norm rounding); they are proposals,
+    checked by the target. Needs :func:`fast_drafter_supported`; the draft cache must hold
+    start + block size slots.
+    """
+
+    def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 configs: dict | None = None, attn_rows: int | None = None):
+        from . import triton_step
+
+        if not fast_drafter_supported(drafter):
+            raise SpecpilotError("the Triton draft step needs a plain DFlash drafter (full non-causal layers, "
+                                 "plain linears, power-of-two head_dim)")
+        self.k = triton_step
+        self.model = drafter
+        self.embed_w, self.lm_w = embed_weight, lm_head_weight
+        self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
+        fuse_layer_weights(drafter.layers)
+        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
+        self._ws: dict[tuple, _Workspace] = {}
+        self.set_configs(configs or {})
+
+    def _dims(self) -> tuple:
+        d = self.model
+        if d.ctx_k is None:
+            raise SpecpilotError("drafter setup_cache() must be called before the draft step")
+        return d.config, d.ctx_k.shape[3], self.lm_w.device, self.lm_w.dtype
+
+    def _buf(self, ws: _Workspace, name: str, cols: int, dtype=None) -> torch.Tensor:
+        t = ws.extra.get(name)
+        if t is None:
+            t = ws.extra[name] = torch.zeros(ws.qkv.shape[0], cols, dtype=dtype or ws.qkv.dtype,
+                                             device=ws.qkv.device)
+        return t
+
+    @torch.inference_mode()
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Draft tokens int64 [B, block_size - 1] (argmax) after ``anchor`` int64 [B] at ``start`` int64 [B].
+
+        Same contract as :meth:`DFlashDrafter.draft` (tokens only). Raises SpecpilotError for a
+        block of more than 63 slots (the ancestor bits of one int64).
+        """
+        d, c = self.model, self.model.config
+        B, T = anchor.shape[0], int(block_size)
+        if not 2 <= T <= 63:
+            raise SpecpilotError(f"the Triton draft step takes blocks of 2..63 slots, got {T}")
+        M = B * T
+        ws = self._workspace(B, T, 0)
+        anc = ws.extra.get("anc")
+        if anc is None:  # every block node sees the whole block (DFlash's non-causal draft attention)
+            anc = ws.extra["anc"] = torch.full((B, T), (1 << T) - 1, dtype=torch.long, device=anchor.device)
+        tok = ws.tok[:M].view(B, T)
+        tok.fill_(c.mask_token_id)
+        tok[:, 0] = anchor
+        x = F.embedding(ws.tok, self.embed_w)  # padded rows (cuBLAS configs) embed the mask token
+        if c.input_embedding_scale != 1.0:
+            x = x * c.input_embedding_scale
+        for i, layer in enumerate(d.layers):
+            self._layer(x, layer, d.ctx_k[i], d.ctx_v[i], d.cos, d.sin, start, T, M, ws, anc_bits=anc)
+        self._linear("lm_head", x, self.lm_w, ws.logits, ws, norm=d.norm.weight)
+        logits = ws.logits[:M].view(B, T, -1)[:, 1:]
+        if c.output_multiplier < 0:  # a negative scale reverses the order (the softcap keeps it)
+            return logits.argmin(-1)
+        return logits.argmax(-1)
+
+    @torch.inference_mode()
+    def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        """Write the injected K/V of positions start .. start+T-1 into the draft cache.
+
+        Same contract as :meth:`DFlashDrafter.add_context`: features [B, T, n_layers * hidden]
+        (target hidden states), start int64 [B]. fc + hidden norm, then per layer the k/v rows of
+        the fused projection, k norm and RoPE, written by the target's cache kernel.
+        """
+        d, c = self.model, self.model.config
+        B, T, Fd = features.shape
+        M = B * T
+        ws = self._workspace(B, T, 0)
+        nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        ctx, ctxn = self._buf(ws, "ctx", c.hidden_size)[:M], self._buf(ws, "ctxn", c.hidden_size)[:M]
+        kv = self._buf(ws, "kv", 2 * nkv)[:M]
+        self._linear("down", features.reshape(M, Fd).contiguous(), d.fc.weight, ctx, ws)
+        self.k.rmsnorm(ctx, d.hidden_norm.weight, ctxn, c.rms_norm_eps)
+        for i, layer in enumerate(d.layers):
+            kn = layer.self_attn.k_norm.weight
+            self._linear("qkv", ctxn, layer.fused_qkv[nq:], kv, ws)
+            self.k.qk_rope_cache(kv, ws.q, d.ctx_k[i], d.ctx_v[i], kn, kn, d.cos, d.sin, start, T,
+                                 0, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
 
 FAST_LINEAR_CONFIG = {"key": "bn32-bk256-w4-s4"}  # block config of use_fast_linears / FastLinear
@@ -586,16 +725,23 @@ class DrafterGraphs:
         self.kernels = kernels
         self.lm_head = FastLinear(lm_head.weight) if kernels == "triton" else lm_head
         self.cache = GraphCache()
+        # the whole draft step in the Triton kernels where the network allows it (plain DFlash);
+        # else the eager network with its linears through the Triton matmul
+        self.fast = FastDrafter(drafter, embed.weight, lm_head.weight) \
+            if kernels == "triton" and fast_drafter_supported(drafter) and type(lm_head) is nn.Linear else None
 
     def _prepare(self):  # the drafter's linears as this graph set wants them, before a capture
-        use_fast_linears(self.drafter, self.kernels == "triton")
+        use_fast_linears(self.drafter, self.kernels == "triton" and self.fast is None)
 
     def _token(self):
         return (self.drafter.ctx_k.data_ptr(), tuple(self.drafter.ctx_k.shape))
 
     def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
         """Draft tokens [B, block_size - 1] (static buffer) after ``anchor`` [B] at ``start`` [B]."""
-        fn = lambda a, s: self.drafter.draft(a, s, self.embed, self.lm_head, block_size)[0]  # noqa: E731
+        if self.fast is not None:
+            fn = lambda a, s: self.fast.draft(a, s, block_size)  # noqa: E731
+        else:
+            fn = lambda a, s: self.drafter.draft(a, s, self.embed, self.lm_head, block_size)[0]  # noqa: E731
         with torch.inference_mode():
             return self.cache.run(("draft", anchor.shape[0], block_size), fn, (anchor, start), self._token(),
                                   self._prepare)
@@ -603,8 +749,8 @@ class DrafterGraphs:
     def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
         """Inject target features [B, T, F] of positions start..start+T-1 into the draft cache."""
         with torch.inference_mode():
-            self.cache.run(("ctx", tuple(features.shape)), self.drafter.add_context, (features, start),
-                           self._token(), self._prepare)
+            fn = self.fast.add_context if self.fast is not None else self.drafter.add_context
+            self.cache.run(("ctx", tuple(features.shape)), fn, (features, start), self._token(), self._prepare)
 
 
 def drafter_graphs(drafter, embed: nn.Embedding, lm_head: nn.Module, kernels: str | None = "auto") -> DrafterGraphs:

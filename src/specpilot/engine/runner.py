@@ -25,6 +25,49 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class PhaseTimer:
+    """Clock readings of a step's phase boundaries with one synchronization per step.
+
+    ``mark()`` at each boundary, ``finish()`` at the step's end: returns the clock reading
+    (:func:`clock` seconds) of every mark and of the end. On CUDA the marks are CUDA events, so
+    the host never waits between phases (a synchronization per mark would leave the device idle
+    while the host launches the next phase); the readings are placed back from the end by the
+    events' elapsed times, i.e. a phase's duration is the device time from its mark to the
+    next. On the CPU the marks read the clock directly. Disabled: no marks, ``finish`` returns
+    0.0 for each mark asked and the end's reading.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device, self.enabled = device, enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if not self.enabled:
+            self.marks.append(None)
+        elif self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def finish(self) -> list[float]:
+        """Readings [s] of the marks, then of the end (synchronizes the device once)."""
+        if not self.enabled:
+            return [0.0] * len(self.marks) + [clock(self.device)]
+        if not self.cuda:
+            return self.marks + [time.perf_counter()]
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        now = clock(self.device)
+        evs = self.marks + [end]
+        out = [now]
+        for a, b in zip(reversed(evs[:-1]), reversed(evs[1:])):
+            out.append(out[-1] - a.elapsed_time(b) / 1e3)
+        return out[::-1]
+
+
 def use_graphs(graphs: bool | None, device: torch.device) -> bool:
     """``None`` (auto) -> CUDA graphs on CUDA devices, eager elsewhere; True needs CUDA."""
     if graphs is None:
