@@ -38,11 +38,25 @@ TEXT_ARCHITECTURE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "
 
 
 @dataclass
-class TargetConfig:
+class DecoderShape:
+    """The decoder shape a target and its drafter both declare (transformers config names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+@dataclass
+class TargetConfig(DecoderShape):
     """Shape and per-layer structure of a decoder-only target.
 
-    Dense fields (all families): vocab_size ... max_position_embeddings, ``qk_norm`` (weighted
-    per-head q/k RMSNorm before RoPE: Qwen3, Qwen3.5). ``layer_types`` lists each layer's kind
+    Dense fields (all families): the :class:`DecoderShape` fields, rms_norm_eps ...
+    max_position_embeddings, ``qk_norm`` (weighted per-head q/k RMSNorm before RoPE: Qwen3,
+    Qwen3.5). ``layer_types`` lists each layer's kind
     (:data:`LAYER_TYPES`); empty means all ``full_attention``.
 
     Family fields (defaults = dense Qwen3):
@@ -61,13 +75,6 @@ class TargetConfig:
         linear_*: Gated DeltaNet shape (key/value heads and dims, causal conv kernel).
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False

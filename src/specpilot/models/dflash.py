@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import SpecpilotError
+from .config import DecoderShape
 from .layers import MLP, RMSNorm, apply_rope, rope_tables
 
 
@@ -59,16 +60,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 @dataclass
-class DrafterConfig:
-    """Shape and DFlash fields of a block drafter."""
+class DrafterConfig(DecoderShape):
+    """Shape (:class:`DecoderShape`) and DFlash fields of a block drafter."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int = 16
