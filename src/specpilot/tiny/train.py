@@ -39,8 +39,27 @@ def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _optimizer(params, lr):
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+def _train(module: torch.nn.Module, params: list, steps: int, lr: float, batch_loss, name: str, log) -> list[float]:
+    """The loop both trainings share: AdamW (betas 0.9/0.95, weight decay 0.1) on ``params``, linear
+    warmup over 5% of the steps then cosine decay to 0.1 x ``lr``, gradient norm clipped at 1,
+    ``module`` in train mode while it runs (eval mode after). ``batch_loss()`` draws the next batch
+    and returns its loss. Returns the per-step losses."""
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    module.train()
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, lr, max(1, steps // 20))
+        loss = batch_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"{name} step {step}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    module.eval()
+    return losses
 
 
 def train_target(model: Transformer, stream: torch.Tensor, steps: int, batch: int, seq_len: int,
@@ -50,25 +69,14 @@ def train_target(model: Transformer, stream: torch.Tensor, steps: int, batch: in
     Returns the per-step training losses [nats/token].
     """
     g = torch.Generator().manual_seed(seed)
-    opt = _optimizer(model.parameters(), lr)
-    model.train()
-    losses, t0 = [], time.time()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, steps, lr, max(1, steps // 20))
+
+    def batch_loss() -> torch.Tensor:
         starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=g)
         x = torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
         logits, _ = model.forward_causal(x[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            log(f"target step {step}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    model.eval()
-    return losses
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    return _train(model, list(model.parameters()), steps, lr, batch_loss, "target", log)
 
 
 @torch.inference_mode()
@@ -159,18 +167,14 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
     torch.manual_seed(seed)
     ids = tuple(drafter.config.target_layer_ids)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = _optimizer(params, lr)
     T = max(len(s) for _, s in sequences)
     drafter.setup_cache(1, T)  # RoPE tables
     embed, head = target.model.embed_tokens, target.lm_head
     weights = torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
     weights = weights / weights.sum()
     span = block_size if kind != "dspark" else block_size + 1  # tokens from the anchor to the last label
-    drafter.train()
-    losses, t0 = [], time.time()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, steps, lr, max(1, steps // 20))
+
+    def batch_loss() -> torch.Tensor:
         chosen = rng.sample(sequences, batch)
         L = max(len(s) for _, s in chosen)  # right-pad: padding sits after every anchor, never visible
         toks = torch.tensor([s + [0] * (L - len(s)) for _, s in chosen])
@@ -178,15 +182,7 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
         with torch.no_grad():
             tlogits, feats = target.forward_causal(toks, capture=ids)
         if kind == "dspark":
-            loss = _dspark_loss(drafter, feats, tlogits, toks, anc, block_size)
-        else:
-            loss = _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, kind == "dflash2")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            log(f"drafter step {step}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    drafter.eval()
-    return losses
+            return _dspark_loss(drafter, feats, tlogits, toks, anc, block_size)
+        return _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, kind == "dflash2")
+
+    return _train(drafter, params, steps, lr, batch_loss, "drafter", log)
