@@ -71,6 +71,9 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-8b", help="random-checkpoint shape (tiny: a CPU check of the script)")
     ap.add_argument("--tag", default="", help="suffix of the records folder (several runs on one checkpoint)")
     ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=JSON: also run stock with this engine config (a mechanism alone), e.g. "
+                         "overlap='{\"overlap\": true}'; repeatable")
     ap.add_argument("--regime", choices=("continuous", "static"), default="continuous",
                     help="'specpilot run --regime': closed-loop concurrency (default) or lock-step batches")
     args = ap.parse_args()
@@ -96,50 +99,64 @@ def main() -> int:
     extra = ["--kernel-configs", args.kernel_configs] if args.kernel_configs else []
     common = ["--target", str(tgt), "--prompts", str(prompts), "--max-new-tokens", str(args.new), "--gpu", "h200",
               "--regime", args.regime, *extra]
+    force_common = ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda" if args.shape != "tiny" else "cpu"]
+
     def save():
         (out / "serving.json").write_text(json.dumps(R, indent=1))
 
+    variants = {"stock": {}}
+    for v in args.variant:
+        name, _, cfg = v.partition("=")
+        variants[name] = json.loads(cfg or "{}")
     for c in args.concurrency:
         lim = [] if c > 1 else ["--limit", str(args.requests_c1)]
-        ar, st = rec / f"ar-c{c}.jsonl", rec / f"stock-c{c}.jsonl"
+        ar = rec / f"ar-c{c}.jsonl"
         cell = R["cells"][f"c{c}"] = {}
         rc, cell["ar_wall_s"], _ = sh(["run", "--engine", "ar", "--out", str(ar), "--concurrency", str(c), *common, *lim], log)
         if rc:
             continue
-        rc, cell["stock_wall_s"], _ = sh(["run", "--engine", "stock", "--drafter", str(dr), "--out", str(st),
-                                          "--concurrency", str(c), "--block-size", str(args.block),
-                                          "--replay-profile", args.profile, "--replay-reference", str(ar),
-                                          *common, *lim], log)
-        if rc:
-            continue
-        fo = ["force", "--candidate", str(st), "--reference", str(ar), "--out", str(rec / f"stock-c{c}.forcing.json")]
-        rc, _, txt = sh(fo, log)
-        if rc:  # mismatches: classify them by the target's logit margin (near-ties)
-            rc, _, txt = sh(fo + ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda"], log)
-        cell["forcing_rc"] = rc
-        cell["forcing"] = txt[-300:]
         a = {r["request_id"]: r for r in read_records(ar)}
-        s = {r["request_id"]: r for r in read_records(st)}
-        ratios = [a[k]["decode_s"] / s[k]["decode_s"] for k in s if k in a and s[k]["decode_s"] > 0]
-        taus = [t for r in s.values() for t in r["committed_per_step"]]
-        cell.update({
-            "n_requests": len(s),
-            "stock_speedup_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
-            "stock_tau": sum(taus) / len(taus) if taus else None,
-            "equal_outputs": sum(a[k]["output_ids"] == s[k]["output_ids"] for k in s if k in a),
-            "ar_decode_s_mean": sum(r["decode_s"] for r in a.values()) / len(a),
-            "stock_decode_s_mean": sum(r["decode_s"] for r in s.values()) / len(s),
-            "ar_tok_s_per_request": sum(r["new_tokens"] / r["decode_s"] for r in a.values()) / len(a),
-            # system throughput: output tokens / wall time of the cell (closed loop: first arrival
-            # to last finish, specpilot.aggregate.throughput); lock-step batches of c: every
-            # request of a batch decodes for the batch's time
-            "ar_tok_s_aggregate": throughput(list(a.values()), c),
-            "stock_tok_s_aggregate": throughput(list(s.values()), c),
-        })
-        save()
+        cell.update({"ar_decode_s_mean": sum(r["decode_s"] for r in a.values()) / len(a),
+                     "ar_tok_s_per_request": sum(r["new_tokens"] / r["decode_s"] for r in a.values()) / len(a),
+                     # system throughput: output tokens / wall time of the cell (closed loop: first
+                     # arrival to last finish); lock-step batches: every request of a batch decodes
+                     # for the batch's time
+                     "ar_tok_s_aggregate": throughput(list(a.values()), c)})
+        for name, vcfg in variants.items():  # stock, then stock + each mechanism alone (same replay draws)
+            st = rec / f"{name}-c{c}.jsonl"
+            conf = []
+            if vcfg:
+                cf = rec / f"{name}.engine.json"
+                cf.write_text(json.dumps(vcfg))
+                conf = ["--engine-config", str(cf)]
+            rc, wall, _ = sh(["run", "--engine", "stock", "--drafter", str(dr), "--out", str(st),
+                              "--concurrency", str(c), "--block-size", str(args.block),
+                              "--replay-profile", args.profile, "--replay-reference", str(ar),
+                              *conf, *common, *lim], log)
+            if rc:
+                continue
+            # token forcing: the target teacher-forced over every output token (specpilot.forcing)
+            frc, _, txt = sh(["force", "--candidate", str(st), "--reference", str(ar), *force_common,
+                              "--drafter", str(dr), "--out", str(rec / f"{name}-c{c}.forcing.json")], log)
+            s = {r["request_id"]: r for r in read_records(st)}
+            ratios = [a[k]["decode_s"] / s[k]["decode_s"] for k in s if k in a and s[k]["decode_s"] > 0]
+            taus = [t for r in s.values() for t in r["committed_per_step"]]
+            cell[name] = {
+                "engine_config": vcfg, "wall_s": wall, "forcing_rc": frc, "forcing": txt[-300:],
+                "n_requests": len(s),
+                "speedup_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+                "tau": sum(taus) / len(taus) if taus else None,
+                "equal_outputs": sum(a[k]["output_ids"] == s[k]["output_ids"] for k in s if k in a),
+                "decode_s_mean": sum(r["decode_s"] for r in s.values()) / len(s),
+                "tok_s_aggregate": throughput(list(s.values()), c),
+                "draft_s_mean": sum(r.get("draft_s", 0.0) for r in s.values()) / len(s),
+                "verify_s_mean": sum(r.get("verify_s", 0.0) for r in s.values()) / len(s),
+                "verify_steps_mean": sum(r["verify_steps"] for r in s.values()) / len(s),
+            }
+            save()
     if "c1" in R["cells"] and "c16" in R["cells"]:
         rc, _, txt = sh(["force", "--candidate", str(rec / "ar-c1.jsonl"), "--reference", str(rec / "ar-c16.jsonl"),
-                         "--out", str(rec / "ar-c1-vs-c16.forcing.json")], log)
+                         *force_common, "--out", str(rec / "ar-c1-vs-c16.forcing.json")], log)
         R["ar_c1_vs_c16_forcing_rc"] = rc
         R["ar_c1_vs_c16_forcing"] = txt[-300:]
     for f in sorted(rec.glob("*.forcing.json")):
@@ -149,12 +166,16 @@ def main() -> int:
 
     with tarfile.open(out / "serving_records.tar.gz", "w:gz") as tf:
         tf.add(rec, arcname="records")
-    print("\ncell  n  stock/AR(geomean)  tau  equal  AR tok/s/req  AR agg tok/s  stock agg tok/s  forcing_rc")
+    print("\ncell  engine          n  speedup(geomean)  tau   equal  AR agg tok/s  agg tok/s  step ms  forcing_rc")
     for k, cell in R["cells"].items():
-        if "stock_speedup_geomean" in cell:
-            print(f"{k:4s} {cell['n_requests']:3d}  {cell['stock_speedup_geomean']:.3f}  {cell['stock_tau']:.2f}  "
-                  f"{cell['equal_outputs']}/{cell['n_requests']}  {cell['ar_tok_s_per_request']:.1f}  "
-                  f"{cell['ar_tok_s_aggregate']:.0f}  {cell['stock_tok_s_aggregate']:.0f}  {cell['forcing_rc']}")
+        for name in variants:
+            v = cell.get(name)
+            if not v or v.get("speedup_geomean") is None:
+                continue
+            step_ms = v["decode_s_mean"] / max(v["verify_steps_mean"], 1) * 1e3
+            print(f"{k:4s}  {name:14s} {v['n_requests']:3d}  {v['speedup_geomean']:.3f}  {v['tau']:.2f}  "
+                  f"{v['equal_outputs']}/{v['n_requests']}  {cell['ar_tok_s_aggregate']:.0f}  "
+                  f"{v['tok_s_aggregate']:.0f}  {step_ms:.2f}  {v['forcing_rc']}")
     print("AR c1 vs AR c16 forcing rc:", R.get("ar_c1_vs_c16_forcing_rc"), R.get("ar_c1_vs_c16_forcing", "")[-200:])
     return 0
 

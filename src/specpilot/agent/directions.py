@@ -51,7 +51,7 @@ class Direction:
 
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
-            "verify_budget": ("off",)}
+            "verify_budget": ("off",), "overlap": (False,)}
 
 
 def normalize(config: dict) -> dict:
@@ -101,3 +101,11 @@ register(Direction(
     "highest survival while expected committed tokens per second (profiled step-cost table) rises; "
     "outputs unchanged, only verify width changes",
     applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup") and int(ctx.get("concurrency", 1)) > 1))
+
+
+register(Direction(
+    "overlap", "host", {"overlap": [False, True]},
+    "overlap scheduling (SGLang speculative v2 pattern): the next draft, the commit and the context "
+    "injection are launched before the host reads the acceptance, so the device drafts while the host "
+    "does its bookkeeping; outputs unchanged (engine.overlap)",
+    applies=lambda ctx: ctx.get("gpu", "cpu") != "cpu" and ctx.get("drafter") not in (None, "none", "lookup")))

@@ -93,6 +93,26 @@ class DFlashProposer:
             return chain(last, tokens, confidence=logits.float().softmax(-1).gather(-1, tokens[..., None])[..., 0])
         return chain(last, tokens)
 
+    # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
+    def can_overlap(self) -> bool:
+        """Chains drafted by the captured draft graph (after :meth:`start`) can overlap."""
+        return self.graphs is not None and self.branch == 0 and not self.confidence
+
+    def observe_device(self, features, start, counts) -> None:
+        """The context injection of a verified chain block (device work only)."""
+        self.graphs.add_context(features, start)
+
+    def observe_host(self, committed) -> None:
+        """Nothing on the host: the draft reads only context slots below each row's length."""
+
+    def draft_async(self, last: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Launch the draft after ``last`` [B] at ``start`` [B]; returns its (static) token buffer."""
+        return self.graphs.draft(last, start, self._net_block())
+
+    def proposal(self, handle: torch.Tensor, last: torch.Tensor) -> Proposal:
+        """The chain of ``draft_async``'s tokens behind the anchors ``last`` [B]."""
+        return chain(last, handle)
+
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
         """Continuous batching: slot b now serves a new request. Nothing to reset on the host: the
         scheduler's prefill step wrote the prompt's context from position 0 through

@@ -209,7 +209,8 @@ def _verify_chain(prop: Proposal, logits: torch.Tensor, accept: Callable):
 
 def generate(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
              eos_id: int | None = None, accept: Callable = accept_greedy, profile: bool = True,
-             on_step: Callable[[Proposal, list[list[int]]], None] | None = None) -> list[RowResult]:
+             on_step: Callable[[Proposal, list[list[int]]], None] | None = None,
+             overlap: bool = False) -> list[RowResult]:
     """Speculative decoding with any drafter: propose, verify in one forward, commit, repeat.
 
     Each step the drafter returns a :class:`Proposal` (root = the last committed token). The
@@ -227,17 +228,25 @@ def generate(runner: TargetRunner, drafter: Drafter, prompts: list[list[int]], m
             bonus [B]); tests plant cheats here. Tree proposals use :func:`accept_tree`.
         profile: synchronize and time draft and verify separately (``draft_s``/``verify_s``).
         on_step: optional callback(proposal, accepted paths) after each verify (calibration).
+        overlap: launch the next draft before the host reads the acceptance
+            (:mod:`specpilot.engine.overlap`; drafters that cannot overlap run as without it).
     Returns:
         one :class:`RowResult` per prompt.
     """
+    from .overlap import OverlapStepper, can_overlap
+
     rows, done, last, t1 = _begin(runner, drafter, prompts, max_new_tokens, eos_id)
+    pipe = OverlapStepper(runner, drafter, accept) if overlap and can_overlap(drafter) else None
     while not all(done):
-        st = step(runner, drafter, last, accept, profile)
+        if pipe is not None:
+            st = pipe.step(last, [0 if done[b] else max_new_tokens - len(r.output_ids) for b, r in enumerate(rows)])
+        else:
+            st = step(runner, drafter, last, accept, profile)
         if on_step is not None:
             on_step(st.proposal, st.paths)
         counts, committed = _record_step(rows, done, st.proposed, max_new_tokens, eos_id,
                                          (t1, st.t_draft, st.t_verify, st.t_end), profile)
-        last = advance(runner, drafter, st, counts, committed)
+        last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
     return rows
 
 

@@ -495,23 +495,38 @@ class FastDrafter(FastTarget):
         """Write the injected K/V of positions start .. start+T-1 into the draft cache.
 
         Same contract as :meth:`DFlashDrafter.add_context`: features [B, T, n_layers * hidden]
-        (target hidden states), start int64 [B]. fc + hidden norm, then per layer the k/v rows of
-        the fused projection, k norm and RoPE, written by the target's cache kernel.
+        (target hidden states), start int64 [B]. fc + hidden norm, then the k/v rows of every
+        layer's projection in one matmul and one cache write (k norm, RoPE): 4 kernels.
         """
         d, c = self.model, self.model.config
         B, T, Fd = features.shape
-        M = B * T
+        M, L, Hkv = B * T, c.num_hidden_layers, c.num_key_value_heads
+        if d.ctx_k.stride(0) != Hkv * d.ctx_k.stride(2) or d.ctx_v.stride() != d.ctx_k.stride():
+            raise SpecpilotError("the Triton context injection needs the batch-major draft cache of "
+                                 "DFlashDrafter.setup_cache")
         ws = self._workspace(B, T, 0)
-        nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         ctx, ctxn = self._buf(ws, "ctx", c.hidden_size)[:M], self._buf(ws, "ctxn", c.hidden_size)[:M]
-        kv = self._buf(ws, "kv", 2 * nkv)[:M]
+        kv = self._buf(ws, "kv", 2 * L * Hkv * c.head_dim)[:M]
         self._linear("down", features.reshape(M, Fd).contiguous(), d.fc.weight, ctx, ws)
         self.k.rmsnorm(ctx, d.hidden_norm.weight, ctxn, c.rms_norm_eps)
-        for i, layer in enumerate(d.layers):
-            kn = layer.self_attn.k_norm.weight
-            self._linear("qkv", ctxn, layer.fused_qkv[nq:], kv, ws)
-            self.k.qk_rope_cache(kv, ws.q, d.ctx_k[i], d.ctx_v[i], kn, kn, d.cos, d.sin, start, T,
-                                 0, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        # every layer's k and v projections in one matmul, K/V of every layer in one cache write:
+        # layer l's head h is head l * Hkv + h of the batch-major cache's layer-0 view
+        w, kn = self._context_weights()
+        self._linear("qkv", ctxn, w, kv, ws)
+        self.k.qk_rope_cache(kv, ws.q, d.ctx_k[0], d.ctx_v[0], kn, kn, d.cos, d.sin, start, T,
+                             0, L * Hkv, c.head_dim, c.rms_norm_eps, k_norm_group=Hkv)
+
+    def _context_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k rows of every layer then v rows of every layer [2 L Hkv D, hidden], k norms [L, D]):
+        copies of the drafter's projections (2 L Hkv D x hidden values; 80 MB at the Qwen3-8B
+        drafter shape), made once."""
+        if getattr(self, "_ctx_w", None) is None:
+            c = self.model.config
+            nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            qkv = [layer.fused_qkv for layer in self.model.layers]
+            self._ctx_w = (torch.cat([w[nq:nq + nkv] for w in qkv] + [w[nq + nkv:] for w in qkv], 0).contiguous(),
+                           torch.stack([layer.self_attn.k_norm.weight for layer in self.model.layers]).contiguous())
+        return self._ctx_w
 
 
 FAST_LINEAR_CONFIG = {"key": "bn32-bk256-w4-s4"}  # block config of use_fast_linears / FastLinear

@@ -186,13 +186,42 @@ class ReplayProposer:
 
     def propose(self, last, start):
         """A chain of block_size - 1 reference tokens with one planted wrong token (or none)."""
+        if self.network is not None:
+            self._network_block()
+            self.network.propose(last, start)  # the real draft cost; its tokens are not used
+        return self.proposal(None, last)
+
+    def _network_block(self) -> None:
+        if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
+            self.network.block_size = self.block_size
+
+    # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
+    def can_overlap(self) -> bool:
+        """Overlaps when its network does (or there is none)."""
+        from .overlap import can_overlap
+
+        return self.network is None or can_overlap(self.network)
+
+    def observe_device(self, features, start, counts) -> None:
+        if self.network is not None:
+            self.network.observe_device(features, start, counts)
+
+    def observe_host(self, committed) -> None:
+        for b, toks in enumerate(committed):
+            self.pos[b] += len(toks)
+
+    def draft_async(self, last, start):
+        """The network's draft (its cost; its tokens are not used)."""
+        if self.network is not None:
+            self._network_block()
+            self.network.draft_async(last, start)
+        return None
+
+    def proposal(self, handle, last):
+        """The reference chain behind ``last`` [B] with this step's planted wrong token per row."""
         from ..drafters.proposal import chain
 
         k = self.block_size - 1
-        if self.network is not None:
-            if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
-                self.network.block_size = self.block_size
-            self.network.propose(last, start)  # the real draft cost; its tokens are not used
         rows = []
         for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
@@ -219,5 +248,4 @@ class ReplayProposer:
     def observe(self, features, start, counts, committed) -> None:
         if self.network is not None:
             self.network.observe(features, start, counts, committed)
-        for b, toks in enumerate(committed):
-            self.pos[b] += len(toks)
+        self.observe_host(committed)

@@ -188,14 +188,24 @@ class TargetRunner:
         (GDN) state replays exactly that path from the committed state.
         """
         self.model.commit(self.length, counts, path_slots)
+        before = self._bound
         if isinstance(counts, torch.Tensor) and counts.device.type == "cpu":
             self._bound += int(counts.max()) if counts.numel() else 0
         elif self._pending:
             self._bound += self._pending  # counts <= entries verified
         else:
             self._bound = int(self.length.max()) + int(counts.max())
+        self._grew = self._bound - before
         self._pending = 0
         self.length += counts.to(self.device)
+
+    def settle(self, grown: int) -> None:
+        """The host learned that the last :meth:`commit` (of device counts) grew no row by more
+        than ``grown`` entries: tighten the host bound of the lengths (no synchronization)."""
+        grew = getattr(self, "_grew", 0)
+        if 0 <= grown <= grew:
+            self._bound -= grew - grown
+            self._grew = grown
 
     def rollback(self, length: torch.Tensor) -> None:
         """Set the committed length of every row (int64 [B]); later slots become invisible.

@@ -123,14 +123,17 @@ class Scheduler:
             the KV-cache room every row has left (its entries land beyond each row's length, as
             padding in the running rows), so a prompt may take several chunks near a full cache.
         on_step: optional callback(proposal, accepted paths) after each decode step.
+        overlap: launch each next draft before the host reads the acceptance
+            (:mod:`specpilot.engine.overlap`; drafters that cannot overlap run as without it).
     Raises:
         SpecpilotError: a drafter without ``reset_slot``.
     """
 
     def __init__(self, runner: TargetRunner, drafter=None, accept: Callable = accept_greedy,
                  eos_id: int | None = None, profile: bool = True, prefill_bucket: int | None = None,
-                 on_step: Callable | None = None, prefill_chunk: int | None = None):
+                 on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False):
         self.runner = runner
+        self.overlap = bool(overlap)
         self.drafter = drafter if drafter is not None else ARProposer()
         if not hasattr(self.drafter, "reset_slot"):
             raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
@@ -144,6 +147,7 @@ class Scheduler:
             raise SpecpilotError(f"prefill_chunk must be >= 1, got {self.chunk}")
         self.on_finish: Callable[[int], None] | None = None  # called with a request's index when it finishes
         self.steps = 0  # decode steps of the last run
+        self.overlapped = False  # whether the last run's decode steps overlapped (engine.overlap)
         self.prefill_steps = 0  # prefill steps of the last run (the initial fill included)
 
     @property
@@ -204,8 +208,16 @@ class Scheduler:
             self._loop_ar(queue, slot, length, last, requests, out, t0)
             return out
 
+        from .overlap import OverlapStepper, can_overlap
+
+        pipe = OverlapStepper(runner, drafter, self.accept) if self.overlap and can_overlap(drafter) else None
+        self.overlapped = pipe is not None
         while any(s is not None for s in slot):
-            st = step(runner, drafter, last, self.accept, self.profile)
+            if pipe is not None:  # the next draft runs while the host does this step's bookkeeping
+                st = pipe.step(last, [0 if i is None else requests[i].max_new_tokens - len(out[i].output_ids)
+                                      for i in slot])
+            else:
+                st = step(runner, drafter, last, self.accept, self.profile)
             self.steps += 1
             if self.on_step is not None:
                 self.on_step(st.proposal, st.paths)
@@ -230,7 +242,7 @@ class Scheduler:
                     freed.append(b)
                     if self.on_finish is not None:
                         self.on_finish(i)
-            last = advance(runner, drafter, st, counts, committed)
+            last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
             for b in range(B):
                 length[b] += counts[b]
             last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)

@@ -36,6 +36,12 @@ class EngineSpec:
     accept: Callable = accept_greedy
 
     @property
+    def overlap(self) -> bool:
+        """Engine config ``overlap``: the next draft overlaps the host's bookkeeping (batching
+        mechanism (b), :mod:`specpilot.engine.overlap`)."""
+        return bool(self.config.get("overlap", False))
+
+    @property
     def verify_width(self) -> int:
         """An upper bound of the tokens per verify forward (block + 1 + tree side branches), for
         sizing the KV cache; the drafter plug-in's ``verify_width`` is the exact value."""
@@ -97,7 +103,8 @@ def generate_batch(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter
                                                             max_seq, eos_id, graphs=graphs, kernels=kernels)]
     proposer = make_engine_proposer(spec, target, drafter, graphs, kernels, replay, references)
     runner = TargetRunner(target, len(prompts), max_seq, proposer.capture, graphs=graphs, kernels=kernels)
-    return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile)
+    return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile,
+                    overlap=spec.overlap)
 
 
 def make_engine_proposer(spec: EngineSpec, target: Transformer, drafter, graphs: bool | None = None,
@@ -248,7 +255,7 @@ def _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrenc
         # prompt goes in chunks no wider, so it never evicts a running row's live entries
         chunk = min(chunk or ring.reserve, ring.reserve)
     sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=eos_id, profile=profile,
-                      prefill_chunk=chunk)
+                      prefill_chunk=chunk, overlap=spec.overlap)
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
     sched.on_finish = lambda i: bar.update(1)

@@ -208,7 +208,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
 
 @triton.jit(do_not_specialize=["T"])
 def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, start_ptr, depth_ptr,
-                          T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps,
+                          T, HQ, HKV, stride_qkv, stride_cb, stride_ch, stride_cs, eps, KN_GROUP,
                           QK_NORM: tl.constexpr, TREE: tl.constexpr, D: tl.constexpr):
     """Per (row m = b*T + t, head h): q heads -> norm, RoPE -> q[m, h]; k heads -> norm, RoPE -> cache; v -> cache."""
     m = tl.program_id(0)
@@ -228,8 +228,9 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
     is_q = h < HQ
     if QK_NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        w1 = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + offs), tl.load(kn_ptr + D // 2 + offs)).to(tl.float32)
+        kn = kn_ptr + (tl.maximum(h - HQ, 0) // KN_GROUP) * D  # the k norm of this k head's group
+        w1 = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn + offs)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + offs), tl.load(kn + D // 2 + offs)).to(tl.float32)
         x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     c = tl.load(cos_ptr + pos * D + offs)
@@ -253,11 +254,16 @@ def _qk_rope_cache_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, cos_pt
 def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                   start: torch.Tensor, T: int, n_heads: int, n_kv: int, head_dim: int, eps: float,
-                  depth: torch.Tensor | None = None) -> None:
+                  depth: torch.Tensor | None = None, k_norm_group: int | None = None) -> None:
     """Split ``qkv`` [B*T, (Hq + 2 Hkv) * D]: q -> ``q_out`` [B*T, Hq*D]; k, v -> cache slots start..start+T-1.
 
     ``depth`` int32 [B, T] (tree blocks): RoPE position of node t = start + depth[b, t]
     (default: start + t, a chain); its K/V still go to slot start + t.
+
+    ``k_norm_group``: k heads per row of ``k_norm`` (default all: one [D] weight). With
+    ``k_norm`` [Hkv / g, D], k head h is normed by row h // g: several layers' K/V written in
+    one launch, their heads laid out layer after layer in the cache's head axis (the DFlash
+    drafter's context injection, :class:`specpilot.engine.graphs.FastDrafter`).
 
     ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
     """
@@ -268,7 +274,7 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
         qkv, q_out, k_cache, v_cache, q_norm if qk else qkv, k_norm if qk else qkv, cos, sin, start,
         depth if depth is not None else start,
         T, n_heads, n_kv, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        QK_NORM=qk, TREE=depth is not None, D=head_dim, num_warps=1)
+        k_norm_group or n_kv, QK_NORM=qk, TREE=depth is not None, D=head_dim, num_warps=1)
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -276,7 +276,8 @@ class DFlashDrafter(nn.Module):
 
     # -- cache ------------------------------------------------------------------------------
     def setup_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate the context K/V cache: (layers, batch, kv_heads, max_seq, head_dim) each."""
+        """Allocate the context K/V cache: (layers, batch, kv_heads, max_seq, head_dim) each (views of
+        batch-major storage)."""
         cfg = self.config
         device = self.fc.weight.device
         dtype = dtype or self.fc.weight.dtype
@@ -284,8 +285,12 @@ class DFlashDrafter(nn.Module):
         if self.ctx_k is not None and tuple(self.ctx_k.shape) == shape and self.ctx_k.dtype == dtype \
                 and self.ctx_k.device == device:
             return  # same shape: keep the buffers (and the CUDA graphs captured on them)
-        self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
+        # stored (batch, layers, kv_heads, max_seq, head_dim), as the target's cache: one request's
+        # context of every layer is one block, so the Triton context injection writes all layers'
+        # K/V in one launch (engine.graphs.FastDrafter); ctx_k[i] stays one layer's (B, Hkv, S, D)
+        lead = (batch, cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        self.ctx_k = torch.zeros(lead, dtype=dtype, device=device).transpose(0, 1)
+        self.ctx_v = torch.zeros(lead, dtype=dtype, device=device).transpose(0, 1)
         cos, sin = rope_tables(cfg.head_dim, max_seq + cfg.block_size + 64, cfg.rope_theta)
         self.cos, self.sin = cos.to(device), sin.to(device)
 

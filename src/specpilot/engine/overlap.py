@@ -1,0 +1,150 @@
+"""Overlap scheduling: the draft of step N+1 runs on the device while the host does step N's
+bookkeeping (batching mechanism (b); the SGLang speculative "v2" overlap pattern).
+
+Without overlap a step is: draft, verify, acceptance, then the host reads the accepted counts
+(one synchronization), records them, commits, tells the drafter and only then launches the next
+draft, so the device idles for the host's whole bookkeeping. With overlap, right after the
+verify the device also gets, still unsynchronized: the acceptance (accepted drafts + bonus, on
+the device), the commit of ``min(accepted + 1, budget left)`` entries per row, the drafter's
+context injection of the verified block and the next draft from the bonus tokens. The host then
+waits only for the acceptance's few numbers, while the device drafts.
+
+Outputs are unchanged: the verify and acceptance are the same computations in the same order,
+the commit is the count the host would commit (the budget clip included; a row stopped by EOS
+keeps a few extra committed entries, never read again), and the next proposal's anchor is
+whatever the host's loop passes (a refilled slot's new first token included), so a draft made
+before a refill can only be rejected, never change a token.
+
+A drafter takes part when ``can_overlap()`` is true and it has ``observe_device(features,
+start, counts)``, ``observe_host(committed)``, ``draft_async(last, start)`` (device work,
+returns a handle) and ``proposal(handle, last)`` (chain proposals only:
+:class:`~specpilot.drafters.dflash.DFlashProposer` under CUDA graphs, the replay drafter).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import SpecpilotError
+
+
+def can_overlap(drafter) -> bool:
+    """True when ``drafter`` implements the overlap protocol and can use it now (after ``start``)."""
+    f = getattr(drafter, "can_overlap", None)
+    return bool(f is not None and f())
+
+
+class _Marks:
+    """Device-time marks on CUDA (events), host clock readings elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class OverlapStepper:
+    """Chain verify steps with the next draft launched before the host reads the acceptance.
+
+    Use: ``st = stepper.step(last, remaining)`` (same :class:`~specpilot.engine.generate.Step`
+    as :func:`~specpilot.engine.generate.step`, already committed on the device), then the loop's
+    bookkeeping, then ``stepper.advance(committed)`` (the drafter's host state). Do not also call
+    :func:`~specpilot.engine.generate.advance`.
+
+    Args:
+        runner: the :class:`~specpilot.engine.runner.TargetRunner`.
+        drafter: an overlap-capable drafter plug-in (:func:`can_overlap`).
+        accept: chain verification rule (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]).
+    Raises:
+        SpecpilotError: the drafter cannot overlap, or proposes a tree.
+    """
+
+    def __init__(self, runner, drafter, accept):
+        if not can_overlap(drafter):
+            raise SpecpilotError(f"drafter {getattr(drafter, 'kind', type(drafter).__name__)!r} cannot overlap "
+                                 "(needs chain proposals drafted on the device)")
+        self.runner, self.drafter, self.accept = runner, drafter, accept
+        self.handle = None
+        self.marks = _Marks(runner.device)
+        self.draft_marks = None  # (start, end) of the draft launched last step
+        B = runner.batch
+        pin = runner.device.type == "cuda"
+        self.host = torch.empty((B, 2), dtype=torch.long, pin_memory=pin)
+
+    def step(self, last: torch.Tensor, remaining: list[int]):
+        """Verify the pending proposal (drafting it first on the first step), accept, commit on the
+        device and launch the next draft; returns the step's :class:`Step` (host values).
+
+        Args:
+            last: int64 [B] anchors (the bonus tokens of the last step, or a refilled slot's first token).
+            remaining: per row the tokens it may still commit (0: the row does not advance).
+        """
+        from .generate import Step
+
+        r, d, m = self.runner, self.drafter, self.marks
+        B = r.batch
+        if len(remaining) != B:
+            raise SpecpilotError(f"remaining budgets for {len(remaining)} rows, batch of {B}")
+        if self.handle is None:
+            a = m.mark()
+            self.draft_marks = (a, None)
+            self.handle = d.draft_async(last, r.length)
+            self.draft_marks = (a, m.mark())
+        prop = d.proposal(self.handle, last)
+        self.handle = None
+        if not prop.is_chain:
+            raise SpecpilotError("overlap scheduling verifies chain proposals only")
+        if prop.tokens.shape[0] != B:
+            raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
+        v0 = m.mark()
+        logits, feats = r.verify(prop.tokens, None)
+        drafts = prop.tokens[:, 1:]
+        if prop.lengths is not None:  # padding never matches an argmax (token ids are >= 0)
+            pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
+            drafts = drafts.masked_fill(pad, -1)
+        acc, bonus = self.accept(drafts, logits)
+        rem = torch.tensor(remaining, dtype=torch.long).to(r.device, non_blocking=True)
+        counts = torch.minimum(acc + 1, rem)
+        self.host.copy_(torch.stack([acc, bonus], 1), non_blocking=True)
+        tokens_host = prop.tokens.to("cpu", non_blocking=True)
+        v1 = m.mark()
+        ready = torch.cuda.Event() if r.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+        # the device goes on: context injection, commit, the next draft (nothing here waits for the host)
+        d.observe_device(feats, r.length, counts)
+        r.commit(counts)
+        prev = self.draft_marks
+        a = m.mark()
+        self.handle = d.draft_async(bonus, r.length)
+        self.draft_marks = (a, m.mark())
+        if ready is not None:
+            ready.synchronize()  # the acceptance only: the draft above keeps running
+        t_end = time.perf_counter()
+        host = self.host.tolist()
+        toks = tokens_host.tolist()
+        grown = max((min(a_ + 1, rem_) for (a_, _), rem_ in zip(host, remaining)), default=0)
+        r.settle(grown)
+        t_verify = t_end - m.seconds(v0, v1)
+        t_draft = t_verify - (m.seconds(*prev) if prev and prev[1] is not None else 0.0)
+        paths = [list(range(a_ + 1)) for a_, _ in host]
+        bonus_l = [b_ for _, b_ in host]
+        proposed = [[toks[b][i] for i in paths[b][1:]] + [bonus_l[b]] for b in range(B)]
+        self.next_last = bonus
+        return Step(prop, paths, bonus_l, proposed, None, t_draft, t_verify, t_end)
+
+    def advance(self, committed: list[list[int]]) -> torch.Tensor:
+        """Tell the drafter the tokens the host recorded per row; returns the next anchors int64 [B]
+        on the device (the bonus tokens; the loop replaces a refilled slot's)."""
+        self.drafter.observe_host(committed)
+        return self.next_last
