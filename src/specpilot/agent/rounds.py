@@ -275,6 +275,22 @@ def kernels(args) -> int:
     return 0
 
 
+# the input and output files of the steps: option -> what it holds (which steps use it)
+_FILE_OPTIONS = {
+    "--prompts": "calibration prompt file (disjoint from the evaluation prompts)",
+    "--references-ar": "AR records on the calibration prompts (round references)",
+    "--references-stock": "stock records on the calibration prompts (round references)",
+    "--ceilings": "ceilings.json of the device (plan)",
+    "--costmodel": "costmodel.json: written by plan, read by integrate",
+    "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context)",
+    "--kernels-manifest": "results/{gpu}/kernels/manifest.json",
+    "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
+    "--memory": "memory snapshot this round starts from (none = empty)",
+    "--memory-out": "memory snapshot after this round (integrate)",
+    "--evidence": "trial records written as evidence (a folder for plan and agent, a records file for integrate)",
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("step", choices=("references", "plan", "agent", "integrate", "final", "kernels"))
     p.add_argument("--out", required=True)
@@ -291,18 +307,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-name", default="dflash")
     p.add_argument("--deployment", default="custom")
     p.add_argument("--gpu", default="cpu")
-    p.add_argument("--prompts", help="calibration prompt file (disjoint from the evaluation prompts)")
-    p.add_argument("--references-ar", help="AR records on the calibration prompts (round references)")
-    p.add_argument("--references-stock", help="stock records on the calibration prompts (round references)")
-    p.add_argument("--ceilings", help="ceilings.json of the device (plan)")
-    p.add_argument("--costmodel", help="costmodel.json: written by plan, read by integrate")
-    p.add_argument("--costmodel-text", help="costmodel.txt: written by plan, read by agent (policy context)")
-    p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json")
-    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json (tuned kernels used)")
-    p.add_argument("--memory", help="memory snapshot this round starts from (none = empty)")
-    p.add_argument("--memory-out", help="memory snapshot after this round (integrate)")
-    p.add_argument("--evidence", help="trial records written as evidence (a folder for plan and agent, "
-                   "a records file for integrate)")
+    for flag, help_ in _FILE_OPTIONS.items():
+        p.add_argument(flag, help=help_)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--block-size", type=int, default=8, help="the stock block size")
