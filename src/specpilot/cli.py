@@ -13,19 +13,25 @@ import sys
 
 from .errors import SpecpilotError
 
+# one row a subcommand: its name, the module under ``specpilot`` that owns it, its one-line help
+_TABLE = """
+build-tiny         tiny.build                build the embedded tiny deployment (tokenizer, target, drafter) on CPU
+prompts            prompts                   write one benchmark's formatted, tokenized prompts
+run                engine.cli                run one engine over a prompt file into a records file
+force              forcing                   token forcing: check a candidate's records against reference records
+ceilings           ceilings                  measure a device's memory bandwidth and matmul rate
+kernels            kernels_build             build / tune the per-GPU kernels (records that none apply on CPU)
+table              aggregate                 aggregate records into the study table (geometric means)
+figures            figures                   draw the study figures from the table
+round              agent.rounds              agent rounds: references, plan, one direction's agent, integrate
+memory             agent.memory              merge structured-memory snapshots into one file
+convert-w12        w12.convert               convert a bf16 checkpoint to the lossless 12-bit format
+random-checkpoint  models.random_checkpoint  write a random-weight checkpoint of a named shape
+"""
+# name -> (module, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "build-tiny": ("specpilot.tiny.build", "build the embedded tiny deployment (tokenizer, target, drafter) on CPU"),
-    "prompts": ("specpilot.prompts", "write one benchmark's formatted, tokenized prompts"),
-    "run": ("specpilot.engine.cli", "run one engine over a prompt file into a records file"),
-    "force": ("specpilot.forcing", "token forcing: check a candidate's records against reference records"),
-    "ceilings": ("specpilot.ceilings", "measure a device's memory bandwidth and matmul rate"),
-    "kernels": ("specpilot.kernels_build", "build / tune the per-GPU kernels (records that none apply on CPU)"),
-    "table": ("specpilot.aggregate", "aggregate records into the study table (geometric means)"),
-    "figures": ("specpilot.figures", "draw the study figures from the table"),
-    "round": ("specpilot.agent.rounds", "agent rounds: references, plan, one direction's agent, integrate"),
-    "memory": ("specpilot.agent.memory", "merge structured-memory snapshots into one file"),
-    "convert-w12": ("specpilot.w12.convert", "convert a bf16 checkpoint to the lossless 12-bit format"),
-    "random-checkpoint": ("specpilot.models.random_checkpoint", "write a random-weight checkpoint of a named shape"),
+    name: (f"specpilot.{module}", help_)
+    for name, module, help_ in (row.split(None, 2) for row in _TABLE.strip().splitlines())
 }
 
 
