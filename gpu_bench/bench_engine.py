@@ -51,16 +51,10 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src")]
+sys.path[:0] = [str(REPO / "src"), str(Path(__file__).resolve().parent)]
 
-T0 = time.time()
-LOG: list[str] = []
-
-
-def log(*a) -> None:
-    s = " ".join(str(x) for x in a)
-    print(f"[{time.time() - T0:7.1f}s] {s}", flush=True)
-    LOG.append(s)
+from _timing import (LOG, T0, capture_graph, compile_linear, copy_bandwidth, event_times, log,  # noqa: E402
+                     rel_err, wall_times)
 
 
 def make_prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -204,23 +198,7 @@ def compile_worker(args) -> int:
     xn = torch.empty_like(x)
     K.rmsnorm(x, nw, xn, 1e-6)
     for variant, key in jobs:
-        cfg = K.LinearConfig.parse(key)
-        t = time.time()
-        try:
-            if variant == "norm":
-                K.linear(x, w[:n], out, cfg=cfg, norm=nw)
-            elif variant == "res":
-                K.linear(x, w[:n], out, cfg=cfg, residual=out)
-            elif variant == "swiglu":
-                K.linear(x, w, out, cfg=cfg, norm=nw, swiglu=True)
-            elif variant == "swiglu_pre":
-                K.linear(x, w, out, cfg=cfg, swiglu=True)
-            else:
-                K.linear(x, w[:n], out, cfg=cfg)
-            torch.cuda.synchronize()
-            print(f"compiled {variant} {key} in {time.time() - t:.1f}s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"FAILED {variant} {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        compile_linear(K, variant, key, x, w, out, nw)
     return 0
 
 
@@ -257,48 +235,15 @@ class Timer:
 
     def median(self, fn, iters: int = 20, warmup: int = 3) -> tuple[float, float]:
         """(median seconds per call, mean seconds per call back to back) of ``fn``."""
-        torch = self.torch
         for _ in range(warmup):
             fn()
         self.sync()
-        if self.cuda:
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-            t0 = time.perf_counter()
-            for a, b in evs:
-                a.record()
-                fn()
-                b.record()
-            self.sync()
-            total = time.perf_counter() - t0
-            times = [a.elapsed_time(b) / 1e3 for a, b in evs]
-        else:
-            times = []
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                t1 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t1)
-            total = time.perf_counter() - t0
+        times, total = event_times(fn, iters) if self.cuda else wall_times(fn, iters)
         return statistics.median(times), total / iters
 
     def graph(self, fn, iters: int = 10) -> float:
         """Median seconds of one replay of a CUDA graph of ``fn``."""
-        torch = self.torch
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self.median(g.replay, iters, 2)[0]
-
-
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+        return self.median(capture_graph(fn).replay, iters, 2)[0]
 
 
 # =============================================================================================
@@ -395,9 +340,7 @@ class Bench:
         torch = self.torch
         n = (2**31 if self.dev.type == "cuda" else 2**24) // 2
         a = torch.empty(n, dtype=torch.bfloat16, device=self.dev).normal_()
-        b = torch.empty_like(a)
-        t, _ = self.timer.median(lambda: b.copy_(a), 10, 3)
-        bw = 2 * a.numel() * a.element_size() / t
+        bw = copy_bandwidth(a, lambda fn: self.timer.median(fn, 10, 3)[0])
         self.R["copy_bw_Bps"] = bw
         log(f"copy bandwidth {bw / 1e12:.3f} TB/s ({2 * n * 2 / 2**30:.0f} GiB moved per copy)")
 

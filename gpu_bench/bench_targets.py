@@ -42,7 +42,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src")]
+sys.path[:0] = [str(REPO / "src"), str(Path(__file__).resolve().parent)]
+
+from _timing import capture_graph, copy_bandwidth  # noqa: E402
 
 T0 = time.time()
 
@@ -91,17 +93,7 @@ class Bench:
         return statistics.median(times)
 
     def graph_median(self, fn, iters=10) -> float:
-        torch = self.torch
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self.median(g.replay, iters, 2)
+        return self.median(capture_graph(fn).replay, iters, 2)
 
     def left(self) -> float:
         return self.args.budget_s - (time.time() - T0)
@@ -116,11 +108,9 @@ class Bench:
         torch = self.torch
         n = (2 ** 31 if self.cuda else 2 ** 22) // 2
         a = torch.empty(n, dtype=torch.bfloat16, device=self.dev).normal_()
-        b = torch.empty_like(a)
-        t = self.median(lambda: b.copy_(a), 10, 3)
-        self.R["copy_bw_Bps"] = 4 * n / t
+        self.R["copy_bw_Bps"] = copy_bandwidth(a, lambda fn: self.median(fn, 10, 3))
         log(f"copy bandwidth {self.R['copy_bw_Bps'] / 1e12:.3f} TB/s")
-        del a, b
+        del a
 
     def runner(self, model, B, S, capture=()):
         from specpilot.engine.runner import TargetRunner

@@ -47,15 +47,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src")]
-T0 = time.time()
-LOG: list[str] = []
+sys.path[:0] = [str(REPO / "src"), str(Path(__file__).resolve().parent)]
 
-
-def log(*a) -> None:
-    s = " ".join(str(x) for x in a)
-    print(f"[{time.time() - T0:7.1f}s] {s}", flush=True)
-    LOG.append(s)
+from _timing import (LOG, T0, capture_graph, compile_linear, copy_bandwidth, event_times, log,  # noqa: E402
+                     rel_err, wall_times)
 
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -124,26 +119,10 @@ def compile_worker(jobs_json: str) -> int:
     w = torch.randn(2 * n, k, device=dev, dtype=torch.bfloat16) * 0.02
     nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
     for var, key, M in json.loads(jobs_json):
-        cfg = K.LinearConfig.parse(key)
         # the row tile is a constexpr: compile with M rows so that row_tile(M, bm) is the tile
         xm = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
         o = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
-        t = time.time()
-        try:
-            if var == "norm":
-                K.linear(xm, w[:n], o, cfg=cfg, norm=nw)
-            elif var == "res":
-                K.linear(xm, w[:n], o, cfg=cfg, residual=o)
-            elif var == "swiglu":
-                K.linear(xm, w, o, cfg=cfg, norm=nw, swiglu=True)
-            elif var == "swiglu_pre":
-                K.linear(xm, w, o, cfg=cfg, swiglu=True)
-            else:
-                K.linear(xm, w[:n], o, cfg=cfg)
-            torch.cuda.synchronize()
-            print(f"compiled {var} {key} M={M} in {time.time() - t:.1f}s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"FAILED {var} {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        compile_linear(K, var, key, xm, w, o, nw, tag=f" M={M}")
     return 0
 
 
@@ -174,47 +153,20 @@ class Timer:
             self.torch.cuda.synchronize()
 
     def median(self, fn, iters: int = 15, warmup: int = 3) -> float:
-        torch = self.torch
+        """Median seconds per call of ``fn`` (CUDA events on the GPU, the host clock on the CPU)."""
         for _ in range(warmup):
             fn()
         self.sync()
-        if not self.cuda:
-            ts = []
-            for _ in range(iters):
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            return statistics.median(ts)
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for a, b in evs:
-            a.record()
-            fn()
-            b.record()
-        self.sync()
-        return statistics.median(a.elapsed_time(b) / 1e3 for a, b in evs)
+        return statistics.median((event_times(fn, iters) if self.cuda else wall_times(fn, iters))[0])
 
     def graph(self, fn, iters: int = 10) -> float:
         """Median seconds of one replay of a CUDA graph of ``fn`` (plain calls on the CPU)."""
-        torch = self.torch
         if not self.cuda:
             return self.median(fn, 2, 1)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = capture_graph(fn)
         t = self.median(g.replay, iters, 2)
         del g
         return t
-
-
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,15 +219,13 @@ class Bench:
         if not self.cuda:
             return
         a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        t = self.timer.median(lambda: b.copy_(a), 10)
-        self.R["copy_tb_s"] = 2 * a.numel() / t / 1e12
+        self.R["copy_tb_s"] = copy_bandwidth(a, lambda fn: self.timer.median(fn, 10)) / 1e12
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         t = self.timer.median(lambda: x @ y, 10)
         self.R["mm_tflops"] = 2 * 8192 ** 3 / t / 1e12
         log(f"copy {self.R['copy_tb_s']:.3f} TB/s, bf16 mm {self.R['mm_tflops']:.0f} TFLOP/s")
-        del a, b, x, y
+        del a, x, y
 
     # --- one matmul role, the way FastTarget runs it ------------------------------------------
     def role_args(self, role: str, layer: int):
