@@ -320,6 +320,16 @@ with torch.inference_mode():
             k0[b, :, :, dst] = k0[b, :, :, src].clone()
             v0[b, :, :, dst] = v0[b, :, :, src].clone()
     res["compact_equal"] = bool(torch.equal(k0, m.cache.k) and torch.equal(v0, m.cache.v))
+    # one newcomer's prefill into its own row (continuous batching): rows=slice(1, 2), logits of
+    # the last position only; row 0 of the cache is untouched
+    k_row0 = m.cache.k[0].clone()
+    tp = torch.randint(0, 256, (B, 9), generator=g)
+    lp = fast.forward(tp[1:], start[1:], rows=slice(1, 2), last_only=True)[0].clone()
+    lpr = ref(tp, start, chain_ancestors(B, 9, "cpu"))[0]
+    res["row_prefill"] = ((lp[0, 0] - lpr[1, -1]).abs().max() / lpr[1, -1].abs().max()).item()
+    s1 = int(start[1])
+    res["row_prefill_kv"] = (m.cache.k[1, :, :, s1:s1 + 9] - ref.cache.k[1, :, :, s1:s1 + 9]).abs().max().item()
+    res["row_prefill_other_rows"] = bool(torch.equal(m.cache.k[0], k_row0))
 print("RESULT " + json.dumps(res))
 '''
 
@@ -340,6 +350,7 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["tiers"] == ["bn16-bk512-w4-s3", "bn32-bk32-w4-s3-m32", "bn16-bk64-w4-s3-p-m64"], res
     assert res["tiled"] < 1e-5 and res["tiled_row0_vs_m2"] < 1e-5, res
     assert res["tree"] < 1e-5 and res["tree_kv"] < 1e-5 and res["tree_chain_equal"] and res["compact_equal"], res
+    assert res["row_prefill"] < 1e-5 and res["row_prefill_kv"] < 1e-5 and res["row_prefill_other_rows"], res
 
 
 DRAFT_CHECK = r"""
@@ -393,6 +404,13 @@ with torch.inference_mode():
     kk = [(fast_net.ctx_k[:, b, :, :s + 6] - ref.ctx_k[:, b, :, :s + 6]).abs().max().item()
           for b, s in enumerate(start.tolist())]
     res["ctx_kv2"] = max(kk)
+    # a newcomer's context into its own draft-cache row (rows=slice(0, 1)); row 1 untouched
+    k1 = fast_net.ctx_k[:, 1].clone()
+    f3 = torch.randn(1, 7, 2 * H, generator=g)
+    fast.add_context(f3, torch.tensor([20]), rows=slice(0, 1))
+    ref.add_context(torch.cat([f3, f3]), torch.tensor([20, 20]))
+    res["ctx_row"] = (fast_net.ctx_k[:, 0, :, 20:27] - ref.ctx_k[:, 0, :, 20:27]).abs().max().item()
+    res["ctx_row_other"] = bool(torch.equal(fast_net.ctx_k[:, 1], k1))
 print("RESULT " + json.dumps(res))
 """
 
@@ -412,6 +430,7 @@ def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
     assert res["ctx_kv"] < 1e-5 and res["ctx_kv2"] < 1e-5, res
     assert res["logits"] < 1e-5, res
     assert res["tokens_equal"] and res["redraft_equal"] and res["tokens2_equal"], res
+    assert res["ctx_row"] < 1e-5 and res["ctx_row_other"], res
 
 
 def test_fast_drafter_refuses_other_networks():

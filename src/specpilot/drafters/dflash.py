@@ -93,6 +93,16 @@ class DFlashProposer:
             return chain(last, tokens, confidence=logits.float().softmax(-1).gather(-1, tokens[..., None])[..., 0])
         return chain(last, tokens)
 
+    def can_observe_row(self) -> bool:
+        """Row-wise context injection (:meth:`observe_row`) runs in the Triton draft step."""
+        return self.graphs is not None and self.graphs.fast is not None
+
+    @torch.inference_mode()
+    def observe_row(self, b: int, features: torch.Tensor, start: int) -> None:
+        """Context of a newcomer's prompt chunk: features [1, T, F] of positions start.. of row b only."""
+        st = torch.full((1,), start, dtype=torch.long, device=features.device)
+        self.graphs.fast.add_context(features, st, rows=slice(b, b + 1))
+
     # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
     def can_overlap(self) -> bool:
         """Chains drafted by the captured draft graph (after :meth:`start`) can overlap."""

@@ -366,12 +366,17 @@ class FastTarget:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None, rows: slice | None = None,
+                last_only: bool = False):
         """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
 
         ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T]) from :func:`tree_inputs` for a
         token tree (T <= 64): node t attends to the prefix and its ancestors, RoPE at start + depth;
         its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
+        ``rows``: the block is for these cache rows only (B = their count; e.g. one newcomer's
+        prompt prefilled beside running requests without touching their rows). ``last_only``:
+        logits of each row's last block position only ([B, 1, vocab]; a prefill), and the
+        workspace is not kept (prompt lengths vary; a kept workspace per length would pile up).
         """
         K, m, c = self.k, self.model, self.model.config
         if m.cache is None:
@@ -384,14 +389,22 @@ class FastTarget:
         else:  # padded rows embed token 0 and are never read back
             ws.tok[:M].copy_(tokens.reshape(M))
             x = F.embedding(ws.tok, m.model.embed_tokens.weight)
+        rows = rows if rows is not None else slice(None)
+        if m.cache.k[rows].shape[0] != B:
+            raise SpecpilotError(f"a block of {B} rows for cache rows {rows} of a batch of {m.cache.k.shape[0]}")
         for i, layer in enumerate(m.model.layers):
-            self._layer(x, layer, m.cache.k[:, i], m.cache.v[:, i], m.cos, m.sin, start, T, M, ws,
+            self._layer(x, layer, m.cache.k[rows, i], m.cache.v[rows, i], m.cos, m.sin, start, T, M, ws,
                         anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None)
             if i in capture:
                 j = capture.index(i)
                 ws.feats[:, j * H:(j + 1) * H].copy_(x)
-        self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=m.model.norm.weight)
         feats = ws.feats[:M].view(B, T, -1) if capture else None
+        if last_only:
+            self._ws = {k: w for k, w in self._ws.items() if w is not ws}
+            self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, ws.logits[:B], ws,
+                         norm=m.model.norm.weight)
+            return ws.logits[:B].view(B, 1, -1), feats
+        self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=m.model.norm.weight)
         return ws.logits[:M].view(B, T, -1), feats
 
 
@@ -491,8 +504,9 @@ class FastDrafter(FastTarget):
         return logits.argmax(-1)
 
     @torch.inference_mode()
-    def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
-        """Write the injected K/V of positions start .. start+T-1 into the draft cache.
+    def add_context(self, features: torch.Tensor, start: torch.Tensor, rows: slice | None = None) -> None:
+        """Write the injected K/V of positions start .. start+T-1 into the draft cache (of cache
+        rows ``rows`` only, when given: B = their count).
 
         Same contract as :meth:`DFlashDrafter.add_context`: features [B, T, n_layers * hidden]
         (target hidden states), start int64 [B]. fc + hidden norm, then the k/v rows of every
@@ -513,7 +527,11 @@ class FastDrafter(FastTarget):
         # layer l's head h is head l * Hkv + h of the batch-major cache's layer-0 view
         w, kn = self._context_weights()
         self._linear("qkv", ctxn, w, kv, ws)
-        self.k.qk_rope_cache(kv, ws.q, d.ctx_k[0], d.ctx_v[0], kn, kn, d.cos, d.sin, start, T,
+        rows = rows if rows is not None else slice(None)
+        kc, vc = d.ctx_k[0][rows], d.ctx_v[0][rows]
+        if kc.shape[0] != B:
+            raise SpecpilotError(f"context of {B} rows for draft-cache rows {rows} of a batch of {d.ctx_k.shape[1]}")
+        self.k.qk_rope_cache(kv, ws.q, kc, vc, kn, kn, d.cos, d.sin, start, T,
                              0, L * Hkv, c.head_dim, c.rms_norm_eps, k_norm_group=Hkv)
 
     def _context_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

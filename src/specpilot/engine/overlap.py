@@ -79,7 +79,12 @@ class OverlapStepper:
         self.draft_marks = None  # (start, end) of the draft launched last step
         B = runner.batch
         pin = runner.device.type == "cuda"
+        # pinned staging: copies from/to pageable memory would synchronize the stream (CUDA runs a
+        # stream sync before a pageable host-to-device copy), which is what overlap must avoid
         self.host = torch.empty((B, 2), dtype=torch.long, pin_memory=pin)
+        self.rem_host = torch.empty(B, dtype=torch.long, pin_memory=pin)
+        self.tok_host = None
+        self.pin = pin
 
     def step(self, last: torch.Tensor, remaining: list[int]):
         """Verify the pending proposal (drafting it first on the first step), accept, commit on the
@@ -113,10 +118,13 @@ class OverlapStepper:
             pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
             drafts = drafts.masked_fill(pad, -1)
         acc, bonus = self.accept(drafts, logits)
-        rem = torch.tensor(remaining, dtype=torch.long).to(r.device, non_blocking=True)
+        self.rem_host.copy_(torch.tensor(remaining, dtype=torch.long))  # free: last step's copy is done
+        rem = self.rem_host.to(r.device, non_blocking=True)
         counts = torch.minimum(acc + 1, rem)
         self.host.copy_(torch.stack([acc, bonus], 1), non_blocking=True)
-        tokens_host = prop.tokens.to("cpu", non_blocking=True)
+        if self.tok_host is None or self.tok_host.shape != prop.tokens.shape:
+            self.tok_host = torch.empty(prop.tokens.shape, dtype=torch.long, pin_memory=self.pin)
+        self.tok_host.copy_(prop.tokens, non_blocking=True)
         v1 = m.mark()
         ready = torch.cuda.Event() if r.device.type == "cuda" else None
         if ready is not None:
@@ -132,7 +140,7 @@ class OverlapStepper:
             ready.synchronize()  # the acceptance only: the draft above keeps running
         t_end = time.perf_counter()
         host = self.host.tolist()
-        toks = tokens_host.tolist()
+        toks = self.tok_host.tolist()
         grown = max((min(a_ + 1, rem_) for (a_, _), rem_ in zip(host, remaining)), default=0)
         r.settle(grown)
         t_verify = t_end - m.seconds(v0, v1)

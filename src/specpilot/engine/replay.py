@@ -195,6 +195,13 @@ class ReplayProposer:
         if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
             self.network.block_size = self.block_size
 
+    def can_observe_row(self) -> bool:
+        return self.network is None or bool(getattr(self.network, "can_observe_row", lambda: False)())
+
+    def observe_row(self, b: int, features, start: int) -> None:
+        if self.network is not None:
+            self.network.observe_row(b, features, start)
+
     # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
     def can_overlap(self) -> bool:
         """Overlaps when its network does (or there is none)."""
@@ -231,7 +238,17 @@ class ReplayProposer:
             if a < k:
                 d[a] = (d[a] + 1) % self.vocab
             rows.append(d)
-        return chain(last, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
+        host = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            # through pinned memory: a pageable host-to-device copy synchronizes the stream (it would
+            # wait for the draft network's step before the verify could be queued). One buffer is
+            # enough: the next proposal comes after the host read this step's acceptance, which
+            # follows this copy on the stream.
+            if getattr(self, "_pin", None) is None or self._pin.shape != host.shape:
+                self._pin = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
+            self._pin.copy_(host)
+            host = self._pin
+        return chain(last, host.to(self.device, non_blocking=True))
 
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
         """Continuous batching: slot b now serves a new request whose AR output is ``reference``.

@@ -141,6 +141,32 @@ class TargetRunner:
         self._bound, self._pending = T, 0
         return logits[torch.arange(B, device=self.device), lengths - 1], feats, lengths
 
+    @property
+    def can_prefill_rows(self) -> bool:
+        """True when :meth:`prefill_row` is available (the Triton step of a dense target)."""
+        return self.graphs is not None and self.graphs.fast is not None
+
+    @torch.inference_mode()
+    def prefill_row(self, b: int, tokens: list[int], start: int):
+        """Prefill ``tokens`` into cache row ``b`` at positions start .. start+T-1 and commit them,
+        leaving every other row untouched (continuous batching: a newcomer's prompt costs its own
+        T rows, not T x batch).
+
+        Returns the logits [vocab] at the last position and captured features [1, T, F] (or None). Needs
+        :attr:`can_prefill_rows`; raises SpecpilotError otherwise or when the row has no room.
+        """
+        if not self.can_prefill_rows:
+            raise SpecpilotError("row prefill needs the Triton step (a dense target under CUDA graphs)")
+        T = len(tokens)
+        if start + T > self.max_seq:
+            raise SpecpilotError(f"row {b}: prefill to {start + T} KV-cache slots but the cache holds {self.max_seq}")
+        tok = torch.tensor([tokens], dtype=torch.long).to(self.device)
+        st = torch.full((1,), start, dtype=torch.long, device=self.device)
+        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True)
+        self.length[b] = start + T
+        self._bound = max(self._bound, start + T)
+        return logits[0, 0], feats
+
     @torch.inference_mode()
     def verify(self, block: torch.Tensor, parents: torch.Tensor | None = None):
         """Run candidates [B, N] (chain, or a tree given parents [B, N]) at the committed lengths.

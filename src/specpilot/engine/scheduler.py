@@ -88,6 +88,12 @@ class ARProposer:
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
         pass
 
+    def can_observe_row(self) -> bool:
+        return True
+
+    def observe_row(self, b: int, features, start: int) -> None:
+        pass
+
 
 def prefill_width(lengths: list[int], bucket: int) -> int:
     """Block width of a prefill step: the longest prompt rounded up to a multiple of ``bucket``
@@ -134,6 +140,7 @@ class Scheduler:
                  on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False):
         self.runner = runner
         self.overlap = bool(overlap)
+        self.rows_prefill = True  # tests switch it off to compare with the one-block prefill
         self.drafter = drafter if drafter is not None else ARProposer()
         if not hasattr(self.drafter, "reset_slot"):
             raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
@@ -153,6 +160,12 @@ class Scheduler:
     @property
     def verify_width(self) -> int:
         return int(getattr(self.drafter, "verify_width", 1))
+
+    def _rows_prefill(self) -> bool:
+        """Newcomers prefill in their own rows (:meth:`TargetRunner.prefill_row`) when the runner
+        and the drafter can (the Triton step on a GPU); else one block over every row."""
+        f = getattr(self.drafter, "can_observe_row", None)
+        return self.rows_prefill and self.runner.can_prefill_rows and f is not None and bool(f())
 
     def _check(self, requests: list[Request]) -> None:
         if not requests:
@@ -327,10 +340,22 @@ class Scheduler:
                 length[b] = 0
             runner.rollback(torch.tensor(length, dtype=torch.long))
             prompts = {b: requests[i].prompt_ids for b, i in new}
-            longest = max(len(p) for p in prompts.values())
-            C = self.chunk or longest
             rows = torch.tensor([b for b, _ in new], device=dev)
             pos = {b: 0 for b in prompts}  # prompt tokens of each newcomer committed so far
+            if self._rows_prefill():
+                # each newcomer's prompt into its own cache row only (the running rows are not
+                # touched): T rows of work per prompt, not T x batch
+                with torch.inference_mode():
+                    last = last.clone()
+                    for b, p in prompts.items():
+                        C = self.chunk or len(p)
+                        for s0 in range(0, len(p), C):
+                            logits, feats = runner.prefill_row(b, p[s0:s0 + C], s0)
+                            self.drafter.observe_row(b, feats, s0)
+                            self.prefill_steps += 1
+                        last[b] = logits.argmax(-1)
+                        length[b] = len(p)
+                        pos[b] = len(p)
             while any(pos[b] < len(p) for b, p in prompts.items()):  # one prefill step per chunk
                 # every row (running, idle, new) gets this block's entries beyond its length: fit the room
                 room = runner.max_seq - max(length)
