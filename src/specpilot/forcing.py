@@ -52,6 +52,8 @@ from .io import write_json
 from .records import Record, read_records
 
 REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
+# config forcing.tolerance's default (config/schema.yaml), for the CLI without --tolerance
+DEFAULT_TOLERANCE = {"fp32": 0.001, "bf16": 0.1}
 CHUNK = 512  # output positions whose logits are reduced at once (fp32) in the teacher-forced check
 LISTED = 100  # violations / near-ties listed in a verdict (the counts are always complete)
 
@@ -597,8 +599,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the cell's token budget (default: the largest new_tokens of the references)")
     p.add_argument("--replay-tokens", type=int, default=REPLAY_TOKENS,
                    help="leading new tokens per request whose verify steps are re-executed (0: none)")
-    p.add_argument("--tolerance", type=float, default=1e-3,
-                   help="near-tie tolerance: top-1 logit margin (config forcing.tolerance for the dtype)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="near-tie tolerance: top-1 logit margin (config forcing.tolerance for the dtype; "
+                        "default the config default for the compute dtype: fp32 0.001, bf16 0.1)")
     p.add_argument("--chunk", type=int, default=CHUNK, help="output positions whose logits are reduced at once in the teacher-forced check")
     p.add_argument("--out", required=True, help="verdict JSON to write")
     p.add_argument("--device", default="cpu")
@@ -647,7 +650,9 @@ def run(args) -> int:
         r0 = candidate[0] if candidate else None
         meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
         replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
-    verdict = force(candidate, references, prompts, target, args.tolerance, replay, args.chunk,
+    tol = args.tolerance if args.tolerance is not None else \
+        tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
+    verdict = force(candidate, references, prompts, target, tol, replay, args.chunk,
                     candidate_name=str(args.candidate))
     if args.engine_config:
         _check_engine_config(verdict, candidate, args.engine_config)
