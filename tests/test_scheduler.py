@@ -301,3 +301,54 @@ def test_overlap_scheduling_keeps_outputs_and_acceptance(pair, workload, regime)
             assert [o for o, _ in got[True]] == want, f"overlap c{c}: outputs differ from AR"
         assert got[True] == got[False], f"{regime} c{c}: overlap changed outputs or acceptance"
         assert any(max(s, default=1) > 1 for _, s in got[True])  # multi-token commits happened
+
+
+class _CountingNetwork:
+    """A drafter network stand-in for the replay drafter that overlaps and counts its drafts."""
+
+    kind, capture, block_size, verify_width = "count", (), 6, 6
+
+    def __init__(self):
+        self.drafts = 0
+
+    def can_overlap(self):
+        return True
+
+    def start(self, *args):
+        pass
+
+    def propose(self, last, start):
+        self.drafts += 1
+
+    def draft_async(self, last, start):
+        self.drafts += 1
+
+    def observe(self, *args):
+        pass
+
+    def observe_device(self, *args):
+        pass
+
+    def reset_slot(self, *args, **kwargs):
+        pass
+
+
+def test_overlap_drafts_once_per_step(pair, workload):
+    """Overlap launches each step's draft once, ahead (one more than the steps in all: the last
+    step's look-ahead), not an extra draft per step."""
+    from specpilot.engine.replay import ReplayProposer, load_profile
+
+    target, _ = pair
+    reqs, eos, ref = workload
+    reqs = [Request(r.prompt_ids, r.max_new_tokens, ref[i]) for i, r in enumerate(reqs)]
+    counts = {}
+    for overlap in (False, True):
+        net = _CountingNetwork()
+        rp = ReplayProposer([r.reference for r in reqs[:3]], load_profile("study_stock"), target.config.vocab_size,
+                            net, seed=3, block_size=6)
+        sched = Scheduler(TargetRunner(target, 3, slots_needed(reqs, 6, True), ()), rp, eos_id=eos, overlap=overlap)
+        out = sched.run(reqs)
+        assert [r.output_ids for r in out] == ref and sched.overlapped == overlap
+        counts[overlap] = (net.drafts, sched.steps)
+    assert counts[False][0] == counts[False][1]
+    assert counts[True] == (counts[True][1] + 1, counts[False][1])

@@ -75,6 +75,7 @@ class OverlapStepper:
                                  "(needs chain proposals drafted on the device)")
         self.runner, self.drafter, self.accept = runner, drafter, accept
         self.handle = None
+        self.pending = False  # a draft was launched ahead for the next step
         self.marks = _Marks(runner.device)
         self.draft_marks = None  # (start, end) of the draft launched last step
         B = runner.batch
@@ -100,13 +101,12 @@ class OverlapStepper:
         B = r.batch
         if len(remaining) != B:
             raise SpecpilotError(f"remaining budgets for {len(remaining)} rows, batch of {B}")
-        if self.handle is None:
+        if not self.pending:  # the first step: nothing was drafted ahead yet
             a = m.mark()
-            self.draft_marks = (a, None)
             self.handle = d.draft_async(last, r.length)
             self.draft_marks = (a, m.mark())
         prop = d.proposal(self.handle, last)
-        self.handle = None
+        self.handle, self.pending = None, False
         if not prop.is_chain:
             raise SpecpilotError("overlap scheduling verifies chain proposals only")
         if prop.tokens.shape[0] != B:
@@ -134,7 +134,8 @@ class OverlapStepper:
         r.commit(counts)
         prev = self.draft_marks
         a = m.mark()
-        self.handle = d.draft_async(bonus, r.length)
+        self.handle = d.draft_async(bonus, r.length)  # a handle may be None (the replay drafter's)
+        self.pending = True
         self.draft_marks = (a, m.mark())
         if ready is not None:
             ready.synchronize()  # the acceptance only: the draft above keeps running
