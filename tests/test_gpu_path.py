@@ -334,16 +334,20 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_step_matches_eager_forward_interpreted(tmp_path):
-    """FastTarget (7 Triton kernels per layer) vs the eager forward: logits, features, KV writes."""
-    script = tmp_path / "check.py"
-    script.write_text(INTERP_CHECK)
+def _interpreted(script: Path, text: str) -> dict:
+    """Run a check script under Triton's CPU interpreter in a subprocess; its RESULT line as a dict."""
+    script.write_text(text)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_step_matches_eager_forward_interpreted(tmp_path):
+    """FastTarget (7 Triton kernels per layer) vs the eager forward: logits, features, KV writes."""
+    res = _interpreted(tmp_path / "check.py", INTERP_CHECK)
     assert res["logits"] < 1e-5 and res["hidden"] < 1e-5 and res["kv"] < 1e-5, res
     assert res["cublas"] < 1e-5 and res["mixed"] < 1e-5 and res["prenorm"] < 1e-5, res
     assert res["row_independent"]
@@ -419,13 +423,7 @@ print("RESULT " + json.dumps(res))
 def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
     """FastDrafter (the DFlash draft step and context injection in the target's Triton kernels) vs
     the eager DFlash network: context K/V, draft logits and tokens, at two rows of different lengths."""
-    script = tmp_path / "draft_check.py"
-    script.write_text(DRAFT_CHECK)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    res = _interpreted(tmp_path / "draft_check.py", DRAFT_CHECK)
     assert res["supported"]
     assert res["ctx_kv"] < 1e-5 and res["ctx_kv2"] < 1e-5, res
     assert res["logits"] < 1e-5, res
