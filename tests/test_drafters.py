@@ -178,3 +178,31 @@ def test_stock_and_tree_equal_ar_for_every_drafter(quick_deployment, quick_promp
         assert sum(t.verify_steps for t in tree) <= sum(c.verify_steps for c in chain_recs)
         ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         assert check(chain_recs, ar, ids, target)["passed"] and check(tree, ar, ids, target)["passed"]
+
+
+@torch.no_grad()
+def test_two_level_drafting_equals_ar(quick_deployment, quick_prompts):
+    """Two-level drafting (second_level L): the chain grows to B + L tokens per verify (level 2
+    drafted beyond level 1's last draft), outputs equal AR at concurrency 1 and 3, a step never
+    commits more than B + L tokens, and bad settings give one clear error."""
+    target = load_target(quick_deployment / "target")
+    net = load_drafter(quick_deployment / "drafter-dflash")
+    prompts = quick_prompts[::2]
+    block, L = 5, 3
+    ar = serve(EngineSpec("ar"), target, None, prompts, 32, 1, META, progress=False)
+    for conc in (1, 3):
+        recs = serve(EngineSpec("specpilot", block, {"second_level": L}), target, net, prompts, 32, conc,
+                     dict(META, drafter="dflash"), progress=False)
+        assert [r.output_ids for r in recs] == [a.output_ids for a in ar]
+        assert max(max(r.committed_per_step) for r in recs) <= block + L
+    prop = make_proposer(net, block, {"second_level": L})
+    assert prop.verify_width == block + L
+    widths = []
+    ids = [p["prompt_ids"] for p in prompts[:2]]
+    runner = TargetRunner(target, 2, max(map(len, ids)) + 40 + block + L, prop.capture)
+    generate(runner, prop, ids, 16, on_step=lambda p, paths: widths.append(p.width))
+    assert set(widths) == {block + L}
+    with pytest.raises(SpecpilotError, match="second_level"):
+        make_proposer(net, block, {"second_level": block})
+    with pytest.raises(SpecpilotError, match="second_level"):
+        make_proposer(net, block, {"second_level": 2, "tree_branch": 1})

@@ -51,7 +51,7 @@ class Direction:
 
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
-            "verify_budget": ("off",), "overlap": (False,)}
+            "verify_budget": ("off",), "overlap": (False,), "second_level": (0,)}
 
 
 def normalize(config: dict) -> dict:
@@ -109,3 +109,10 @@ register(Direction(
     "injection are launched before the host reads the acceptance, so the device drafts while the host "
     "does its bookkeeping; outputs unchanged (engine.overlap)",
     applies=lambda ctx: ctx.get("gpu", "cpu") != "cpu" and ctx.get("drafter") not in (None, "none", "lookup")))
+
+
+register(Direction(
+    "two_level", "acceptance", {"second_level": [0, 2, 4, 7]},
+    "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
+    "pass, so a step can commit more than a block (verify width block + second_level)",
+    applies=lambda ctx: ctx.get("drafter") == "dflash"))

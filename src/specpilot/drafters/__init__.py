@@ -46,8 +46,9 @@ def make_proposer(network, block_size: int | None = None, config: dict | None = 
     Args:
         network: a drafter network (its ``kind`` picks the plug-in).
         block_size: in the drafter's own counting (see the table above); None = its config's.
-        config: engine config: ``tree_branch``, ``tree_depth`` (side branches; 0 = chain) and, for
-            DSpark, ``confidence_threshold``.
+        config: engine config: ``tree_branch``, ``tree_depth`` (side branches; 0 = chain),
+            ``second_level`` (DFlash: two-level drafting, 0 = off) and, for DSpark,
+            ``confidence_threshold``.
     Raises:
         SpecpilotError: unknown drafter kind or bad settings.
     """
@@ -57,7 +58,8 @@ def make_proposer(network, block_size: int | None = None, config: dict | None = 
     if kind == "dflash":
         from .dflash import DFlashProposer
 
-        return DFlashProposer(network, graphs, kernels, block_size=block_size, **tree)
+        return DFlashProposer(network, graphs, kernels, block_size=block_size, **tree,
+                              second_level=int(config.get("second_level", 0)))
     if kind == "dflash2":
         from .dflash2 import DFlash2Proposer
 

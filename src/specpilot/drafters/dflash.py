@@ -6,6 +6,12 @@ drafter's input is [anchor, mask x (B-1)] and slots 1..B-1 are the B-1 drafts. W
 ``tree_branch`` > 0 the proposal is a tree: the drafter's argmax chain (the spine) plus, at the
 first ``tree_depth`` draft positions, its next ``tree_branch`` best tokens as side branches
 (verify width B + branch x min(depth, B-1)).
+
+Two-level drafting (``second_level`` L > 0; the study's "two-level verification", our reading): the
+drafter runs a second time with level 1's last draft as the anchor of a block one block further on,
+seeing the committed context only (the level-1 positions have no target features yet); its first L
+drafts extend the chain, and one verify pass checks both levels, so a step can commit up to
+B + L tokens (verify width B + L). Lossless by construction: chain verification.
 """
 
 from __future__ import annotations
@@ -36,16 +42,24 @@ class DFlashProposer:
     kind = "dflash"
 
     def __init__(self, drafter: DFlashDrafter, graphs: bool | None = None, kernels: str | None = None, *,
-                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1):
+                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1, second_level: int = 0):
         self.drafter = drafter
         self.use_graphs, self.kernels = graphs, kernels
         self.graphs = None
         self.block_size = int(block_size or drafter.config.block_size)
         self.branch, self.depth = int(tree_branch), int(tree_depth)
+        self.second_level = int(second_level)
         if self.block_size < 2:
             raise SpecpilotError(f"{self.kind}: block size must be >= 2 (anchor + drafts), got {self.block_size}")
         if self.branch < 0 or self.depth < 0:
             raise SpecpilotError(f"{self.kind}: tree_branch and tree_depth must be >= 0")
+        if self.second_level:
+            if self.kind != "dflash" or self.branch:
+                raise SpecpilotError(f"second_level drafting is built for DFlash chains (got {self.kind}, "
+                                     f"tree_branch {self.branch})")
+            if not 0 < self.second_level < self.block_size:
+                raise SpecpilotError(f"second_level must lie in 1..block_size - 1 = {self.block_size - 1}, "
+                                     f"got {self.second_level}")
         self.capture = tuple(drafter.config.target_layer_ids)
         # attach each draft's top-1 probability as its confidence (the load-aware verify length's
         # survival proxy; eager drafting only, since the captured draft graph returns tokens only)
@@ -58,8 +72,9 @@ class DFlashProposer:
 
     @property
     def verify_width(self) -> int:
-        """Tokens per verify forward: anchor + drafts + side branches."""
-        return 1 + self.n_drafts + (self.branch * min(self.depth, self.n_drafts) if self.branch else 0)
+        """Tokens per verify forward: anchor + drafts + side branches + the second level."""
+        return 1 + self.n_drafts + (self.branch * min(self.depth, self.n_drafts) if self.branch else 0) \
+            + self.second_level
 
     def _net_block(self) -> int:
         """Input length of the network's block forward (DFlash: anchor + B-1 mask slots)."""
@@ -70,7 +85,8 @@ class DFlashProposer:
         self.lm_head = runner.model.lm_head
         # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
         self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
-        if self.branch == 0 and not self.confidence and use_graphs(self.use_graphs, first.device):
+        if self.branch == 0 and not self.second_level and not self.confidence and \
+                use_graphs(self.use_graphs, first.device):
             from ..engine.graphs import drafter_graphs
 
             self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
@@ -87,6 +103,8 @@ class DFlashProposer:
         if self.graphs is not None:
             return chain(last, self.graphs.draft(last, start, self._net_block()))
         tokens, logits = self._draft(last, start)
+        if self.second_level:
+            return chain(last, torch.cat([tokens, self._second_level(tokens, start)], 1))
         if self.branch:
             return spine_tree(last, tokens, side_branches(logits, tokens, self.depth, self.branch))
         if self.confidence:
@@ -122,6 +140,18 @@ class DFlashProposer:
     def proposal(self, handle: torch.Tensor, last: torch.Tensor) -> Proposal:
         """The chain of ``draft_async``'s tokens behind the anchors ``last`` [B]."""
         return chain(last, handle)
+
+    def _second_level(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Two-level drafting (the study's mechanism; our reading, see the module docstring of
+        :mod:`specpilot.drafters.dflash`): a second block drafted beyond level 1's last draft (its
+        most likely leaf), which becomes the second block's anchor at position start + B - 1. The
+        level-1 positions have no target features yet, so the second block sees the committed
+        context only (``ctx_len = start``); its first ``second_level`` drafts extend the chain, and
+        the one verify pass checks both levels (every committed token is still the target's argmax).
+        tokens int64 [B, B_blk - 1]; returns int64 [B, second_level]."""
+        t2, _ = self.drafter.draft(tokens[:, -1], start + self.block_size - 1, self.embed, self.lm_head,
+                                   self._net_block(), ctx_len=start)
+        return t2[:, : self.second_level]
 
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
         """Continuous batching: slot b now serves a new request. Nothing to reset on the host: the

@@ -48,7 +48,8 @@ class EngineSpec:
         if self.engine == "ar":
             return 1
         depth = min(int(self.config.get("tree_depth", 1)), self.block_size)
-        return self.block_size + 1 + int(self.config.get("tree_branch", 0)) * depth
+        return self.block_size + 1 + int(self.config.get("tree_branch", 0)) * depth \
+            + int(self.config.get("second_level", 0))
 
     def __post_init__(self):
         if self.engine not in ENGINES:

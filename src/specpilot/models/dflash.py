@@ -316,15 +316,21 @@ class DFlashDrafter(nn.Module):
             self.ctx_k[i][rows, :, pos] = k.transpose(1, 2)
             self.ctx_v[i][rows, :, pos] = v.transpose(1, 2)
 
-    def block_hidden(self, block: torch.Tensor, start: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
-        """Drafter output states [B, T, hidden] for a block [B, T] whose slot 0 sits at ``start``."""
+    def block_hidden(self, block: torch.Tensor, start: torch.Tensor, embed: nn.Embedding,
+                     ctx_len: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafter output states [B, T, hidden] for a block [B, T] whose slot 0 sits at ``start``.
+
+        ``ctx_len`` int64 [B]: context slots the block sees (default ``start``: all injected ones).
+        Smaller for a block placed beyond not-yet-verified positions (two-level drafting), whose
+        context slots hold nothing valid.
+        """
         B, T = block.shape
         pos = start[:, None] + torch.arange(T, device=block.device)[None, :]
         cos, sin = self.cos[pos], self.sin[pos]
         S = self.ctx_k.shape[3]
         cfg = self.config
         slots = torch.arange(S, device=block.device)
-        visible_ctx = slots[None, :] < start[:, None]  # [B, S]
+        visible_ctx = slots[None, :] < (start if ctx_len is None else ctx_len)[:, None]  # [B, S]
         masks = {}
         for i in range(cfg.num_hidden_layers):
             key = (cfg.layer_causal(i), cfg.layer_window(i))
@@ -355,19 +361,20 @@ class DFlashDrafter(nn.Module):
         return out
 
     def draft(self, anchor: torch.Tensor, start: torch.Tensor, embed: nn.Embedding, lm_head: nn.Module,
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+              block_size: int, ctx_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft ``block_size - 1`` tokens after ``anchor`` in one forward.
 
         Args:
             anchor: int64 [B] last committed token (not yet seen by the target), at position ``start``.
             start: int64 [B] its position = number of context positions already in the draft cache.
+            ctx_len: int64 [B] context slots visible (default ``start``; see :meth:`block_hidden`).
         Returns:
             tokens int64 [B, block_size - 1] (argmax) and their logits [B, block_size - 1, vocab].
         """
         B = anchor.shape[0]
         block = torch.full((B, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
         block[:, 0] = anchor
-        logits = self.logits(self.block_hidden(block, start, embed)[:, 1:], lm_head)
+        logits = self.logits(self.block_hidden(block, start, embed, ctx_len)[:, 1:], lm_head)
         return logits.argmax(-1), logits
 
     # -- training ---------------------------------------------------------------------------
