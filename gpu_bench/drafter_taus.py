@@ -1,13 +1,13 @@
 """Stock tau of each tiny drafter at an equal verify width, stock == AR checks, DSpark calibration.
 
-    python benchmarks/drafter_taus.py --deployment resources/deployments/tiny --n 20 --new 128 \
-        --width 8 --out benchmarks/drafter_taus_cpu.json
+    python gpu_bench/drafter_taus.py --deployment resources/deployments/tiny --n 20 --new 128 \
+        --width 8 --out gpu_bench/drafter_taus_cpu.json
 
 For each drafter in the deployment (dflash, dflash2 with DFlash counting block = width; dspark with
 gamma = width - 1) and prompt lookup (block = width): tau = committed tokens per verify step over
 all steps (bonus included; the table's ``stock_tau``), on the first ``--n`` gsm8k eval prompts with
 ``--new`` new tokens; every output is compared with AR token for token at concurrency 1 and
-``--concurrency``. DSpark calibration on ``--n-cal`` held-out gsm8k calibration prompts: per draft
+``--concurrency`` and checked by token forcing (every token teacher-forced). DSpark calibration on ``--n-cal`` held-out gsm8k calibration prompts: per draft
 position j, expected survival = mean over steps of prod c_1..c_j and observed = fraction of steps
 whose first j drafts were all accepted.
 """
@@ -27,6 +27,7 @@ from specpilot.drafters import make_proposer
 from specpilot.engine.generate import generate
 from specpilot.engine.runner import TargetRunner
 from specpilot.engine.serve import EngineSpec, serve
+from specpilot.forcing import check
 from specpilot.io import write_json
 from specpilot.models.loading import load_drafter, load_target
 
@@ -71,9 +72,14 @@ def main() -> None:
             row = {"block_size": spec.block_size}
             for c in (1, a.concurrency):
                 t0 = time.time()
-                recs = serve(spec, target, net, prompts, a.new, c, META, progress=False, warmup=False)
+                recs = serve(spec, target, net, prompts, a.new, c, dict(META, drafter=name), progress=False,
+                             warmup=False)  # the records name the drafter: forcing knows its block counting
                 same = all(r.output_ids == x.output_ids for r, x in zip(recs, ar[c]))
-                row[f"c{c}"] = {"tau": round(_tau(recs), 4), "equals_ar": same, "wall_s": round(time.time() - t0, 1)}
+                # token forcing: the target teacher-forced over every output token, and the references
+                v = check(recs, ar[c], {q["request_id"]: q["prompt_ids"] for q in prompts}, target)
+                row[f"c{c}"] = {"tau": round(_tau(recs), 4), "equals_ar": same, "wall_s": round(time.time() - t0, 1),
+                                "forcing": {"passed": v["passed"], "tokens_checked": v["tokens_checked"],
+                                            "tokens_generated": v["tokens_generated"], "violations": v["violations"]}}
             row["tau"] = row["c1"]["tau"]
             out["drafters"][name] = row
             print(name, json.dumps(row), flush=True)
