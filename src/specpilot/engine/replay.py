@@ -196,9 +196,11 @@ class ReplayProposer:
             self.network.block_size = self.block_size
 
     def can_observe_row(self) -> bool:
+        """Row-wise context injection is available when the network has it (or there is none)."""
         return self.network is None or bool(getattr(self.network, "can_observe_row", lambda: False)())
 
     def observe_row(self, b: int, features, start: int) -> None:
+        """A newcomer's prompt chunk (features [1, T, F] at ``start``) into the network's row b."""
         if self.network is not None:
             self.network.observe_row(b, features, start)
 
@@ -210,10 +212,12 @@ class ReplayProposer:
         return self.network is None or can_overlap(self.network)
 
     def observe_device(self, features, start, counts) -> None:
+        """The network's context injection of a verified block (device work only)."""
         if self.network is not None:
             self.network.observe_device(features, start, counts)
 
     def observe_host(self, committed) -> None:
+        """Advance each row's position in its reference by the tokens the host recorded."""
         for b, toks in enumerate(committed):
             self.pos[b] += len(toks)
 

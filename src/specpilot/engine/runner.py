@@ -43,6 +43,7 @@ class PhaseTimer:
         self.marks: list = []
 
     def mark(self) -> None:
+        """A phase boundary (a CUDA event on the current stream, or a clock reading)."""
         if not self.enabled:
             self.marks.append(None)
         elif self.cuda:
