@@ -8,7 +8,9 @@
 
 from snakemake.utils import min_version, validate
 
-min_version("9.0")
+# 9.17: Snakemake 9.10-9.16 could start jobs beyond --cores and the timing_slots limit (snakemake
+# issues #3913/#3815, fixed by #4026), so timed engine cells ran side by side and slowed each other
+min_version("9.17")
 
 
 configfile: "config/config.yaml"
