@@ -195,13 +195,19 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     return paths, bonus
 
 
-def _verify_chain(prop: Proposal, logits: torch.Tensor, accept: Callable):
-    """Accepted paths and bonus tokens of a chain proposal under the rule ``accept``."""
+def chain_drafts(prop: Proposal) -> torch.Tensor:
+    """The drafts int64 [B, k] of a chain proposal as the acceptance rule sees them: padding
+    nodes (index >= ``lengths[b]``) set to -1, which never matches an argmax (token ids are >= 0)."""
     drafts = prop.tokens[:, 1:]
-    if prop.lengths is not None:  # padding never matches an argmax (token ids are >= 0)
+    if prop.lengths is not None:
         pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
         drafts = drafts.masked_fill(pad, -1)
-    acc, bonus = accept(drafts, logits)
+    return drafts
+
+
+def _verify_chain(prop: Proposal, logits: torch.Tensor, accept: Callable):
+    """Accepted paths and bonus tokens of a chain proposal under the rule ``accept``."""
+    acc, bonus = accept(chain_drafts(prop), logits)
     # the one host synchronization of a step: the acceptance decision
     host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()
     return [list(range(a + 1)) for a, _ in host], [b for _, b in host]

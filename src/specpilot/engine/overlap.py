@@ -95,7 +95,7 @@ class OverlapStepper:
             last: int64 [B] anchors (the bonus tokens of the last step, or a refilled slot's first token).
             remaining: per row the tokens it may still commit (0: the row does not advance).
         """
-        from .generate import Step
+        from .generate import Step, chain_drafts
 
         r, d, m = self.runner, self.drafter, self.marks
         B = r.batch
@@ -113,11 +113,7 @@ class OverlapStepper:
             raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
         v0 = m.mark()
         logits, feats = r.verify(prop.tokens, None)
-        drafts = prop.tokens[:, 1:]
-        if prop.lengths is not None:  # padding never matches an argmax (token ids are >= 0)
-            pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
-            drafts = drafts.masked_fill(pad, -1)
-        acc, bonus = self.accept(drafts, logits)
+        acc, bonus = self.accept(chain_drafts(prop), logits)
         self.rem_host.copy_(torch.tensor(remaining, dtype=torch.long))  # free: last step's copy is done
         rem = self.rem_host.to(r.device, non_blocking=True)
         counts = torch.minimum(acc + 1, rem)

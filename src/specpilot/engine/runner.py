@@ -105,6 +105,7 @@ class TargetRunner:
             self.graphs = step_graphs(model, kernels)
         self._bound = 0  # host upper bound of max(length)
         self._pending = 0  # entries written by the last verify, not yet committed
+        self._grew = 0  # how much the last commit raised the bound (settle() may lower it)
 
     def _check_room(self, n: int) -> None:
         if self._bound + n <= self.max_seq:
@@ -229,9 +230,8 @@ class TargetRunner:
     def settle(self, grown: int) -> None:
         """The host learned that the last :meth:`commit` (of device counts) grew no row by more
         than ``grown`` entries: tighten the host bound of the lengths (no synchronization)."""
-        grew = getattr(self, "_grew", 0)
-        if 0 <= grown <= grew:
-            self._bound -= grew - grown
+        if 0 <= grown <= self._grew:
+            self._bound -= self._grew - grown
             self._grew = grown
 
     def rollback(self, length: torch.Tensor) -> None:

@@ -140,7 +140,6 @@ class Scheduler:
                  on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False):
         self.runner = runner
         self.overlap = bool(overlap)
-        self.rows_prefill = True  # tests switch it off to compare with the one-block prefill
         self.drafter = drafter if drafter is not None else ARProposer()
         if not hasattr(self.drafter, "reset_slot"):
             raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
@@ -165,7 +164,7 @@ class Scheduler:
         """Newcomers prefill in their own rows (:meth:`TargetRunner.prefill_row`) when the runner
         and the drafter can (the Triton step on a GPU); else one block over every row."""
         f = getattr(self.drafter, "can_observe_row", None)
-        return self.rows_prefill and self.runner.can_prefill_rows and f is not None and bool(f())
+        return self.runner.can_prefill_rows and f is not None and bool(f())
 
     def _check(self, requests: list[Request]) -> None:
         if not requests:
