@@ -10,7 +10,9 @@ What it runs, all through ``specpilot`` subcommands (``python3 -m specpilot.cli`
    ``run --engine stock --replay-profile study_stock --replay-reference <ar records>`` (block
    ``--block``, ``--new`` new tokens; at c = 1 only the first ``--requests-c1`` prompts), then
    ``force --candidate stock --reference ar`` (again with ``--target`` on the GPU, so mismatches
-   are classified by logit margin, if the first check finds any); and ``force`` of AR at c = 1 against AR at c = 16 (batch invariance of AR);
+   are classified by logit margin, if the first check finds any; on the GPU the teacher-forced pass
+   runs through the engine's Triton step, ``teacher_forced_path`` "triton" in the verdict); and
+   ``force`` of AR at c = 1 against AR at c = 16 (batch invariance of AR);
 4. prints per cell: per-request speedup (geometric mean over requests of AR decode_s / stock
    decode_s), tau, AR tok/s per request and aggregate (tokens / decode time of the lock-step
    batches), wall time of each CLI run, forcing verdicts.
@@ -99,7 +101,9 @@ def main() -> int:
     extra = ["--kernel-configs", args.kernel_configs] if args.kernel_configs else []
     common = ["--target", str(tgt), "--prompts", str(prompts), "--max-new-tokens", str(args.new), "--gpu", "h200",
               "--regime", args.regime, *extra]
-    force_common = ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda" if args.shape != "tiny" else "cpu"]
+    # the teacher-forced pass runs the engine's kernels (the Triton step) on the GPU: same configs
+    force_common = ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda" if args.shape != "tiny" else "cpu",
+                    *extra]
 
     def save():
         (out / "serving.json").write_text(json.dumps(R, indent=1))

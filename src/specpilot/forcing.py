@@ -16,6 +16,16 @@ rejected by exactly the rule the table reports.
    **violation** (position, candidate token, target's top-1, margin). Every token is checked
    whatever came before it: a near-tie never hides what follows, and coverage (tokens checked /
    tokens generated) must be 100 % for every request.
+   *Which kernels* (:func:`pick_teacher_forced_path`, recorded as the verdict's ``teacher_forced_path``):
+   on the CPU, and for engines that did not run the Triton step, the target's eager forward
+   (:func:`teacher_forced`, ``"eager"``). When the engine ran the bit-invariant Triton step (a
+   dense bf16 target with plain linears on CUDA, chain verification: the CUDA-graph fast path of
+   :mod:`specpilot.engine.graphs`), the pass runs through the *same* kernels
+   (:func:`teacher_forced_engine`, ``"triton"``): the prompts prefilled as the engine prefilled
+   them (:func:`engine_prefill_batches`), the output fed through ``FastTarget.forward`` in chunks.
+   The eager bf16 forward (cuBLAS) and the Triton step round differently, and on random-weight
+   bf16 targets their top-1 margins differ by up to 0.125 logits (above the bf16 tolerance), so
+   the eager pass would judge the deployment by a computation it never ran.
 2. **Structure** of each record's own evidence: ``len(output_ids) == new_tokens``,
    ``sum(committed_per_step) == new_tokens - 1`` (the first token comes from prefill),
    ``verify_steps == len(committed_per_step)``, every committed count in 1..the verify width of
@@ -56,6 +66,9 @@ REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per r
 DEFAULT_TOLERANCE = {"fp32": 0.001, "bf16": 0.1}
 CHUNK = 512  # output positions whose logits are reduced at once (fp32) in the teacher-forced check
 LISTED = 100  # violations / near-ties listed in a verdict (the counts are always complete)
+TF_ROWS = 256  # block rows (batch x width) per Triton step of the engine-kernel teacher-forced pass
+TF_BATCH = 16  # rows per batch for prompts the engine prefilled through the Triton step
+TF_PATHS = ("auto", "eager", "triton")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +161,256 @@ def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: 
                 setattr(target, k, v)
     assert len(top1) == n
     return top1, margin
+
+
+def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto") -> str:
+    """Which kernels the teacher-forced pass runs: ``"triton"`` (the engine's) or ``"eager"``.
+
+    ``auto`` picks ``"triton"`` exactly when the candidate's engine ran its prefix and verify steps
+    through the Triton step (:class:`~specpilot.engine.graphs.FastTarget`) as the engine decides
+    it by default (:class:`~specpilot.engine.runner.TargetRunner`, ``graphs``/``kernels`` auto):
+    the target on a CUDA device in bf16 with Triton importable, a dense full-attention target with
+    plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
+    and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
+    bf16) nor verifies token trees (``tree_branch`` > 0: the runner verifies trees eagerly). Else
+    ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
+    recorded in its records: pass ``asked="eager"`` for it.
+
+    Args:
+        target: the loaded target; candidate: the cell's records; asked: ``auto``, ``eager`` or
+            ``triton``.
+    Returns:
+        ``"triton"`` or ``"eager"``.
+    Raises:
+        SpecpilotError: an unknown ``asked``; ``triton`` asked for a target the Triton step cannot
+            run (not dense / not plain linears), or on the CPU without ``TRITON_INTERPRET=1``.
+    """
+    import os
+
+    from .engine.graphs import fast_path_supported, resolve_kernels, triton_available
+
+    if asked not in TF_PATHS:
+        raise SpecpilotError(f"unknown teacher-forced path {asked!r}; use {', '.join(TF_PATHS)}")
+    if asked == "eager":
+        return "eager"
+    w = target.lm_head.weight
+    runnable = bool(target.config.is_dense) and fast_path_supported(target)
+    if asked == "triton":
+        if not runnable or not triton_available():
+            raise SpecpilotError("the teacher-forced pass through the Triton step needs Triton and a dense target "
+                                 "with plain linear layers and a power-of-two head_dim")
+        if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SpecpilotError("the Triton teacher-forced pass needs a CUDA target (or TRITON_INTERPRET=1)")
+        return "triton"
+    if w.device.type != "cuda" or not runnable or resolve_kernels("auto", w.device, w.dtype) != "triton":
+        return "eager"
+    for r in candidate:
+        cfg = r.engine_config or {}
+        branch = cfg.get("tree_branch") or 0
+        if (cfg.get("weight_format") or "bf16") != "bf16" or not isinstance(branch, int) or branch > 0:
+            return "eager"
+    return "triton"
+
+
+def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None],
+                           cell_max_new: int, max_positions: int | None = None) -> list[dict]:
+    """How the engine prefilled the candidate's prompts: the batches of the Triton teacher-forced pass.
+
+    Requests are grouped as the engine served them (as :func:`replay_check`: turn, engine,
+    concurrency c, engine config; record order inside a group). Continuous batching (records that
+    carry ``arrival_s``, :mod:`specpilot.engine.scheduler`): the first min(c, n) requests of a
+    group were prefilled together by the eager :meth:`TargetRunner.prefill`, every later one (a
+    refill) through the Triton step (``prefill_row`` or a verify block; row-invariant, so any
+    batching of them gives the same bits). Static batches (no ``arrival_s``): every batch of c
+    requests in record order was prefilled eagerly. The eager prefill's KV-cache size is the
+    engine's (:func:`specpilot.engine.serve.serve`: :func:`~specpilot.engine.serve.kv_slots_needed`
+    over the group with ``cell_max_new`` and the config's verify width, + 64 under continuous
+    batching on CUDA graphs, capped at ``max_positions``), since the eager attention runs over
+    every cache slot.
+
+    Args:
+        candidate: records; prompt_of: record -> prompt ids (None: the record is left out);
+        cell_max_new: the cell's new-token budget; max_positions: the target's
+            max_position_embeddings (None: no cap).
+    Returns:
+        list of ``{"records": [Record], "prefill": "eager" | "triton", "max_seq": int | None}``
+        (``max_seq`` None for Triton-prefilled batches: the Triton step's results do not depend
+        on the cache size), covering every record with a prompt once.
+    """
+    from .engine.serve import EngineSpec, kv_slots_needed
+
+    groups: dict[tuple, list[Record]] = {}
+    for r in candidate:
+        if not prompt_of(r):
+            continue
+        cfg = r.engine_config or {}
+        key = (_turn(r.request_id), r.engine, int(r.concurrency), repr(sorted(cfg.items(), key=lambda kv: kv[0])))
+        groups.setdefault(key, []).append(r)
+    out: list[dict] = []
+    for (_, engine, c, _), recs in groups.items():
+        c = max(1, c)
+        continuous = all(r.arrival_s is not None for r in recs)
+        cfg = dict(recs[0].engine_config or {})
+        block = cfg.pop("block_size", 1)
+        try:
+            width = EngineSpec(engine, int(block), cfg).verify_width
+        except (SpecpilotError, TypeError, ValueError):
+            width = int(block) + 1 if isinstance(block, int) else 1
+        batched = c > 1 and len(recs) > 1
+        max_seq = max(kv_slots_needed(len(prompt_of(r)), cell_max_new, width, batched) for r in recs) \
+            + (64 if continuous else 0)
+        if max_positions:
+            max_seq = min(max_seq, int(max_positions))
+        if continuous:
+            out.append({"records": recs[:c], "prefill": "eager", "max_seq": max_seq})
+            rest = recs[c:]
+            out += [{"records": rest[i:i + TF_BATCH], "prefill": "triton", "max_seq": None}
+                    for i in range(0, len(rest), TF_BATCH)]
+        else:
+            out += [{"records": recs[i:i + c], "prefill": "eager", "max_seq": max_seq}
+                    for i in range(0, len(recs), c)]
+    return out
+
+
+def _fast_target(target, kernel_configs: dict | None = None):
+    """A FastTarget of ``target`` with the matmul configs the engine's step graphs use (the
+    process's ``step_graphs(target, "triton", ...)``, e.g. from ``run --kernel-configs``), else the
+    defaults; ``kernel_configs`` on top. Its workspaces are its own (the engine's captured graphs
+    keep theirs)."""
+    from .engine.graphs import FastTarget
+
+    fast = FastTarget(target)
+    engine = target.__dict__.get("_step_graphs", {}).get("triton")
+    if engine is not None and engine.fast is not None:
+        fast.configs = dict(engine.fast.configs)
+        fast.attn_rows = engine.fast.attn_rows
+    if kernel_configs:
+        fast.set_configs(kernel_configs)
+    return fast
+
+
+def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[int]], prefill: str = "eager",
+                          max_seq: int | None = None, width: int | None = None,
+                          kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
+    """The teacher-forced check through the engine's own kernels, for one prefill batch.
+
+    What the Triton fast path of the engine computes, reproduced: the prompts are prefilled as the
+    engine prefilled them, ``prefill="eager"``: all rows together in one eager
+    :meth:`~specpilot.engine.runner.TargetRunner.prefill` (B = len(prompts), right-padded, a
+    KV cache of ``max_seq`` slots: the engine's call, so the cache and the first token's logits are
+    bit-identical to the engine's); ``"triton"``: through the Triton step like the rest (the
+    engine's row prefill or verify-block refill). Then prompt + output[:-1] is fed in chunks of
+    ``width`` positions per row through :meth:`~specpilot.engine.graphs.FastTarget.forward` (the
+    step the engine's decode and chain verify replay under CUDA graphs), all rows at once, and
+    every position's logits are read. The step is row- and width-invariant by design (a row's
+    bits do not depend on the batch, the block width or the cache size; checked on the GPU by
+    ``gpu_bench/bench_verify.py``), so these are the logits the engine saw when it emitted each
+    token, and every token of an honest engine has margin exactly 0 (unless matmul configs run
+    cuBLAS, which pads rows and is not row-invariant beyond 16 rows: margins then fall to the
+    tolerance). This is a valid check of the guarantee: it verifies that every output token is
+    the argmax of the target *as the deployment computes it* (with these weights and kernels),
+    given the candidate's own prefix, whatever the engine did between tokens; a token that is not
+    that argmax has the same margin as under any other kernel up to rounding.
+
+    The target's decoding state (``cache``, ``state``, ``cos``, ``sin``, the cache key) is put
+    back afterwards and the pass uses a fresh cache and its own FastTarget workspaces, so an
+    engine's captured CUDA graphs stay valid.
+
+    Args:
+        target: a loaded dense target the Triton step supports (CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), any float dtype.
+        prompts, outputs: per row the prompt and the candidate's output token ids (non-empty,
+            inside the vocabulary).
+        prefill: ``"eager"`` or ``"triton"`` (see above).
+        max_seq: KV-cache slots of the engine's eager prefill (None: just what the pass needs; a
+            smaller value is raised to that).
+        width: positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1).
+        kernel_configs: FastTarget matmul configs on top of the engine's (see :func:`_fast_target`).
+    Returns:
+        per row (top1, margin), each of length ``len(output)``: the target's argmax token id and
+        ``max logit - logit[output[j]]`` (float, logit units, >= 0; fp32 from the model-dtype
+        logits) at output position j, as :func:`teacher_forced`.
+    Raises:
+        SpecpilotError: no rows, rows of different counts, an empty prompt or output, an unknown
+            ``prefill``, a width < 1.
+    """
+    import torch
+
+    from .engine.runner import TargetRunner
+
+    if prefill not in ("eager", "triton"):
+        raise SpecpilotError(f"unknown prefill {prefill!r}; use eager or triton")
+    if not prompts or len(prompts) != len(outputs):
+        raise SpecpilotError(f"teacher forcing needs as many outputs as prompts (got {len(prompts)} / {len(outputs)})")
+    if any(not p for p in prompts) or any(not o for o in outputs):
+        raise SpecpilotError("teacher forcing needs a non-empty prompt and output")
+    B = len(prompts)
+    W = int(width) if width is not None else max(1, TF_ROWS // B)
+    if W < 1:
+        raise SpecpilotError(f"teacher-forced width must be >= 1, got {width}")
+    P = [len(p) for p in prompts]
+    if prefill == "eager":  # position P_b + i holds output[i]; its logits predict output[i + 1]
+        seqs, base = [list(o[:-1]) for o in outputs], P
+    else:  # position i of prompt + output[:-1]; from P_b - 1 on its logits predict output[i - P_b + 1]
+        seqs, base = [list(p) + list(o[:-1]) for p, o in zip(prompts, outputs)], [0] * B
+    total = max(len(x) for x in seqs)
+    steps = -(-total // W)
+    S = max(int(max_seq or 0), max(b + total for b in base))
+    if prefill == "triton":  # no eager prefill: the cache size is free, every chunk full width
+        S = max(S, steps * W)
+    full_last = max(base) + steps * W <= S  # the last chunk padded to the full width (one block shape)
+    dev = target.lm_head.weight.device
+    top1: list[list[int]] = [[] for _ in range(B)]
+    margin: list[list[float]] = [[] for _ in range(B)]
+    saved = {k: getattr(target, k, None) for k in ("cache", "state", "cos", "sin", "_state_key")}
+    try:
+        target.state = None  # a fresh cache: the engine's (and its graphs' addresses) stay untouched
+        fast = _fast_target(target, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
+        with torch.inference_mode():
+            if prefill == "eager":
+                runner = TargetRunner(target, B, S, graphs=False)
+                last, _, _ = runner.prefill([list(p) for p in prompts])  # the engine's own call
+                lg = last.float()
+                best = lg.max(-1)
+                cand0 = torch.tensor([o[0] for o in outputs], dtype=torch.long, device=dev)
+                m0 = (best.values - lg.gather(1, cand0[:, None])[:, 0]).tolist()
+                for b, (t, m) in enumerate(zip(best.indices.tolist(), m0)):
+                    top1[b].append(t)
+                    margin[b].append(m)
+            else:
+                target.setup_cache(B, S)
+            start0 = torch.tensor(base, dtype=torch.long, device=dev)
+            for s in range(0, total, W):
+                w = W if full_last else min(W, total - s)
+                block = torch.zeros(B, w, dtype=torch.long)
+                cand = torch.zeros(B, w, dtype=torch.long)
+                want = []  # (row, block column, output index)
+                for b, x in enumerate(seqs):
+                    part = x[s:s + w]
+                    if part:
+                        block[b, :len(part)] = torch.tensor(part, dtype=torch.long)
+                    lo = 0 if prefill == "eager" else P[b] - 1  # first sequence index with a checked output
+                    for j in range(len(part)):
+                        i = s + j
+                        if i >= lo:
+                            k = i + 1 if prefill == "eager" else i - P[b] + 1
+                            cand[b, j] = outputs[b][k]
+                            want.append((b, j, k))
+                logits, _ = fast.forward(block.to(dev), start0 + s)
+                lg = logits.float()
+                best = lg.max(-1)
+                mg = best.values - lg.gather(2, cand.to(dev)[:, :, None])[:, :, 0]
+                tops, mgs = best.indices.tolist(), mg.tolist()
+                for b, j, k in want:
+                    assert k == len(top1[b])
+                    top1[b].append(tops[b][j])
+                    margin[b].append(mgs[b][j])
+    finally:
+        for k, v in saved.items():
+            setattr(target, k, v)
+    for b in range(B):
+        assert len(top1[b]) == len(outputs[b]), (b, len(top1[b]), len(outputs[b]))
+    return list(zip(top1, margin))
 
 
 def _finite(x: float) -> float | None:
@@ -398,7 +661,8 @@ class _RequestCheck:
 
 def force(candidate: list[Record], references: dict[str, list[Record]], prompts: dict[str, list[int]] | None,
           target, tolerance: float, replay: Replay | None = None, chunk: int = CHUNK,
-          candidate_name: str = "candidate") -> dict:
+          candidate_name: str = "candidate", teacher_forced_path: str = "auto",
+          kernel_configs: dict | None = None) -> dict:
     """Token forcing of one cell: parts 1-4 of the module docstring.
 
     Args:
@@ -409,12 +673,18 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
         target: the loaded target (the reference weights, e.g. bf16 for a w12 candidate).
         tolerance: near-tie tolerance, a top-1 logit margin (logit units) for the target's dtype.
         replay: how to re-execute the engine (part 3); None skips it (reported as not run).
-        chunk: tokens per teacher-forced forward.
+        chunk: tokens per teacher-forced forward (eager path).
+        teacher_forced_path: ``auto`` (the engine's kernels where it ran the Triton step, see
+            :func:`pick_teacher_forced_path`), ``eager`` or ``triton``; the verdict's
+            ``teacher_forced_path`` says which ran.
+        kernel_configs: the Triton path's FastTarget matmul configs, when the engine ran with
+            others than the target's step graphs hold (``run --kernel-configs``).
     Returns:
         the verdict dict (fields in README.md, "Token forcing"); ``passed`` is True only with no
         violation and 100 % coverage of every request.
     Raises:
-        SpecpilotError: no target, an empty candidate, a request id twice, a negative tolerance.
+        SpecpilotError: no target, an empty candidate, a request id twice, a negative tolerance,
+            an unknown or unrunnable ``teacher_forced_path``.
     """
     if target is None:
         raise SpecpilotError("token forcing needs the target (--target): every token is checked by it")
@@ -437,6 +707,23 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
     near_ties: list[dict] = []
     checks: dict[str, _RequestCheck] = {}
     t0 = time.perf_counter()
+    path = pick_teacher_forced_path(target, candidate, teacher_forced_path)
+    engine_tf: dict[str, tuple[list[int], list[float]]] = {}
+    if path == "triton":  # every checkable request through the engine's kernels, in its prefill batches
+        def checkable(r: Record):
+            p = prompt_of(r)
+            ok = p and r.output_ids and all(isinstance(t, int) and 0 <= t < vocab for t in r.output_ids)
+            return p if ok else None
+
+        refs_new = [r.new_tokens for recs in references.values() for r in recs]
+        cell_max_new = (replay.max_new_tokens if replay is not None else None) or \
+            max(refs_new or [r.new_tokens for r in candidate])
+        max_pos = getattr(target.config, "max_position_embeddings", None)
+        for batch in engine_prefill_batches(candidate, checkable, cell_max_new, max_pos):
+            recs = batch["records"]
+            res = teacher_forced_engine(target, [prompt_of(r) for r in recs], [r.output_ids for r in recs],
+                                        batch["prefill"], batch["max_seq"], kernel_configs=kernel_configs)
+            engine_tf.update({r.request_id: x for r, x in zip(recs, res)})
     for r in candidate:
         rc = checks[r.request_id] = _RequestCheck(generated=len(r.output_ids))
         prompt = prompt_of(r)
@@ -449,7 +736,10 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
             continue
         if not r.output_ids or any(p["field"] == "output_ids" for p in problems):
             continue  # nothing checkable: coverage stays below 100 %
-        rc.top1, rc.margin = teacher_forced(target, prompt, r.output_ids, chunk)
+        if path == "triton":
+            rc.top1, rc.margin = engine_tf[r.request_id]
+        else:
+            rc.top1, rc.margin = teacher_forced(target, prompt, r.output_ids, chunk)
         rc.checked = len(r.output_ids)
         for j, (tok, top, mg) in enumerate(zip(r.output_ids, rc.top1, rc.margin)):
             if tok == top or mg == 0.0:
@@ -516,6 +806,7 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
         "coverage": coverage,
         "tolerance": tolerance,
         "dtype": dtype,
+        "teacher_forced_path": path,
         "violations": len(violations),
         "violations_by_check": by_check,
         "violation_list": violations[:LISTED],
@@ -603,6 +894,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="near-tie tolerance: top-1 logit margin (config forcing.tolerance for the dtype; "
                         "default the config default for the compute dtype: fp32 0.001, bf16 0.1)")
     p.add_argument("--chunk", type=int, default=CHUNK, help="output positions whose logits are reduced at once in the teacher-forced check")
+    p.add_argument("--teacher-forced-path", choices=TF_PATHS, default="auto",
+                   help="kernels of the teacher-forced pass: auto (the engine's Triton step where the candidate's "
+                        "engine ran it: a dense bf16 CUDA target, chain verify; else the eager forward), eager, triton "
+                        "(an engine run with --graphs off or --kernels torch needs eager: its records do not say so)")
+    p.add_argument("--kernel-configs", help="JSON file {role: config key}: the matmul configs the engine ran with "
+                   "('specpilot run --kernel-configs'), for the Triton teacher-forced pass")
     p.add_argument("--out", required=True, help="verdict JSON to write")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -652,8 +949,18 @@ def run(args) -> int:
         replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
     tol = args.tolerance if args.tolerance is not None else \
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
+    kernel_configs = None
+    if args.kernel_configs:
+        from .io import read_json
+
+        kernel_configs = dict(read_json(args.kernel_configs))
+        if device.type == "cuda":  # as 'specpilot run' installs them (the spot re-execution runs them too)
+            from .engine.graphs import step_graphs
+
+            step_graphs(target, "triton", kernel_configs)
     verdict = force(candidate, references, prompts, target, tol, replay, args.chunk,
-                    candidate_name=str(args.candidate))
+                    candidate_name=str(args.candidate), teacher_forced_path=args.teacher_forced_path,
+                    kernel_configs=kernel_configs)
     if args.engine_config:
         _check_engine_config(verdict, candidate, args.engine_config)
     write_json(args.out, verdict)
@@ -663,7 +970,7 @@ def run(args) -> int:
           f"{verdict['violations']} violations {verdict['violations_by_check'] or ''}, "
           f"{verdict['near_ties']} near-ties (largest margin {mx if mx is not None else '-'}, "
           f"tolerance {verdict['tolerance']:g}), replay {verdict['replay']['reproduced']}/"
-          f"{verdict['replay']['requests']} reproduced; "
+          f"{verdict['replay']['requests']} reproduced; teacher-forced path {verdict['teacher_forced_path']}; "
           f"{verdict['seconds']['teacher_forced']:.2f} s + {verdict['seconds']['replay']:.2f} s)")
     for v in verdict["violation_list"][:5]:
         print(f"  {v['check']} {v['request_id']}: {v.get('detail', '')}")
