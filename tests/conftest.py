@@ -40,7 +40,7 @@ def tiny_deployment(data_dir) -> Path:
     from specpilot.tiny.build import build_tiny
 
     if not (TINY / "build.json").is_file():
-        build_tiny(TINY, data_dir, seed=0, drafters=("dflash",))  # what the embedded default uses
+        build_tiny(TINY, data_dir, seed=0)  # what the embedded default uses: the three drafters
     return TINY
 
 

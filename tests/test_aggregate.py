@@ -192,3 +192,46 @@ def test_figures_from_table_with_missing_and_failed_values(tmp_path):
     assert [p.name for p in paths] == ["speedup.png", "tau.png", "concurrency.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _noisy_cell(n, speed, spread, benchmark="gsm8k", with_specpilot=None):
+    """n requests, AR 4 s; stock 4/speed s; repeats of each side spread by +-spread (relative)."""
+    out = []
+    for i in range(n):
+        jitter = [1 - spread, 1 + spread]
+        out.append(rec("ar", i, 4.0 * jitter[0], benchmark=benchmark,
+                       decode_s_repeats=[4.0 * j for j in jitter]))
+        out.append(rec("stock", i, 4.0 / speed * jitter[0], benchmark=benchmark,
+                       decode_s_repeats=[4.0 / speed * j for j in jitter[::-1]]))
+        if with_specpilot:
+            t = 4.0 / with_specpilot
+            out.append(rec("specpilot", i, t * jitter[0], benchmark=benchmark,
+                           decode_s_repeats=[t * j for j in jitter]))
+    return out
+
+
+def test_speedup_interval_brackets_the_speedup_and_narrows_with_less_noise():
+    wide = cells(build_table(_noisy_cell(6, 2.0, 0.3))).iloc[0]
+    tight = cells(build_table(_noisy_cell(6, 2.0, 0.02))).iloc[0]
+    for row in (wide, tight):
+        assert row.stock_speedup_lo <= row.stock_speedup <= row.stock_speedup_hi
+    # repeats differ by +-30 %: the interval spans it; +-2 %: within a few percent of 2
+    assert wide.stock_speedup_hi / wide.stock_speedup_lo > 1.5
+    assert tight.stock_speedup_hi / tight.stock_speedup_lo < 1.1
+    assert tight.stock_speedup_lo > 1.9 and tight.stock_speedup_hi < 2.1
+    # seeded: the same records give the same interval
+    again = cells(build_table(_noisy_cell(6, 2.0, 0.3))).iloc[0]
+    assert (again.stock_speedup_lo, again.stock_speedup_hi) == (wide.stock_speedup_lo, wide.stock_speedup_hi)
+
+
+def test_specpilot_over_stock_ratio_and_summary_interval():
+    recs = _noisy_cell(4, 2.0, 0.02, with_specpilot=3.0) + _noisy_cell(4, 2.0, 0.02, "math500", with_specpilot=2.0)
+    df = build_table(recs)
+    c = cells(df).set_index("benchmark")
+    assert c.loc["gsm8k", "specpilot_over_stock"] == pytest.approx(1.5)
+    assert c.loc["math500", "specpilot_over_stock"] == pytest.approx(1.0)
+    assert c.loc["gsm8k", "specpilot_over_stock_lo"] > 1.3       # clearly above 1
+    assert c.loc["math500", "specpilot_over_stock_lo"] < 1.0 < c.loc["math500", "specpilot_over_stock_hi"]
+    s = df[(df.benchmark == "geomean") & (df.deployment == "tiny")].iloc[0]
+    assert s.specpilot_over_stock == pytest.approx(math.sqrt(1.5))
+    assert s.specpilot_over_stock_lo < s.specpilot_over_stock < s.specpilot_over_stock_hi

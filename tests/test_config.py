@@ -105,10 +105,14 @@ def test_dry_run_default(tmp_path):
     assert jobs["run_engine"] == n_cells * len(DEFAULT["engines"])
     assert jobs["force"] == n_cells * (len(DEFAULT["engines"]) - 1)
     assert jobs["table"] == 1 and jobs["figures"] == 1 and jobs["memory"] == 1
-    # rounds: references once, round 0's memory, plan and integrate per round (agents follow the plan)
-    assert jobs["round_references"] == jobs["round_memory_start"] == 1
-    assert jobs["round_plan"] == jobs["round_integrate"] == DEFAULT["rounds"]["count"]
-    assert jobs["calibration_prompts"] == len(DEFAULT["benchmarks"]) and jobs["calibration_gather"] == 1
+    # rounds, per deployment: references once, round 0's memory, plan and integrate per round
+    # (agents follow the plan)
+    n_dep = len(DEFAULT["deployments"])
+    assert n_dep == 3 and {d["drafter"] for d in DEFAULT["deployments"].values()} == {"dflash", "dflash2", "dspark"}
+    assert jobs["round_references"] == jobs["round_memory_start"] == n_dep
+    assert jobs["round_plan"] == jobs["round_integrate"] == DEFAULT["rounds"]["count"] * n_dep
+    assert jobs["build_tiny"] == 1  # the three drafters share one tiny build
+    assert jobs["calibration_prompts"] == len(DEFAULT["benchmarks"]) * n_dep and jobs["calibration_gather"] == n_dep
 
 
 @pytest.mark.parametrize("cfg", TEST_CONFIGS, ids=lambda p: p.stem)
@@ -117,6 +121,7 @@ def test_test_configs_lint_and_dry_run(tmp_path, cfg):
     spec = yaml.safe_load(cfg.read_text())
     full = merged(DEFAULT, spec)
     validate(full)
+    full["deployments"] = {k: v for k, v in full["deployments"].items() if v.get("available", True)}
     r = fresh_dry_run(tmp_path, "--configfile", str(cfg))
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = job_counts(r.stdout + r.stderr)
@@ -134,7 +139,10 @@ def test_test_configs_cover_rounds_and_concurrency():
     specs = [merged(DEFAULT, yaml.safe_load(p.read_text())) for p in TEST_CONFIGS]
     assert any("specpilot" in s["engines"] and s["rounds"]["count"] > 0 and len(s["deployments"]) > 1 for s in specs)
     assert any(max(s["concurrency"]) > 1 for s in specs)
-    assert any(s["deployments"] == {"tiny": {**DEFAULT["deployments"]["tiny"], "quick": True}} for s in specs)
+    def available(s):
+        return {k: v for k, v in s["deployments"].items() if v.get("available", True)}
+
+    assert any(available(s) == {"tiny": {**DEFAULT["deployments"]["tiny"], "quick": True}} for s in specs)
 
 
 def test_dry_run_paper_h100():

@@ -317,3 +317,22 @@ def test_missing_tokenizer_file_error_shown_whole(tmp_path):
         bm._load_tokenizer(broken)
     msg = str(info.value)
     assert "\n" not in msg and all(line in msg for line in original), (original, msg)
+
+
+def test_distillation_prompts_cover_every_kind_and_never_an_eval_or_calibration_prompt():
+    import random
+
+    got = bm.distillation_prompts(400, random.Random(0), DATA)
+    assert len(got) == 400
+    kinds = {k: sum(1 for kind, _ in got if kind == k) for k in bm.DISTILL_MIX}
+    assert kinds == {k: round(share * 400) for k, share in bm.DISTILL_MIX.items()}  # 120, 60, 80, 70, 70
+    held = {t for b in bm.BENCHMARKS for r in bm.select(b, "all", data_dir=DATA) for t in r["turns"]}
+    held |= {t for b in bm.BENCHMARKS for r in bm.calibration_pool(b, DATA) for t in r["turns"]}
+    texts = [t for _, t in got]
+    assert not held & set(texts)
+    assert len(set(texts)) == len(texts)
+    stub = next(t for k, t in got if k == "code_completion")
+    assert stub.startswith(bm.HUMANEVAL_PREFIX + "def ") and '"""' in stub and stub.endswith(bm.HUMANEVAL_SUFFIX)
+    assert all(t.endswith(bm.BOXED_SUFFIX) for k, t in got if k in ("word_maths", "competition_maths"))
+    assert bm.distillation_prompts(400, random.Random(0), DATA) == got  # deterministic for a seed
+    assert bm.distillation_prompts(400, random.Random(1), DATA) != got

@@ -164,7 +164,7 @@ def local_run(tmp_path_factory, cluster):
     cfg = yaml.safe_load(REDUCED_CONFIG.read_text())
     tiny = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["deployments"]["tiny"]
     prebuilt = (TINY / "build.json").is_file()
-    cfg["deployments"] = {"tiny": {**tiny, "quick": tiny.get("quick", False) if prebuilt else True}}
+    cfg["deployments"]["tiny"] = {**tiny, "quick": tiny.get("quick", False) if prebuilt else True}  # the others stay off
     cfg["data_dir"] = str(data_dir())
     config = base / "slurm-test.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -71,3 +71,31 @@ def test_token_forcing_zero_violations(results):
 def test_target_is_a_language_model_not_a_loop(results):
     ratios = [distinct4(r.output_ids) for r in results["ar"]]
     assert sum(ratios) / len(ratios) >= 0.3
+
+
+def test_teacher_cache_equals_the_targets_forward_on_each_batch():
+    """The drafter stages' cached target features/logits are what a per-batch forward gives."""
+    import random
+
+    from specpilot.models.qwen3 import Transformer
+    from specpilot.tiny.build import QUICK, init_weights
+    from specpilot.tiny.targets import tiny_target_config
+    from specpilot.tiny.train import TeacherCache
+
+    torch.manual_seed(0)
+    target = Transformer(tiny_target_config("dense", QUICK, 300))
+    init_weights(target)
+    rng = random.Random(0)
+    seqs = [(p, [rng.randrange(300) for _ in range(p + rng.randrange(5, 20))]) for p in (7, 3, 12, 5, 9)]
+    cache = TeacherCache(target, seqs, (1, 3), logits=True, batch=2)
+    pick = [4, 0, 2]
+    L = max(len(seqs[i][1]) for i in pick)
+    feats, logits = cache.batch(pick, seqs, L)
+    toks = torch.tensor([seqs[i][1] + [0] * (L - len(seqs[i][1])) for i in pick])
+    with torch.no_grad():
+        ref_logits, ref_feats = target.forward_causal(toks, capture=(1, 3))
+    for row, i in enumerate(pick):
+        p, s = seqs[i]
+        torch.testing.assert_close(feats[row, :len(s)], ref_feats[row, :len(s)], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[row, p:len(s)], ref_logits[row, p:len(s)], rtol=1e-5, atol=1e-5)
+        assert (feats[row, len(s):] == 0).all() and (logits[row, :p] == 0).all()

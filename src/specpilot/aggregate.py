@@ -28,6 +28,16 @@ speedups are not to be trusted. Such cells are also named in the ``note`` and in
 stderr, and the figures mark them. Values are written at full precision (shortest repr that reads
 back as the same float), so they can be recomputed from the records exactly.
 
+Uncertainty: ``{engine}_speedup_lo`` / ``_hi`` bound a 95 % interval of ``{engine}_speedup``
+and ``specpilot_over_stock`` (geomean of per-request stock ``decode_s`` / specpilot ``decode_s``)
+comes with ``specpilot_over_stock_lo`` / ``_hi``: a seeded percentile bootstrap
+(:data:`BOOT_SAMPLES` resamples) over requests and repeats: each resample draws the cell's
+requests with replacement and, for each drawn request, one timing repeat of each engine
+(``decode_s_repeats``, the fastest run when timed once), then takes the geometric mean as the
+point estimate does. A summary row resamples within each of its cells and takes the geometric
+mean over the cells, as its point value does. The interval of a cell timed once with few requests
+is wide; it says how far timing noise alone can move the number.
+
 ``forcing`` combines the engines of the cell (``FAIL`` if any failed, ``pass`` if all that ran
 passed, else ``not run``). Summary rows have ``benchmark = geomean``: the geometric mean over the
 benchmarks of each (deployment, concurrency), and over every cell of a concurrency with
@@ -62,8 +72,13 @@ COLUMNS = [
 ]
 MAX_SPREAD = 0.25  # default: repeated timings of one request differing by more => a loaded machine
 log = logging.getLogger("specpilot.table")
-_PER_ENGINE = ["speedup_arith", "tau_req", "tok_s", "throughput", "forcing"]
-_VALUES = ["speedup", "speedup_arith", "tau", "tau_req", "tok_s", "throughput"]  # per-engine value columns
+_PER_ENGINE = ["speedup_lo", "speedup_hi", "speedup_arith", "tau_req", "tok_s", "throughput", "forcing"]
+_VALUES = ["speedup", "speedup_lo", "speedup_hi", "speedup_arith", "tau", "tau_req", "tok_s",
+           "throughput"]  # per-engine value columns
+RATIO = "specpilot_over_stock"
+RATIO_COLS = [RATIO, f"{RATIO}_lo", f"{RATIO}_hi"]
+BOOT_SAMPLES = 2000  # bootstrap resamples of the speedup intervals
+BOOT_SEED = 0
 
 _FORCING_NAME = re.compile(r"^(?P<engine>[A-Za-z0-9_]+)-c(?P<concurrency>\d+)\.forcing\.json$")
 
@@ -204,6 +219,62 @@ def paired_speedups(ar: list[Record], eng: list[Record], where: str) -> tuple[fl
     return geomean(ratios), arith, left_out
 
 
+def timing_pairs(base: list[Record], eng: list[Record]) -> list[tuple[list[float], list[float]]]:
+    """Per request (sorted by id) with a decode time on both sides: (base repeats, engine repeats)
+    [seconds], each ``decode_s_repeats`` or ``[decode_s]`` when timed once. Requests with a zero
+    time on either side are left out (as in :func:`paired_speedups`)."""
+    a = {r.request_id: r for r in base}
+    out = []
+    for r in sorted(eng, key=lambda r: r.request_id):
+        b = a.get(r.request_id)
+        if b is None or b.decode_s <= 0 or r.decode_s <= 0:
+            continue
+        out.append(([t for t in (b.decode_s_repeats or [b.decode_s]) if t > 0] or [b.decode_s],
+                    [t for t in (r.decode_s_repeats or [r.decode_s]) if t > 0] or [r.decode_s]))
+    return out
+
+
+def bootstrap_interval(groups: list[list[tuple[list[float], list[float]]]], level: float = 0.95,
+                       samples: int = BOOT_SAMPLES, seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Percentile-bootstrap interval of a geometric-mean speedup over requests and repeats.
+
+    Args:
+        groups: one list per cell of :func:`timing_pairs` (a cell row passes one group, a summary
+            row one per cell it covers).
+        level: coverage of the two-sided interval (0.95 = the 2.5th and 97.5th percentiles).
+    Returns:
+        (lo, hi) of geomean over groups of (geomean over a group's resampled requests of
+        base time / engine time); (nan, nan) when a group is empty.
+    Each resample draws every group's requests with replacement and, per drawn request, one
+    repeat of each side uniformly; seeded, so the table is reproducible (Efron & Tibshirani,
+    An Introduction to the Bootstrap, 1993, ch. 13).
+    """
+    import numpy as np
+
+    if not groups or any(not g for g in groups):
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    total = np.zeros(samples)
+    for g in groups:
+        n = len(g)
+        width = max(max(len(a), len(e)) for a, e in g)
+        la = np.full((n, width), np.nan)
+        le = np.full((n, width), np.nan)
+        na = np.array([len(a) for a, _ in g])
+        ne = np.array([len(e) for _, e in g])
+        for i, (a, e) in enumerate(g):
+            la[i, :len(a)] = np.log(a)
+            le[i, :len(e)] = np.log(e)
+        req = rng.integers(0, n, size=(samples, n))
+        ia = (rng.random((samples, n)) * na[req]).astype(int)
+        ie = (rng.random((samples, n)) * ne[req]).astype(int)
+        total += (la[req, ia] - le[req, ie]).mean(axis=1)
+    total /= len(groups)
+    q = (1 - level) / 2
+    lo, hi = np.quantile(total, [q, 1 - q])
+    return float(math.exp(lo)), float(math.exp(hi))
+
+
 # ---------------------------------------------------------------------------------------------
 # the table
 
@@ -257,7 +328,11 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
             notes.append(f"{eng} forcing FAIL ({why}): speedup withheld")
             continue
         geo, arith, left_out = paired_speedups(ar, recs, where)
-        row.update({f"{eng}_speedup": geo, f"{eng}_speedup_arith": arith,
+        pairs = timing_pairs(ar, recs)
+        lo, hi = bootstrap_interval([pairs])
+        row.setdefault("_pairs", {})[eng] = pairs
+        row.update({f"{eng}_speedup": geo, f"{eng}_speedup_lo": lo, f"{eng}_speedup_hi": hi,
+                    f"{eng}_speedup_arith": arith,
                     f"{eng}_tau": tau_over_steps(recs), f"{eng}_tau_req": tau_per_request(recs),
                     f"{eng}_tok_s": tok_s(recs), f"{eng}_throughput": throughput(recs)})
         if left_out:
@@ -265,6 +340,13 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
         if word == "not run":
             notes.append(f"{eng} forcing not run")
     row["forcing"] = combine_forcing(words)
+    for col in RATIO_COLS:
+        row[col] = math.nan
+    if all(row.get(f"{e}_speedup") == row.get(f"{e}_speedup") for e in CANDIDATES):  # both have a speedup
+        pairs = timing_pairs(engines["stock"], engines["specpilot"])
+        row["_pairs"][RATIO] = pairs
+        row[RATIO] = paired_speedups(engines["stock"], engines["specpilot"], where)[0]
+        row[f"{RATIO}_lo"], row[f"{RATIO}_hi"] = bootstrap_interval([pairs])
     spread = timing_spread([r for recs in engines.values() for r in recs])
     row["timing_spread"] = spread
     row["timing_warning"] = bool(spread > max_spread)  # NaN (timed once) compares False
@@ -296,6 +378,14 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
         empty = sum(1 for v in vals if not (v == v))
         if empty and empty < len(vals) and col.endswith("_speedup"):
             notes.append(f"{col} empty: {empty} of {len(vals)} cells have none")
+    for key in [c[: -len("_speedup_lo")] for c in value_cols if c.endswith("_speedup_lo")] + [RATIO]:
+        col = f"{key}_speedup" if key != RATIO else RATIO
+        groups = [r.get("_pairs", {}).get(key) for r in rows]
+        if key == RATIO:
+            out[RATIO] = geomean(r[RATIO] for r in rows)
+        lo_col, hi_col = (f"{col}_lo", f"{col}_hi")
+        out[lo_col], out[hi_col] = (bootstrap_interval(groups) if all(groups) and out[col] == out[col]
+                                    else (math.nan, math.nan))
     for col in [c for c in rows[0] if c.endswith("_forcing")]:
         out[col] = combine_forcing(r[col] for r in rows)
     out["forcing"] = combine_forcing(r["forcing"] for r in rows)
@@ -368,7 +458,7 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
         rows = [r for c, r in rows_by_cell.items() if c[2] == conc]
         table.append(summary_row(rows, ALL, conc, value_cols, specpilot_note))
 
-    extra = ["ar_throughput"] + [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + \
+    extra = ["ar_throughput"] + [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + RATIO_COLS + \
             [f"{e}_{s}" for e in candidates for s in ["speedup", "tau"] if f"{e}_{s}" not in COLUMNS]
     cols = COLUMNS + [c for c in dict.fromkeys(extra) if c not in COLUMNS]
     return pd.DataFrame(table, columns=cols)

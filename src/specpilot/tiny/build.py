@@ -3,7 +3,8 @@
 Steps (seeded, deterministic for a given torch build): a byte-level BPE tokenizer with a chat
 template; a tiny Qwen3 target trained on the GSM8K train split and the non-test MBPP tasks; one
 drafter of each kind (DFlash, DFlash2, DSpark) distilled from the target's own greedy
-continuations with its published objective (:mod:`specpilot.tiny.train`). The target stage and
+continuations of prompts of every benchmark's kind (never an evaluation or calibration prompt) with
+its published objective (:mod:`specpilot.tiny.train`). The target stage and
 each drafter stage are separate functions, so other targets can reuse the drafter stages. Everything is saved in the
 Hugging Face layout (config.json + model.safetensors + tokenizer files) so it loads exactly like a
 real checkpoint. ``build.json`` is written last and marks a finished build.
@@ -30,7 +31,7 @@ from ..models.loading import save_checkpoint
 from ..models.qwen3 import Transformer
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
-from .train import greedy_continuations, heldout_loss, train_drafter, train_target
+from .train import TeacherCache, greedy_continuations, heldout_loss, train_drafter, train_target
 
 
 @dataclass
@@ -49,9 +50,9 @@ class TinyRecipe:
     draft_layers: int = 2
     draft_intermediate: int = 512
     draft_block: int = 12
-    distill_prompts: int = 384
+    distill_prompts: int = 512
     distill_tokens: int = 128
-    drafter_steps: int = 260
+    drafter_steps: int = 360
     drafter_batch: int = 16
     anchors: int = 12
     selector_rank: int = 32
@@ -210,19 +211,27 @@ def reuse_target_stage(out: Path, target_from: Path, data_dir, seed: int, recipe
             "pairs": pairs, "summary": {"target_reused_from": str(target_from)}, "seconds": {"target": 0.0}}
 
 
-def distill_stage(state: dict, recipe: TinyRecipe, log=print) -> list[tuple[int, list[int]]]:
-    """(prompt length, prompt + the target's greedy continuation) for the drafters' training."""
+def distill_stage(state: dict, recipe: TinyRecipe, log=print, data_dir=None) -> list[tuple[int, list[int]]]:
+    """(prompt length, prompt + the target's greedy continuation) for the drafters' training.
+
+    The prompts cover every benchmark's kind of text (:func:`specpilot.prompts.distillation_prompts`:
+    maths word problems, code tasks, HumanEval-style completions, competition maths, chat), never
+    an evaluation or calibration prompt; ``state["distill_mix"]`` records how many of each."""
+    from ..prompts import distillation_prompts
+
     tok, rng = state["tok"], state["rng"]
-    prompts = [tok.encode(_chat(tok, u), add_special_tokens=False)
-               for u, _ in rng.sample(state["pairs"], recipe.distill_prompts)]
+    chosen = distillation_prompts(recipe.distill_prompts, rng, data_dir)
+    state["distill_mix"] = {k: sum(1 for kind, _ in chosen if kind == k) for k in dict.fromkeys(k for k, _ in chosen)}
+    prompts = [tok.encode(_chat(tok, u), add_special_tokens=False) for _, u in chosen]
     prompts = [p[-(recipe.seq_len * 2):] for p in prompts]
     conts = greedy_continuations(state["target"], prompts, recipe.distill_tokens, log=log)
     return [(len(p), p + c) for p, c in zip(prompts, conts)]
 
 
 def build_drafter_stage(kind: str, state: dict, seqs, out: Path, recipe: TinyRecipe, seed: int,
-                        log=print) -> dict:
-    """Distil one drafter of ``kind`` from the target into ``out/drafter-{kind}`` (public layout)."""
+                        log=print, teacher: TeacherCache | None = None) -> dict:
+    """Distil one drafter of ``kind`` from the target into ``out/drafter-{kind}`` (public layout).
+    ``teacher``: the target's features of ``seqs`` computed once for every drafter kind."""
     from ..models.loading import save_drafter
 
     target, tok = state["target"], state["tok"]
@@ -232,7 +241,7 @@ def build_drafter_stage(kind: str, state: dict, seqs, out: Path, recipe: TinyRec
     t0 = time.time()
     block = cfg.block_size
     losses = train_drafter(drafter, target, seqs, recipe.drafter_steps, recipe.drafter_batch, block,
-                           recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"))
+                           recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"), teacher=teacher)
     dt = time.time() - t0
     d = out / f"drafter-{kind}"
     shutil.rmtree(d, ignore_errors=True)
@@ -265,15 +274,19 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     else:
         state = build_target_stage(out, data_dir, seed, recipe, log, target_kind)
     t0 = time.time()
-    seqs = distill_stage(state, recipe, log)
+    seqs = distill_stage(state, recipe, log, data_dir)
     seconds = {**state["seconds"], "distill_data": time.time() - t0}
+    t0 = time.time()
+    layer_ids = tuple(build_target_layer_ids(recipe.layers, recipe.draft_layers))
+    teacher = TeacherCache(state["target"], seqs, layer_ids, logits="dspark" in drafters)
+    seconds["teacher_features"] = time.time() - t0
     per = {}
     for kind in drafters:
-        per[kind] = build_drafter_stage(kind, state, seqs, out, recipe, seed, log)
+        per[kind] = build_drafter_stage(kind, state, seqs, out, recipe, seed, log, teacher)
         seconds[f"drafter_{kind}"] = per[kind]["seconds"]
     seconds["total"] = time.time() - t_start
     summary = {"seed": seed, "recipe": recipe.__dict__, "target_kind": target_kind, "torch": torch.__version__,
-               **state["summary"],
+               **state["summary"], "distill_mix": state["distill_mix"],
                "drafters": per, "seconds": seconds}
     if "dflash" in per:  # the fields earlier builds wrote
         summary["drafter_params"] = per["dflash"]["params"]

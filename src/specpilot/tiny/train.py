@@ -146,9 +146,57 @@ def _dspark_loss(drafter, feats, tlogits, toks, anc, gamma):
     return loss
 
 
+class TeacherCache:
+    """The target's features (and, for DSpark, logits) of every distillation sequence, computed once.
+
+    Each drafter step used to run the target over its batch again (the larger part of a step's
+    cost on the tiny build); the target is frozen, so one no-grad pass per sequence serves every
+    step and every drafter kind that shares the captured layers.
+
+    Attributes:
+        feats: per sequence, float32 [L_i, len(layer_ids) * hidden] captured target states.
+        logits: per sequence, float32 [L_i - prompt_len_i, vocab] target logits of the
+            continuation positions (None unless built with ``logits=True``).
+    """
+
+    def __init__(self, target: Transformer, sequences: list[tuple[int, list[int]]], layer_ids: tuple[int, ...],
+                 logits: bool = False, batch: int = 32):
+        self.layer_ids, self.has_logits = tuple(layer_ids), logits
+        self.feats: list[torch.Tensor] = [None] * len(sequences)
+        self.logits: list[torch.Tensor | None] = [None] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][1]))
+        with torch.no_grad():
+            for s in range(0, len(order), batch):
+                idx = order[s:s + batch]
+                L = max(len(sequences[i][1]) for i in idx)
+                toks = torch.tensor([sequences[i][1] + [0] * (L - len(sequences[i][1])) for i in idx])
+                lg, feats = target.forward_causal(toks, capture=self.layer_ids)
+                for row, i in enumerate(idx):
+                    p, seq = sequences[i]
+                    self.feats[i] = feats[row, :len(seq)].clone()
+                    if logits:
+                        self.logits[i] = lg[row, p:len(seq)].clone()
+
+    def batch(self, chosen: list[int], sequences, L: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded features [B, L, F] (and logits [B, L, vocab], zero outside the
+        continuation) of the sequences at indices ``chosen``."""
+        F_ = self.feats[chosen[0]].shape[-1]
+        feats = torch.zeros(len(chosen), L, F_)
+        lg = None
+        if self.has_logits:
+            lg = torch.zeros(len(chosen), L, self.logits[chosen[0]].shape[-1])
+        for row, i in enumerate(chosen):
+            p, seq = sequences[i]
+            feats[row, :len(seq)] = self.feats[i]
+            if lg is not None:
+                lg[row, p:len(seq)] = self.logits[i]
+        return feats, lg
+
+
 def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[tuple[int, list[int]]],
                   steps: int, batch: int, block_size: int, anchors: int, lr: float = 2e-3,
-                  gamma: float = 4.0, seed: int = 0, log=print) -> list[float]:
+                  gamma: float = 4.0, seed: int = 0, log=print, teacher: TeacherCache | None = None
+                  ) -> list[float]:
     """Distil the target's greedy decoding into the drafter with its published objective
     (chosen by ``drafter.kind``: dflash, dflash2, dspark; see the module docstring).
 
@@ -159,6 +207,9 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
             block_size - 1 predicted slots; DSpark: block_size predicted slots from the anchor).
         anchors: blocks per sequence per step.
         gamma: DFlash position decay exp(-(j - 1) / gamma).
+        teacher: the target's features (and logits for DSpark) of ``sequences``, computed once
+            (:class:`TeacherCache`); built here when None. Must match ``sequences`` and the
+            drafter's ``target_layer_ids``.
     Returns:
         per-step losses [nats/token, decay-weighted].
     """
@@ -174,13 +225,19 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
     weights = weights / weights.sum()
     span = block_size if kind != "dspark" else block_size + 1  # tokens from the anchor to the last label
 
+    if teacher is None:
+        teacher = TeacherCache(target, sequences, ids, logits=kind == "dspark")
+    if teacher.layer_ids != ids or (kind == "dspark" and not teacher.has_logits):
+        raise ValueError(f"teacher cache captures layers {teacher.layer_ids} (logits {teacher.has_logits}); "
+                         f"the {kind} drafter needs {ids}")
+
     def batch_loss() -> torch.Tensor:
-        chosen = rng.sample(sequences, batch)
+        pick = rng.sample(range(len(sequences)), batch)
+        chosen = [sequences[i] for i in pick]
         L = max(len(s) for _, s in chosen)  # right-pad: padding sits after every anchor, never visible
         toks = torch.tensor([s + [0] * (L - len(s)) for _, s in chosen])
         anc = torch.tensor([sorted(rng.sample(range(p, len(s) - span + 1), anchors)) for p, s in chosen])
-        with torch.no_grad():
-            tlogits, feats = target.forward_causal(toks, capture=ids)
+        feats, tlogits = teacher.batch(pick, sequences, L)
         if kind == "dspark":
             return _dspark_loss(drafter, feats, tlogits, toks, anc, block_size)
         return _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, kind == "dflash2")
