@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The product's CLI end to end on the GPU: AR and stock at concurrency 16 and 1 (issues 15 / 16).
+"""The product's CLI end to end on the GPU: AR and stock at several concurrencies (issues 15 / 16).
 
 What it runs, all through ``specpilot`` subcommands (``python3 -m specpilot.cli``):
 
@@ -8,17 +8,25 @@ What it runs, all through ``specpilot`` subcommands (``python3 -m specpilot.cli`
 2. a prompt file of ``--requests`` random prompts of ``--prompt-len`` tokens (seeded);
 3. for each concurrency c in ``--concurrency`` (default 16 1): ``run --engine ar``, then
    ``run --engine stock --replay-profile study_stock --replay-reference <ar records>`` (block
-   ``--block``, ``--new`` new tokens; at c = 1 only the first ``--requests-c1`` prompts), then
-   ``force --candidate stock --reference ar`` (again with ``--target`` on the GPU, so mismatches
-   are classified by logit margin, if the first check finds any; on the GPU the teacher-forced pass
-   runs through the engine's Triton step, ``teacher_forced_path`` "triton" in the verdict); and
-   ``force`` of AR at c = 1 against AR at c = 16 (batch invariance of AR);
-4. prints per cell: per-request speedup (geometric mean over requests of AR decode_s / stock
-   decode_s), tau, AR tok/s per request and aggregate (tokens / decode time of the lock-step
-   batches), wall time of each CLI run, forcing verdicts.
+   ``--block``, ``--new`` new tokens; every cell with c > 1 serves all ``--requests`` prompts, the
+   c = 1 cell only the first ``--requests-c1``; a cell with fewer than 2c requests, below issue 15's
+   rule, is flagged ``below_2c``), then ``force --candidate stock --reference ar`` (with
+   ``--target`` on the GPU; there the teacher-forced pass runs through the engine's Triton step,
+   ``teacher_forced_path`` "triton" in the verdict);
+4. AR against AR across concurrencies (batch invariance of AR), **on the requests both cells
+   served** (the c = 1 cell serves a prefix of the others' requests): every AR cell's outputs
+   compared with the ``--ar-reference`` cell's (default c = 16) request by request
+   (``ar_equality``: common requests, equal, first divergence of each other one), and for the
+   cells in ``--ar-force`` (default 1) ``force`` of that AR cell against the reference cell, both
+   record files cut to their common requests first (so the reference report does not count the
+   requests one cell never served as missing);
+5. prints per cell: per-request speedup (geometric mean over requests of AR decode_s / stock
+   decode_s), tau, aggregate tok/s (output tokens over first arrival to last finish, closed loop;
+   lock-step batches for static), step time, forcing verdicts, and the AR equalities.
 
-Serving here is what the CLI does today: static batches of c requests decoded in lock step (a
-batch waits for its slowest row). Writes ``serving.json`` and the records under ``--out-dir``.
+``--regime continuous`` (default): closed-loop serving of c slots with refills
+(:mod:`specpilot.engine.scheduler`); ``static``: lock-step batches of c. Writes ``serving.json``
+and the records under ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -59,6 +67,28 @@ def throughput(records: list[dict], c: int) -> float:
     return tok / (sum(r["decode_s"] for r in records) / c)
 
 
+def prefill_stats(records: list[dict]) -> dict:
+    """Mean prefill_s [s] of a cell's first wave (arrival 0: prefilled together at the run's
+    start) and of its refills (closed loop only; each refill's prefill step)."""
+    first = [r["prefill_s"] for r in records if r.get("arrival_s") == 0.0]
+    refill = [r["prefill_s"] for r in records if (r.get("arrival_s") or 0.0) > 0.0]
+    return {"first_wave_n": len(first), "first_wave_prefill_s": sum(first) / len(first) if first else None,
+            "refill_n": len(refill), "refill_prefill_s_mean": sum(refill) / len(refill) if refill else None}
+
+
+def compare_outputs(cand: dict, ref: dict) -> dict:
+    """Output ids of two cells (request_id -> record) on the requests both served."""
+    common = [k for k in cand if k in ref]
+    differ = []
+    for k in common:
+        a, b = cand[k]["output_ids"], ref[k]["output_ids"]
+        if a != b:
+            pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            differ.append({"request_id": k, "first_divergence": pos})
+    return {"common": len(common), "equal": len(common) - len(differ), "only_candidate": len(cand) - len(common),
+            "only_reference": len(ref) - len(common), "differ": differ}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "serving_out"))
@@ -78,6 +108,11 @@ def main() -> int:
                          "overlap='{\"overlap\": true}'; repeatable")
     ap.add_argument("--regime", choices=("continuous", "static"), default="continuous",
                     help="'specpilot run --regime': closed-loop concurrency (default) or lock-step batches")
+    ap.add_argument("--ar-reference", type=int, default=None,
+                    help="the AR cell every other AR cell is compared with (default 16 if run, else the first c)")
+    ap.add_argument("--ar-force", type=int, nargs="*", default=[1],
+                    help="concurrencies whose AR cell is also 'force'd against the reference AR cell, on "
+                         "their common requests (default 1; none: compare outputs only)")
     args = ap.parse_args()
     out, work = Path(args.out_dir), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +155,11 @@ def main() -> int:
         if rc:
             continue
         a = {r["request_id"]: r for r in read_records(ar)}
+        cell["n_requests"] = len(a)
+        cell["below_2c"] = len(a) < 2 * c
+        if cell["below_2c"]:
+            print(f"WARNING: c{c} serves {len(a)} requests, fewer than 2c = {2 * c} (issue 15)", flush=True)
+        cell["ar_prefill"] = prefill_stats(list(a.values()))
         cell.update({"ar_decode_s_mean": sum(r["decode_s"] for r in a.values()) / len(a),
                      "ar_tok_s_per_request": sum(r["new_tokens"] / r["decode_s"] for r in a.values()) / len(a),
                      # system throughput: output tokens / wall time of the cell (closed loop: first
@@ -142,6 +182,9 @@ def main() -> int:
             # token forcing: the target teacher-forced over every output token (specpilot.forcing)
             frc, _, txt = sh(["force", "--candidate", str(st), "--reference", str(ar), *force_common,
                               "--drafter", str(dr), "--out", str(rec / f"{name}-c{c}.forcing.json")], log)
+            vf = rec / f"{name}-c{c}.forcing.json"
+            if vf.exists():  # kept as it comes (a run cut short still has the verdicts so far)
+                R.setdefault("forcing", {})[vf.name] = json.loads(vf.read_text())
             s = {r["request_id"]: r for r in read_records(st)}
             ratios = [a[k]["decode_s"] / s[k]["decode_s"] for k in s if k in a and s[k]["decode_s"] > 0]
             taus = [t for r in s.values() for t in r["committed_per_step"]]
@@ -156,13 +199,31 @@ def main() -> int:
                 "draft_s_mean": sum(r.get("draft_s", 0.0) for r in s.values()) / len(s),
                 "verify_s_mean": sum(r.get("verify_s", 0.0) for r in s.values()) / len(s),
                 "verify_steps_mean": sum(r["verify_steps"] for r in s.values()) / len(s),
+                "prefill": prefill_stats(list(s.values())),
             }
             save()
-    if "c1" in R["cells"] and "c16" in R["cells"]:
-        rc, _, txt = sh(["force", "--candidate", str(rec / "ar-c1.jsonl"), "--reference", str(rec / "ar-c16.jsonl"),
-                         *force_common, "--out", str(rec / "ar-c1-vs-c16.forcing.json")], log)
-        R["ar_c1_vs_c16_forcing_rc"] = rc
-        R["ar_c1_vs_c16_forcing"] = txt[-300:]
+    # AR against AR across concurrencies, on the requests both cells served
+    ran = [c for c in args.concurrency if (rec / f"ar-c{c}.jsonl").exists() and f"c{c}" in R["cells"]]
+    ref_c = args.ar_reference if args.ar_reference is not None else (16 if 16 in ran else (ran[0] if ran else None))
+    if ref_c in ran:
+        ref_recs = {r["request_id"]: r for r in read_records(rec / f"ar-c{ref_c}.jsonl")}
+        R["ar_reference"] = ref_c
+        for c in ran:
+            if c == ref_c:
+                continue
+            cand = {r["request_id"]: r for r in read_records(rec / f"ar-c{c}.jsonl")}
+            key = f"c{c}_vs_c{ref_c}"
+            cmp = R.setdefault("ar_equality", {})[key] = compare_outputs(cand, ref_recs)
+            print(f"AR {key}: {cmp['equal']}/{cmp['common']} common requests equal", flush=True)
+            if c in args.ar_force and cmp["common"]:
+                common = [k for k in cand if k in ref_recs]
+                cf, rf = rec / f"ar-c{c}.common-c{ref_c}.jsonl", rec / f"ar-c{ref_c}.common-c{c}.jsonl"
+                cf.write_text("".join(json.dumps(cand[k]) + "\n" for k in common))
+                rf.write_text("".join(json.dumps(ref_recs[k]) + "\n" for k in common))
+                rc, _, txt = sh(["force", "--candidate", str(cf), "--reference", str(rf), *force_common,
+                                 "--out", str(rec / f"ar-{key}.forcing.json")], log)
+                cmp["forcing_rc"], cmp["forcing"] = rc, txt[-300:]
+            save()
     for f in sorted(rec.glob("*.forcing.json")):
         R.setdefault("forcing", {})[f.name] = json.loads(f.read_text())
     save()
@@ -180,7 +241,9 @@ def main() -> int:
             print(f"{k:4s}  {name:14s} {v['n_requests']:3d}  {v['speedup_geomean']:.3f}  {v['tau']:.2f}  "
                   f"{v['equal_outputs']}/{v['n_requests']}  {cell['ar_tok_s_aggregate']:.0f}  "
                   f"{v['tok_s_aggregate']:.0f}  {step_ms:.2f}  {v['forcing_rc']}")
-    print("AR c1 vs AR c16 forcing rc:", R.get("ar_c1_vs_c16_forcing_rc"), R.get("ar_c1_vs_c16_forcing", "")[-200:])
+    for key, cmp in R.get("ar_equality", {}).items():
+        print(f"AR {key}: {cmp['equal']}/{cmp['common']} common requests equal"
+              + (f", forcing rc {cmp['forcing_rc']}" if "forcing_rc" in cmp else ""))
     return 0
 
 

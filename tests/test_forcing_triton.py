@@ -1,9 +1,10 @@
 """Token forcing through the engine's own kernels (the Triton step), as far as the CPU can test it.
 
 The interpreted check runs a tiny target's Triton step under ``TRITON_INTERPRET=1`` in a
-subprocess: an "engine" (the static AR regime: the eager batch prefill, then one-token decode
-steps through :class:`~specpilot.engine.graphs.FastTarget`, as the CUDA-graph path replays them)
-produces the outputs, and the teacher-forced pass through the same kernels
+subprocess: an "engine" (the static AR regime of the fast path: ``TargetRunner.prefill`` row by row
+through the Triton step, then one-token decode steps through
+:class:`~specpilot.engine.graphs.FastTarget`, as the CUDA-graph path replays them; a runner whose
+step graphs run uncaptured) produces the outputs, and the teacher-forced pass through the same kernels
 (:func:`specpilot.forcing.teacher_forced_engine`, wider chunks) must give margin exactly 0 at every
 token, the engine's own margin (bit for bit) at a planted second-best token, and a violation at a
 planted wrong token. The path choice and the prefill plan are tested without the interpreter.
@@ -30,12 +31,10 @@ CHECK = r'''
 import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path[:0] = [os.path.join(sys.argv[1], "src"), os.path.join(sys.argv[1], "tests")]
-from triton_interp import patch_interpreter
+from triton_interp import fast_runner, patch_interpreter
 patch_interpreter()
 import torch
 torch.set_num_threads(1)
-from specpilot.engine.graphs import FastTarget
-from specpilot.engine.runner import TargetRunner
 from specpilot.engine.serve import kv_slots_needed
 from specpilot.forcing import force, teacher_forced, teacher_forced_engine
 from specpilot.models.config import TargetConfig
@@ -54,29 +53,30 @@ n, B = 6, 2
 S = max(kv_slots_needed(len(p), n, 1, True) for p in prompts)  # serve()'s cache size, static regime
 res = {}
 with torch.inference_mode():
-    # the engine: static AR at c2 under CUDA graphs = eager batch prefill + FastTarget decode steps
-    fast = FastTarget(m)
-    runner = TargetRunner(m, B, S, graphs=False)
+    # the engine: static AR at c2 on the fast path = TargetRunner.prefill (row by row through the
+    # Triton step) + decode steps through FastTarget (the step graphs, run uncaptured here)
+    runner = fast_runner(m, B, S)
+    res["prefill_path"] = runner.prefill_path
     last, _, lengths = runner.prefill(prompts)
     steps = [last.float().clone()]  # the logits each emitted token was the argmax of
     tok = last.argmax(-1)
     outs = [[t] for t in tok.tolist()]
-    start = lengths.clone()
     for _ in range(n - 1):
-        logits = fast.forward(tok[:, None], start)[0][:, 0].float().clone()
+        logits = runner.decode(tok).float().clone()
         steps.append(logits)
         tok = logits.argmax(-1)
         for b, t in enumerate(tok.tolist()):
             outs[b].append(t)
-        start += 1
 cache_before = (m.cache, m.state, m.cos)
-tf = teacher_forced_engine(m, prompts, outs, "eager", S)
+tf = teacher_forced_engine(m, prompts, outs)
 res["top1_equal"] = [top == o for (top, _), o in zip(tf, outs)]
 res["margins"] = [mg for _, mg in tf]
 res["state_restored"] = m.cache is cache_before[0] and m.state is cache_before[1] and m.cos is cache_before[2]
-# the same rows with the prompts through the Triton step too (a refill's prefill), width 3
-tf3 = teacher_forced_engine(m, prompts, outs, "triton", width=3)
-res["triton_prefill_margins"] = [mg for _, mg in tf3]
+# the same rows in other batches (one row alone, the rows swapped) and widths: the same margins
+tf3 = teacher_forced_engine(m, prompts, outs, width=3)
+tf_alone = teacher_forced_engine(m, prompts[1:], outs[1:], width=2)
+tf_swapped = teacher_forced_engine(m, prompts[::-1], outs[::-1])
+res["other_batches_margins"] = [mg for _, mg in tf3 + tf_alone + tf_swapped]
 
 def rec(i, out):
     return Record(request_id=f"t/{i:04d}", benchmark="t", deployment="t", target="t", drafter="none", gpu="cpu",
@@ -116,7 +116,8 @@ def test_teacher_forced_through_the_engine_kernels_interpreted(tmp_path):
     res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     assert res["top1_equal"] == [True, True], res
     assert all(mg == 0.0 for row in res["margins"] for mg in row), res["margins"]
-    assert all(mg == 0.0 for row in res["triton_prefill_margins"] for mg in row), res["triton_prefill_margins"]
+    assert res["prefill_path"] == "triton"
+    assert all(mg == 0.0 for row in res["other_batches_margins"] for mg in row), res["other_batches_margins"]
     assert res["state_restored"]
     assert res["planted"]["teacher_forced_path"] == "triton" and not res["planted"]["passed"], res
     flagged = {(rid, pos): mg for rid, pos, mg in res["planted_list"] + res["planted_near"]}
@@ -135,27 +136,25 @@ def _rec(i: int, c: int, arrival: float | None, engine: str = "stock", cfg: dict
                   engine_config=cfg if cfg is not None else {"block_size": 16}, arrival_s=arrival)
 
 
-def test_engine_prefill_batches_follow_the_regime():
-    """Continuous batching: the first c requests in one eager prefill, refills through the Triton
-    step; static: batches of c, all eager; the eager prefill's cache size is serve()'s."""
-    from specpilot.engine.serve import kv_slots_needed
+def test_engine_prefill_batches_are_record_order_chunks():
+    """Every prompt of a fast-path run is prefilled the same way (row by row through the Triton
+    step) whatever the regime, concurrency or arrival: the batches are plain TF_BATCH chunks of the
+    records with a prompt, in record order."""
     from specpilot.forcing import TF_BATCH, engine_prefill_batches
 
     prompt = lambda r: [5] * 8  # noqa: E731
     cont = [_rec(i, 4, 0.0 if i < 4 else 1.0 + i) for i in range(7)]
-    plan = engine_prefill_batches(cont, prompt, 4, 4096)
-    assert [(b["prefill"], [r.request_id[-1] for r in b["records"]]) for b in plan] == \
-        [("eager", list("0123")), ("triton", list("456"))]
-    assert plan[0]["max_seq"] == kv_slots_needed(8, 4, 17, True) + 64 and plan[1]["max_seq"] is None
     static = [_rec(i, 3, None) for i in range(7)]
-    plan = engine_prefill_batches(static, prompt, 4, 30)
-    assert [(b["prefill"], len(b["records"])) for b in plan] == [("eager", 3), ("eager", 3), ("eager", 1)]
-    assert {b["max_seq"] for b in plan} == {min(kv_slots_needed(8, 4, 17, True), 30)}
-    many = [_rec(i, 1, float(i)) for i in range(TF_BATCH + 3)]
-    plan = engine_prefill_batches(many, prompt, 4)
-    assert [(b["prefill"], len(b["records"])) for b in plan] == [("eager", 1), ("triton", TF_BATCH), ("triton", 2)]
-    assert plan[0]["max_seq"] == kv_slots_needed(8, 4, 17, False) + 64
-    assert engine_prefill_batches(static, lambda r: None, 4) == []
+    for recs in (cont, static):
+        plan = engine_prefill_batches(recs, prompt)
+        assert [[r.request_id[-1] for r in b] for b in plan] == [list("0123456")]
+    many = [_rec(i, 1, float(i)) for i in range(TF_BATCH + 3)] + [_rec(99, 16, None)]
+    plan = engine_prefill_batches(many, prompt)
+    assert [len(b) for b in plan] == [TF_BATCH, 4]
+    assert [r.request_id for b in plan for r in b] == [r.request_id for r in many]
+    odd = lambda r: None if r.request_id.endswith("1") else [5]  # noqa: E731
+    assert [r.request_id[-1] for b in engine_prefill_batches(cont, odd) for r in b] == list("023456")
+    assert engine_prefill_batches(static, lambda r: None) == []
 
 
 def test_teacher_forced_path_choice():

@@ -21,8 +21,10 @@ rejected by exactly the rule the table reports.
    (:func:`teacher_forced`, ``"eager"``). When the engine ran the bit-invariant Triton step (a
    dense bf16 target with plain linears on CUDA, chain verification: the CUDA-graph fast path of
    :mod:`specpilot.engine.graphs`), the pass runs through the *same* kernels
-   (:func:`teacher_forced_engine`, ``"triton"``): the prompts prefilled as the engine prefilled
-   them (:func:`engine_prefill_batches`), the output fed through ``FastTarget.forward`` in chunks.
+   (:func:`teacher_forced_engine`, ``"triton"``): each prompt prefilled as the engine prefills
+   every prompt on that path (row by row through the Triton step, whatever the regime,
+   concurrency or arrival order), the output fed through ``FastTarget.forward`` in chunks, in
+   batches of :func:`engine_prefill_batches`.
    The eager bf16 forward (cuBLAS) and the Triton step round differently, and on random-weight
    bf16 targets their top-1 margins differ by up to 0.125 logits (above the bf16 tolerance), so
    the eager pass would judge the deployment by a computation it never ran.
@@ -212,64 +214,24 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     return "triton"
 
 
-def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None],
-                           cell_max_new: int, max_positions: int | None = None) -> list[dict]:
-    """How the engine prefilled the candidate's prompts: the batches of the Triton teacher-forced pass.
+def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None]
+                           ) -> list[list[Record]]:
+    """The batches of the Triton teacher-forced pass: the candidate's records with a prompt, in
+    record order, ``TF_BATCH`` at a time.
 
-    Requests are grouped as the engine served them (as :func:`replay_check`: turn, engine,
-    concurrency c, engine config; record order inside a group). Continuous batching (records that
-    carry ``arrival_s``, :mod:`specpilot.engine.scheduler`): the first min(c, n) requests of a
-    group were prefilled together by the eager :meth:`TargetRunner.prefill`, every later one (a
-    refill) through the Triton step (``prefill_row`` or a verify block; row-invariant, so any
-    batching of them gives the same bits). Static batches (no ``arrival_s``): every batch of c
-    requests in record order was prefilled eagerly. The eager prefill's KV-cache size is the
-    engine's (:func:`specpilot.engine.serve.serve`: :func:`~specpilot.engine.serve.kv_slots_needed`
-    over the group with ``cell_max_new`` and the config's verify width, + 64 under continuous
-    batching on CUDA graphs, capped at ``max_positions``), since the eager attention runs over
-    every cache slot.
+    On the Triton fast path the engine prefills every prompt the same way whatever the regime,
+    the concurrency or the arrival order: row by row through the Triton step
+    (:meth:`~specpilot.engine.runner.TargetRunner.prefill` and the continuous-batching refills
+    both run :meth:`~specpilot.engine.runner.TargetRunner.prefill_row`), and the step is
+    row-invariant, so :func:`teacher_forced_engine` reproduces any request's logits in any batch.
 
     Args:
-        candidate: records; prompt_of: record -> prompt ids (None: the record is left out);
-        cell_max_new: the cell's new-token budget; max_positions: the target's
-            max_position_embeddings (None: no cap).
+        candidate: records; prompt_of: record -> prompt ids (None: the record is left out).
     Returns:
-        list of ``{"records": [Record], "prefill": "eager" | "triton", "max_seq": int | None}``
-        (``max_seq`` None for Triton-prefilled batches: the Triton step's results do not depend
-        on the cache size), covering every record with a prompt once.
+        lists of at most ``TF_BATCH`` records, covering every record with a prompt once.
     """
-    from .engine.serve import EngineSpec, kv_slots_needed
-
-    groups: dict[tuple, list[Record]] = {}
-    for r in candidate:
-        if not prompt_of(r):
-            continue
-        cfg = r.engine_config or {}
-        key = (_turn(r.request_id), r.engine, int(r.concurrency), repr(sorted(cfg.items(), key=lambda kv: kv[0])))
-        groups.setdefault(key, []).append(r)
-    out: list[dict] = []
-    for (_, engine, c, _), recs in groups.items():
-        c = max(1, c)
-        continuous = all(r.arrival_s is not None for r in recs)
-        cfg = dict(recs[0].engine_config or {})
-        block = cfg.pop("block_size", 1)
-        try:
-            width = EngineSpec(engine, int(block), cfg).verify_width
-        except (SpecpilotError, TypeError, ValueError):
-            width = int(block) + 1 if isinstance(block, int) else 1
-        batched = c > 1 and len(recs) > 1
-        max_seq = max(kv_slots_needed(len(prompt_of(r)), cell_max_new, width, batched) for r in recs) \
-            + (64 if continuous else 0)
-        if max_positions:
-            max_seq = min(max_seq, int(max_positions))
-        if continuous:
-            out.append({"records": recs[:c], "prefill": "eager", "max_seq": max_seq})
-            rest = recs[c:]
-            out += [{"records": rest[i:i + TF_BATCH], "prefill": "triton", "max_seq": None}
-                    for i in range(0, len(rest), TF_BATCH)]
-        else:
-            out += [{"records": recs[i:i + c], "prefill": "eager", "max_seq": max_seq}
-                    for i in range(0, len(recs), c)]
-    return out
+    recs = [r for r in candidate if prompt_of(r)]
+    return [recs[i:i + TF_BATCH] for i in range(0, len(recs), TF_BATCH)]
 
 
 def _fast_target(target, kernel_configs: dict | None = None):
@@ -289,28 +251,26 @@ def _fast_target(target, kernel_configs: dict | None = None):
     return fast
 
 
-def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[int]], prefill: str = "eager",
-                          max_seq: int | None = None, width: int | None = None,
+def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
                           kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
-    """The teacher-forced check through the engine's own kernels, for one prefill batch.
+    """The teacher-forced check through the engine's own kernels, for one batch of requests.
 
-    What the Triton fast path of the engine computes, reproduced: the prompts are prefilled as the
-    engine prefilled them, ``prefill="eager"``: all rows together in one eager
-    :meth:`~specpilot.engine.runner.TargetRunner.prefill` (B = len(prompts), right-padded, a
-    KV cache of ``max_seq`` slots: the engine's call, so the cache and the first token's logits are
-    bit-identical to the engine's); ``"triton"``: through the Triton step like the rest (the
-    engine's row prefill or verify-block refill). Then prompt + output[:-1] is fed in chunks of
-    ``width`` positions per row through :meth:`~specpilot.engine.graphs.FastTarget.forward` (the
-    step the engine's decode and chain verify replay under CUDA graphs), all rows at once, and
-    every position's logits are read. The step is row- and width-invariant by design (a row's
-    bits do not depend on the batch, the block width or the cache size; checked on the GPU by
-    ``gpu_bench/bench_verify.py``), so these are the logits the engine saw when it emitted each
-    token, and every token of an honest engine has margin exactly 0 (unless matmul configs run
-    cuBLAS, which pads rows and is not row-invariant beyond 16 rows: margins then fall to the
-    tolerance). This is a valid check of the guarantee: it verifies that every output token is
-    the argmax of the target *as the deployment computes it* (with these weights and kernels),
-    given the candidate's own prefix, whatever the engine did between tokens; a token that is not
-    that argmax has the same margin as under any other kernel up to rounding.
+    What the Triton fast path of the engine computes, reproduced: each prompt is prefilled as the
+    engine prefills every prompt there, into its own cache row through the Triton step
+    (:meth:`~specpilot.engine.graphs.FastTarget.forward` of the prompt alone, ``last_only``: the
+    call :meth:`~specpilot.engine.runner.TargetRunner.prefill_row` makes, so the prompt's K/V and
+    the first token's logits are the engine's, bit for bit). Then output[:-1] is fed in chunks of
+    ``width`` positions per row through ``FastTarget.forward`` (the step the engine's decode and
+    chain verify replay under CUDA graphs), all rows at once, and every position's logits are
+    read. The step is row- and width-invariant by design (a row's bits do not depend on the
+    batch, the block width or the cache size; checked on the GPU by ``gpu_bench/bench_verify.py``),
+    so these are the logits the engine saw when it emitted each token, and every token of an
+    honest engine has margin exactly 0 (unless matmul configs run cuBLAS, which pads rows and is
+    not row-invariant beyond 16 rows: margins then fall to the tolerance). This is a valid check
+    of the guarantee: it verifies that every output token is the argmax of the target *as the
+    deployment computes it* (with these weights and kernels), given the candidate's own prefix,
+    whatever the engine did between tokens; a token that is not that argmax has the same margin as
+    under any other kernel up to rounding.
 
     The target's decoding state (``cache``, ``state``, ``cos``, ``sin``, the cache key) is put
     back afterwards and the pass uses a fresh cache and its own FastTarget workspaces, so an
@@ -321,25 +281,17 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
             ``TRITON_INTERPRET=1``), any float dtype.
         prompts, outputs: per row the prompt and the candidate's output token ids (non-empty,
             inside the vocabulary).
-        prefill: ``"eager"`` or ``"triton"`` (see above).
-        max_seq: KV-cache slots of the engine's eager prefill (None: just what the pass needs; a
-            smaller value is raised to that).
-        width: positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1).
+        width: output positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1).
         kernel_configs: FastTarget matmul configs on top of the engine's (see :func:`_fast_target`).
     Returns:
         per row (top1, margin), each of length ``len(output)``: the target's argmax token id and
         ``max logit - logit[output[j]]`` (float, logit units, >= 0; fp32 from the model-dtype
         logits) at output position j, as :func:`teacher_forced`.
     Raises:
-        SpecpilotError: no rows, rows of different counts, an empty prompt or output, an unknown
-            ``prefill``, a width < 1.
+        SpecpilotError: no rows, rows of different counts, an empty prompt or output, a width < 1.
     """
     import torch
 
-    from .engine.runner import TargetRunner
-
-    if prefill not in ("eager", "triton"):
-        raise SpecpilotError(f"unknown prefill {prefill!r}; use eager or triton")
     if not prompts or len(prompts) != len(outputs):
         raise SpecpilotError(f"teacher forcing needs as many outputs as prompts (got {len(prompts)} / {len(outputs)})")
     if any(not p for p in prompts) or any(not o for o in outputs):
@@ -349,16 +301,9 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
     if W < 1:
         raise SpecpilotError(f"teacher-forced width must be >= 1, got {width}")
     P = [len(p) for p in prompts]
-    if prefill == "eager":  # position P_b + i holds output[i]; its logits predict output[i + 1]
-        seqs, base = [list(o[:-1]) for o in outputs], P
-    else:  # position i of prompt + output[:-1]; from P_b - 1 on its logits predict output[i - P_b + 1]
-        seqs, base = [list(p) + list(o[:-1]) for p, o in zip(prompts, outputs)], [0] * B
+    seqs = [list(o[:-1]) for o in outputs]  # position P_b + i holds output[i]; its logits predict output[i + 1]
     total = max(len(x) for x in seqs)
-    steps = -(-total // W)
-    S = max(int(max_seq or 0), max(b + total for b in base))
-    if prefill == "triton":  # no eager prefill: the cache size is free, every chunk full width
-        S = max(S, steps * W)
-    full_last = max(base) + steps * W <= S  # the last chunk padded to the full width (one block shape)
+    S = max(P) + max(1, total)  # the step's results do not depend on the cache size
     dev = target.lm_head.weight.device
     top1: list[list[int]] = [[] for _ in range(B)]
     margin: list[list[float]] = [[] for _ in range(B)]
@@ -367,21 +312,16 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
         target.state = None  # a fresh cache: the engine's (and its graphs' addresses) stay untouched
         fast = _fast_target(target, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
         with torch.inference_mode():
-            if prefill == "eager":
-                runner = TargetRunner(target, B, S, graphs=False)
-                last, _, _ = runner.prefill([list(p) for p in prompts])  # the engine's own call
-                lg = last.float()
-                best = lg.max(-1)
-                cand0 = torch.tensor([o[0] for o in outputs], dtype=torch.long, device=dev)
-                m0 = (best.values - lg.gather(1, cand0[:, None])[:, 0]).tolist()
-                for b, (t, m) in enumerate(zip(best.indices.tolist(), m0)):
-                    top1[b].append(t)
-                    margin[b].append(m)
-            else:
-                target.setup_cache(B, S)
-            start0 = torch.tensor(base, dtype=torch.long, device=dev)
+            target.setup_cache(B, S)
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            for b, p in enumerate(prompts):  # the engine's prefill_row of the whole prompt at slot 0
+                tok = torch.tensor([list(p)], dtype=torch.long).to(dev)
+                lg = fast.forward(tok, zero, rows=slice(b, b + 1), last_only=True)[0][0, 0].float()
+                top1[b].append(int(lg.argmax()))
+                margin[b].append((lg.max() - lg[outputs[b][0]]).item())
+            start0 = torch.tensor(P, dtype=torch.long, device=dev)
             for s in range(0, total, W):
-                w = W if full_last else min(W, total - s)
+                w = min(W, total - s)  # full width but for the last chunk
                 block = torch.zeros(B, w, dtype=torch.long)
                 cand = torch.zeros(B, w, dtype=torch.long)
                 want = []  # (row, block column, output index)
@@ -389,13 +329,10 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
                     part = x[s:s + w]
                     if part:
                         block[b, :len(part)] = torch.tensor(part, dtype=torch.long)
-                    lo = 0 if prefill == "eager" else P[b] - 1  # first sequence index with a checked output
                     for j in range(len(part)):
-                        i = s + j
-                        if i >= lo:
-                            k = i + 1 if prefill == "eager" else i - P[b] + 1
-                            cand[b, j] = outputs[b][k]
-                            want.append((b, j, k))
+                        k = s + j + 1
+                        cand[b, j] = outputs[b][k]
+                        want.append((b, j, k))
                 logits, _ = fast.forward(block.to(dev), start0 + s)
                 lg = logits.float()
                 best = lg.max(-1)
@@ -715,14 +652,9 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
             ok = p and r.output_ids and all(isinstance(t, int) and 0 <= t < vocab for t in r.output_ids)
             return p if ok else None
 
-        refs_new = [r.new_tokens for recs in references.values() for r in recs]
-        cell_max_new = (replay.max_new_tokens if replay is not None else None) or \
-            max(refs_new or [r.new_tokens for r in candidate])
-        max_pos = getattr(target.config, "max_position_embeddings", None)
-        for batch in engine_prefill_batches(candidate, checkable, cell_max_new, max_pos):
-            recs = batch["records"]
+        for recs in engine_prefill_batches(candidate, checkable):
             res = teacher_forced_engine(target, [prompt_of(r) for r in recs], [r.output_ids for r in recs],
-                                        batch["prefill"], batch["max_seq"], kernel_configs=kernel_configs)
+                                        kernel_configs=kernel_configs)
             engine_tf.update({r.request_id: x for r, x in zip(recs, res)})
     for r in candidate:
         rc = checks[r.request_id] = _RequestCheck(generated=len(r.output_ids))

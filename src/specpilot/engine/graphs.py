@@ -8,7 +8,10 @@ instead of minutes of compilation):
 - target step, one graph per (batch, block length T, captured layers): T = 1 for AR decode, the
   block size for chain verification. Inputs: static token [B, T] and start [B] buffers; outputs:
   static logits [B, T, vocab] and captured hidden states [B, T, F] (valid until the next replay
-  of the same shape). Prefill (variable length) stays eager. Token trees (<= 64 nodes) run in the
+  of the same shape). Prefill (variable length) runs without a graph: with the Triton kernels
+  every prompt goes row by row through the same step (``TargetRunner.prefill`` and the
+  continuous-batching refills both call ``TargetRunner.prefill_row``), so a prompt's K/V and first
+  token do not depend on the batch it arrives in; with the torch kernels it stays eager. Token trees (<= 64 nodes) run in the
   Triton step too (``StepGraphs.run(..., tree=tree_inputs(parents))``, the accepted path then
   compacted on the device by :func:`compact_path_`); checked against the eager tree forward under
   Triton's interpreter only so far, and the runner still verifies trees eagerly.
@@ -309,11 +312,14 @@ class FastTarget:
         m = self.model
         return m.config, m.cache.max_seq, m.lm_head.weight.device, m.lm_head.weight.dtype
 
-    def _workspace(self, B: int, T: int, n_capture: int) -> _Workspace:
+    def _workspace(self, B: int, T: int, n_capture: int, keep: bool = True) -> _Workspace:
+        """The buffers of a (B, T) step: kept per shape (``keep``; overwritten by the next step of
+        that shape, as a captured graph's are), or fresh and owned by the caller alone (``keep``
+        False: a prefill, whose lengths vary; it never shares, nor drops, a captured step's)."""
         c, max_seq, dev, dt = self._dims()
         pad = self.pad
         key = (B, T, n_capture, max_seq, pad, self.attn_rows)
-        ws = self._ws.get(key)
+        ws = self._ws.get(key) if keep else None
         if ws is None:
             M = -(-B * T // pad) * pad
             nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -328,7 +334,8 @@ class FastTarget:
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
-            self._ws[key] = ws
+            if keep:
+                self._ws[key] = ws
         return ws
 
     def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
@@ -375,15 +382,17 @@ class FastTarget:
         its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
         ``rows``: the block is for these cache rows only (B = their count; e.g. one newcomer's
         prompt prefilled beside running requests without touching their rows). ``last_only``:
-        logits of each row's last block position only ([B, 1, vocab]; a prefill), and the
-        workspace is not kept (prompt lengths vary; a kept workspace per length would pile up).
+        logits of each row's last block position only ([B, 1, vocab]; a prefill), in a fresh
+        workspace that is not kept (prompt lengths vary; a kept workspace per length would pile
+        up, and a prompt as long as a captured step's block must not write, or drop, that step's
+        buffers): the outputs stay valid until the caller drops them.
         """
         K, m, c = self.k, self.model, self.model.config
         if m.cache is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
         B, T = tokens.shape
         M, H = B * T, c.hidden_size
-        ws = self._workspace(B, T, len(capture))
+        ws = self._workspace(B, T, len(capture), keep=not last_only)
         if ws.tok.shape[0] == M:
             x = F.embedding(tokens.reshape(M), m.model.embed_tokens.weight)
         else:  # padded rows embed token 0 and are never read back
@@ -400,7 +409,6 @@ class FastTarget:
                 ws.feats[:, j * H:(j + 1) * H].copy_(x)
         feats = ws.feats[:M].view(B, T, -1) if capture else None
         if last_only:
-            self._ws = {k: w for k, w in self._ws.items() if w is not ws}
             self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, ws.logits[:B], ws,
                          norm=m.model.norm.weight)
             return ws.logits[:B].view(B, 1, -1), feats

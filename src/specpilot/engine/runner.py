@@ -84,8 +84,10 @@ class TargetRunner:
     ``length[b]`` is the number of positions of row b whose K/V are in the cache and committed.
 
     On CUDA (``graphs`` None or True) chain verify and decode steps replay captured CUDA graphs
-    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); prefill and tree
-    verification stay eager. Targets other than dense full attention (hybrid GDN, sliding window,
+    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); tree verification stays
+    eager. Prefill runs through the Triton step row by row when the step graphs use the Triton
+    kernels (:attr:`can_prefill_rows`: batch-invariant, the path every continuous-batching refill
+    takes too), else eager. Targets other than dense full attention (hybrid GDN, sliding window,
     softcapped heads) always run eager. The runner never reads ``length`` on the host inside a step: a host
     upper bound of it decides whether the cache has room, and only when that bound is too loose
     is the exact length read (a synchronization).
@@ -115,13 +117,30 @@ class TargetRunner:
         if need > self.max_seq:
             raise SpecpilotError(f"sequence needs {need} KV-cache slots but the cache holds {self.max_seq}")
 
+    @property
+    def prefill_path(self) -> str:
+        """How :meth:`prefill` runs by default: ``"triton"`` (row by row through the Triton step,
+        :attr:`can_prefill_rows`) or ``"eager"`` (one right-padded block through the eager forward)."""
+        return "triton" if self.can_prefill_rows else "eager"
+
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], pad_id: int = 0):
-        """Process prompts (right-padded into one block) from an empty cache.
+    def prefill(self, prompts: list[list[int]], pad_id: int = 0, rows: bool | None = None,
+                chunk: int | None = None):
+        """Process prompts from an empty cache.
+
+        ``rows`` None (default) = :attr:`prefill_path`. Triton (``rows`` True, needs
+        :attr:`can_prefill_rows`): each prompt through :meth:`prefill_row` into its own cache row,
+        in chunks of ``chunk`` tokens (None: whole), exactly the calls a continuous-batching refill
+        makes (:class:`~specpilot.engine.scheduler.Scheduler`), so a request's prompt K/V, features
+        and first-token logits are bit-identical whatever batch, concurrency or arrival order it is
+        served in (the step is row-invariant). Eager (``rows`` False, the CPU and non-Triton
+        path): the prompts right-padded into one block through the eager forward (cuBLAS on CUDA:
+        a row's bits may depend on the batch).
 
         Returns:
             last_logits [B, vocab] at each prompt's last token, features [B, Tmax, F] (None
-            without capture), and lengths int64 [B]. Sets ``length`` to the prompt lengths.
+            without capture; zero past a prompt's end on the Triton path), and lengths int64 [B].
+            Sets ``length`` to the prompt lengths.
         """
         B = len(prompts)
         if B != self.batch:
@@ -132,6 +151,12 @@ class TargetRunner:
         T = int(lengths.max())
         if T > self.max_seq:
             raise SpecpilotError(f"prompt of {T} tokens exceeds the KV cache of {self.max_seq} slots")
+        if chunk is not None and int(chunk) < 1:
+            raise SpecpilotError(f"prefill chunk must be >= 1, got {chunk}")
+        if rows is None:
+            rows = self.can_prefill_rows
+        if rows:
+            return self._prefill_rows(prompts, lengths, T, chunk)
         tokens = torch.full((B, T), pad_id, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
@@ -142,6 +167,26 @@ class TargetRunner:
         self.length.copy_(lengths)
         self._bound, self._pending = T, 0
         return logits[torch.arange(B, device=self.device), lengths - 1], feats, lengths
+
+    def _prefill_rows(self, prompts: list[list[int]], lengths: torch.Tensor, T: int, chunk: int | None):
+        """:meth:`prefill` through :meth:`prefill_row`, one prompt (and chunk) after the other."""
+        if not self.can_prefill_rows:
+            raise SpecpilotError("row prefill needs the Triton step (a dense target under CUDA graphs)")
+        self.model.state.reset()
+        self.length.zero_()
+        self._bound, self._pending = 0, 0
+        last, feats = [], None
+        for b, p in enumerate(prompts):
+            C = int(chunk or len(p))
+            for s0 in range(0, len(p), C):
+                logits, f = self.prefill_row(b, p[s0:s0 + C], s0)
+                if f is not None:
+                    if feats is None:
+                        feats = torch.zeros(self.batch, T, f.shape[-1], dtype=f.dtype, device=f.device)
+                    feats[b, s0:s0 + f.shape[1]] = f[0]
+            last.append(logits.clone())  # a view would keep the row's whole [T, vocab] workspace alive
+        self._bound = T
+        return torch.stack(last), feats, lengths
 
     @property
     def can_prefill_rows(self) -> bool:

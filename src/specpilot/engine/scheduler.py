@@ -20,7 +20,15 @@ One scheduler iteration is
    untouched by its neighbours' prefill. The drafter is told the prompt as committed context
    (``observe``: DFlash's draft cache is rewritten from position 0) and then
    ``reset_slot(b, prompt_ids, first_token, reference)`` resets its host-side per-slot state
-   (lookup: the n-gram history; replay: the reference output).
+   (lookup: the n-gram history; replay: the reference output). On the Triton fast path
+   (``runner.can_prefill_rows`` and a drafter that can take one row's context) a newcomer's
+   prompt instead goes into its own cache row only (``runner.prefill_row``, the running rows
+   untouched).
+
+The run starts with the first c requests through ``runner.prefill``; on the Triton fast path
+that is the same ``prefill_row`` calls (same chunks) a refill makes, so every prompt of a fast-path
+run takes one batch-invariant path: a request's outputs do not depend on the concurrency or on
+whether it arrived first or as a refill (AR at c1 equals AR at c16 token for token).
 
 AR runs through the same loop with :class:`ARProposer` (a proposal of width 1: no drafts, the
 bonus token is the AR token). Outputs equal AR token for token at every concurrency (tests).
@@ -196,17 +204,21 @@ class Scheduler:
         queue = deque(range(n))
         t0 = clock(dev)
 
-        # the first c requests: one regular prefill of the whole batch (idle rows repeat request 0)
+        # the first c requests (idle rows repeat request 0): runner.prefill, which on the Triton
+        # fast path makes per row exactly the prefill_row calls a refill of that request would
+        # make (_refill below, same chunks), so a request's prompt K/V and first token do not
+        # depend on whether it came first or as a refill; elsewhere one eager block
         first_idx = [queue.popleft() for _ in range(min(B, n))]
         prompts = [requests[i].prompt_ids for i in first_idx]
         prompts += [prompts[0]] * (B - len(prompts))
         with torch.inference_mode():
-            last_logits, feats, _ = runner.prefill(prompts)
+            last_logits, feats, _ = runner.prefill(prompts, chunk=self.chunk)
             last = last_logits.argmax(-1)
             drafter.start(runner, prompts, feats, last)
         firsts = last.tolist()
         t1 = clock(dev)
-        self.prefill_steps += 1
+        self.prefill_steps += 1 if runner.prefill_path == "eager" else \
+            sum(-(-len(p) // (self.chunk or len(p))) for p in prompts)
         freed = []
         for b, p in enumerate(prompts):
             length[b] = len(p)
