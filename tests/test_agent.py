@@ -240,3 +240,15 @@ def test_gate_rejects_a_planted_cheating_direction(quick_deployment, quick_promp
     # an honest candidate of the same search passes
     honest = ev.trial({"block_size": 3}, {"block_size": 4})
     assert honest["gate"]["passed"] and honest["gain"] is not None
+
+
+def test_trial_gain_comes_with_an_interval_over_requests_and_repeats(quick_deployment, quick_prompts):
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash")
+    meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+    ev = Evaluator(target, drafter, quick_prompts[:3], 16, 1, meta, stock_block=4, tolerance=1e-3, repeats=2)
+    cand, base = ev.measure({"block_size": 3}, {"block_size": 4})
+    assert all(len(r.decode_s_repeats) == 2 and r.decode_s == min(r.decode_s_repeats) for r in cand + base)
+    r = ev.trial({"block_size": 3}, {"block_size": 4})
+    assert r["gate"]["passed"]
+    assert 0 < r["gain_lo"] <= r["gain"] <= r["gain_hi"]

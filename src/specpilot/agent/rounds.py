@@ -21,7 +21,9 @@ Method parameters (command-line options, from config ``rounds``): ``min_gain`` (
 beat its base by this factor, geometric mean over requests of decode-time ratios, to count as a
 win), ``confirm_factor`` (the merged config of several winners is kept only when its gain is at
 least this fraction of the best single winner's), ``repeats`` (alternating timing repeats per trial;
-integration confirms with one more).
+integration confirms with one more). The confirmation keeps the integrated config only when its
+gain is >= ``min_gain`` and the lower end of the gain's 95 % bootstrap interval over requests and
+repeats is above 1 (timing noise alone does not explain the gain); otherwise the base stays.
 """
 
 from __future__ import annotations
@@ -226,8 +228,9 @@ def integrate(args) -> int:
     if result is not None:  # confirm on a fresh, longer measurement before it counts
         ev.repeats = args.repeats + 1
         result = ev.trial(chosen, base, evidence)
-        if not (result["gate"]["passed"] and result["gain"] >= args.min_gain):
-            log.info("integrated config %s not confirmed (gain %s): the base stays", chosen, result["gain"])
+        if not (result["gate"]["passed"] and result["gain"] >= args.min_gain and result["gain_lo"] > 1.0):
+            log.info("integrated config %s not confirmed (gain %s, 95%% interval %.3f-%.3f): the base stays",
+                     chosen, result["gain"], result["gain_lo"], result["gain_hi"])
             chosen, result = base, None
     if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
         result = ev.trial(base, base, evidence)

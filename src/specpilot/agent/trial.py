@@ -11,12 +11,13 @@ each the minimum over ``repeats`` alternating runs (robust to a busy machine).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
-from ..aggregate import geomean
+from ..aggregate import bootstrap_interval, geomean, timing_pairs
 from ..engine.serve import EngineSpec, serve
 from ..errors import SpecpilotError
 from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
@@ -99,15 +100,21 @@ class Evaluator:
         return [best[p["request_id"]] for p in self.prompts]
 
     def measure(self, config: dict, base: dict, prompts: list[dict] | None = None) -> tuple[list, list]:
-        """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run."""
+        """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run,
+        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval)."""
         best_c: dict[str, Record] = {}
         best_b: dict[str, Record] = {}
+        times: dict[int, dict[str, list[float]]] = {id(best_b): {}, id(best_c): {}}
         for _ in range(self.repeats):
             for cfg, best in ((base, best_b), (config, best_c)):
                 for r in self.run("specpilot", cfg, prompts):
+                    times[id(best)].setdefault(r.request_id, []).append(r.decode_s)
                     if r.request_id not in best or r.decode_s < best[r.request_id].decode_s:
                         best[r.request_id] = r
-        return list(best_c.values()), list(best_b.values())
+        out = []
+        for best in (best_c, best_b):
+            out.append([dataclasses.replace(r, decode_s_repeats=times[id(best)][rid]) for rid, r in best.items()])
+        return out[0], out[1]
 
     def gate(self, records: list[Record], prompts: list[dict] | None = None) -> dict:
         """Token forcing (:func:`specpilot.forcing.force`) of a candidate's records.
@@ -137,7 +144,12 @@ class Evaluator:
 
     def trial(self, config: dict, base: dict, evidence: Path | None = None,
               prompts: list[dict] | None = None) -> dict:
-        """Gate and measure a candidate against ``base``; write its records as evidence."""
+        """Gate and measure a candidate against ``base``; write its records as evidence.
+
+        Returns ``gain`` (geomean over requests of base / candidate fastest decode time; None when
+        token forcing failed), ``gain_lo``/``gain_hi`` (its 95 % bootstrap interval over requests
+        and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup
+        over AR and tau."""
         cand, base_recs = self.measure(config, base, prompts)
         verdict = self.gate(cand, prompts)
         if evidence is not None:
@@ -145,9 +157,10 @@ class Evaluator:
         by_id = {r.request_id: r for r in base_recs}
         ar = {r.request_id: r for r in self.ar}
         gain = geomean([by_id[r.request_id].decode_s / r.decode_s for r in cand])
+        lo, hi = bootstrap_interval([timing_pairs(base_recs, cand)])
         steps = sum(r.verify_steps for r in cand)
         return {"config": config, "gate": verdict, "gain": gain if verdict["passed"] else None,
-                "raw_gain": gain,
+                "raw_gain": gain, "gain_lo": lo, "gain_hi": hi,
                 "speedup_vs_ar": geomean([ar[r.request_id].decode_s / r.decode_s for r in cand]),
                 "tau": sum(sum(r.committed_per_step) for r in cand) / max(steps, 1),
                 "requests": len(cand), "evidence": str(evidence) if evidence else None}
