@@ -32,9 +32,9 @@ Uncertainty: ``{engine}_speedup_lo`` / ``_hi`` bound a 95 % interval of ``{engin
 and ``specpilot_over_stock`` (geomean of per-request stock ``decode_s`` / specpilot ``decode_s``)
 comes with ``specpilot_over_stock_lo`` / ``_hi``: a seeded percentile bootstrap
 (:data:`BOOT_SAMPLES` resamples) over requests and repeats: each resample draws the cell's
-requests with replacement and, for each drawn request, one timing repeat of each engine
-(``decode_s_repeats``, the fastest run when timed once), then takes the geometric mean as the
-point estimate does. A summary row resamples within each of its cells and takes the geometric
+requests with replacement and, for each drawn request, resamples each engine's timing repeats
+(``decode_s_repeats``; ``decode_s`` when timed once) with replacement and keeps the fastest, then
+takes the geometric mean as the point estimate does. A summary row resamples within each of its cells and takes the geometric
 mean over the cells, as its point value does. The interval of a cell timed once with few requests
 is wide; it says how far timing noise alone can move the number.
 
@@ -245,9 +245,10 @@ def bootstrap_interval(groups: list[list[tuple[list[float], list[float]]]], leve
     Returns:
         (lo, hi) of geomean over groups of (geomean over a group's resampled requests of
         base time / engine time); (nan, nan) when a group is empty.
-    Each resample draws every group's requests with replacement and, per drawn request, one
-    repeat of each side uniformly; seeded, so the table is reproducible (Efron & Tibshirani,
-    An Introduction to the Bootstrap, 1993, ch. 13).
+    Each resample draws every group's requests with replacement and, per drawn request, resamples
+    each side's repeats with replacement and keeps the fastest, as the point estimate keeps each
+    request's fastest run; seeded, so the table is reproducible (Efron & Tibshirani, An
+    Introduction to the Bootstrap, 1993, ch. 13).
     """
     import numpy as np
 
@@ -266,9 +267,16 @@ def bootstrap_interval(groups: list[list[tuple[list[float], list[float]]]], leve
             la[i, :len(a)] = np.log(a)
             le[i, :len(e)] = np.log(e)
         req = rng.integers(0, n, size=(samples, n))
-        ia = (rng.random((samples, n)) * na[req]).astype(int)
-        ie = (rng.random((samples, n)) * ne[req]).astype(int)
-        total += (la[req, ia] - le[req, ie]).mean(axis=1)
+        # each side's repeats resampled with replacement, the fastest kept (as the point estimate)
+        ia = (rng.random((samples, n, width)) * na[req][..., None]).astype(int)
+        ie = (rng.random((samples, n, width)) * ne[req][..., None]).astype(int)
+        ra = np.take_along_axis(la[req], ia, axis=2)
+        re_ = np.take_along_axis(le[req], ie, axis=2)
+        ka = np.arange(width) < na[req][..., None]  # only as many draws as the request has repeats
+        ke = np.arange(width) < ne[req][..., None]
+        best_a = np.where(ka, ra, np.inf).min(axis=2)
+        best_e = np.where(ke, re_, np.inf).min(axis=2)
+        total += (best_a - best_e).mean(axis=1)
     total /= len(groups)
     q = (1 - level) / 2
     lo, hi = np.quantile(total, [q, 1 - q])
