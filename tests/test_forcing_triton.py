@@ -28,13 +28,6 @@ from specpilot.records import Record
 REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r'''
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = [os.path.join(sys.argv[1], "src"), os.path.join(sys.argv[1], "tests")]
-from triton_interp import fast_runner, patch_interpreter
-patch_interpreter()
-import torch
-torch.set_num_threads(1)
 from specpilot.engine.serve import kv_slots_needed
 from specpilot.forcing import force, teacher_forced, teacher_forced_engine
 from specpilot.models.config import TargetConfig
@@ -107,13 +100,9 @@ print("RESULT " + json.dumps(res))
 def test_teacher_forced_through_the_engine_kernels_interpreted(tmp_path):
     """Margins exactly 0 on the fast path's own outputs; a planted token keeps the engine's exact
     margin and is a violation."""
-    script = tmp_path / "tf_check.py"
-    script.write_text(CHECK)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    from triton_interp import run_interpreted  # imports triton: only where the test is not skipped
+
+    res = run_interpreted(tmp_path / "tf_check.py", CHECK, REPO, timeout=600)
     assert res["top1_equal"] == [True, True], res
     assert all(mg == 0.0 for row in res["margins"] for mg in row), res["margins"]
     assert res["prefill_path"] == "triton"

@@ -234,13 +234,6 @@ def test_room_check_without_per_step_sync(tiny_pair):
 # ---------------------------------------------------------------------------------------------
 
 INTERP_CHECK = r'''
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = [os.path.join(sys.argv[1], "src")]
-import torch
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-from triton_interp import patch_interpreter
-patch_interpreter()
 from specpilot.engine.graphs import FastTarget
 from specpilot.models.config import TargetConfig
 from specpilot.models.layers import chain_ancestors
@@ -336,12 +329,9 @@ print("RESULT " + json.dumps(res))
 
 def _interpreted(script: Path, text: str) -> dict:
     """Run a check script under Triton's CPU interpreter in a subprocess; its RESULT line as a dict."""
-    script.write_text(text)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    from triton_interp import run_interpreted  # imports triton: only where the test is not skipped
+
+    return run_interpreted(script, text, REPO)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -358,13 +348,6 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
 
 
 DRAFT_CHECK = r"""
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = [os.path.join(sys.argv[1], "src")]
-import torch
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-from triton_interp import patch_interpreter
-patch_interpreter()
 from torch import nn
 from specpilot.engine.graphs import FastDrafter, fast_drafter_supported
 from specpilot.models.dflash import DFlashDrafter, DrafterConfig
@@ -432,13 +415,6 @@ def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
 
 
 PREFILL_CHECK = r"""
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = [os.path.join(sys.argv[1], "src"), os.path.join(sys.argv[1], "tests")]
-from triton_interp import fast_runner, patch_interpreter
-patch_interpreter()
-import torch
-torch.set_num_threads(1)
 from specpilot.engine.generate import generate_ar
 from specpilot.engine.scheduler import Request, Scheduler, slots_needed
 from specpilot.models.config import TargetConfig

@@ -31,3 +31,33 @@ def fast_runner(model, batch: int, max_seq: int, capture: tuple[int, ...] = ()):
     runner = TargetRunner(model, batch, max_seq, capture, graphs=False)
     runner.graphs = Uncaptured(model, "triton")
     return runner
+
+
+# The opening of every check script run under the interpreter (tests/test_gpu_path.py,
+# tests/test_forcing_triton.py): argv[1] = the repository; src/ and tests/ importable, the
+# interpreter patched, one torch thread.
+PREAMBLE = """import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path[:0] = [os.path.join(sys.argv[1], "src"), os.path.join(sys.argv[1], "tests")]
+from triton_interp import fast_runner, patch_interpreter
+patch_interpreter()
+import torch
+torch.set_num_threads(1)
+"""
+
+
+def run_interpreted(script, body: str, repo, timeout: int = 900) -> dict:
+    """Write PREAMBLE + ``body`` to ``script`` (a Path), run it under Triton's CPU interpreter in a
+    subprocess with ``repo`` as argv[1], and return its ``RESULT {json}`` line as a dict (the test
+    fails with the script's stderr when it exits non-zero)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script.write_text(PREAMBLE + body)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script), str(repo)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
