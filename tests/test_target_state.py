@@ -244,3 +244,16 @@ def test_state_bytes_per_request_27b_shape():
     conv = 48 * (2 * 16 * 128 + 48 * 128) * 3 * 2
     assert b["gdn"] == rec + conv  # 144 MiB + 2.8 MiB
     assert b["kv"] == 16 * 2 * 4 * 4096 * 256 * 2
+
+
+def test_closed_loop_refills_equal_each_request_alone(target):
+    """Continuous batching refills a finished request's slot (its row emptied, recurrent state
+    zeroed): more requests than slots give each request's AR output alone, on every layer type."""
+    from specpilot.engine.serve import EngineSpec, serve
+
+    rows = [{"request_id": f"gsm8k/{i:04d}", "benchmark": "gsm8k", "prompt_ids": p}
+            for i, p in enumerate(PROMPTS + PROMPTS[::-1])]
+    meta = {"deployment": "t", "target": "t", "drafter": "none", "gpu": "cpu"}
+    recs = serve(EngineSpec("ar"), target, None, rows, 12, 2, meta, progress=False, warmup=False)
+    alone = [ar(target, [r["prompt_ids"]], 12)[0] for r in rows]
+    assert [r.output_ids for r in recs] == alone

@@ -282,15 +282,22 @@ class TargetRunner:
     def rollback(self, length: torch.Tensor) -> None:
         """Set the committed length of every row (int64 [B]); later slots become invisible.
 
+        A row set to 0 is emptied for a new request (its recurrent state zeroed,
+        :meth:`TargetState.reset_rows`): how continuous batching refills a freed slot.
+
         Raises:
             SpecpilotError: a target with recurrent or sliding-window state cannot go below its
-                committed length (only an uncommitted verify can be dropped).
+                committed length to anything but 0 (only an uncommitted verify can be dropped).
         """
         cfg = self.model.config
-        if (cfg.is_recurrent or "sliding_attention" in cfg.layer_types) and \
-                bool((length.to(self.device) != self.length).any()):
-            raise SpecpilotError("a target with recurrent or sliding-window layers can only roll back an "
-                                 "uncommitted verify, not committed tokens")
+        length = length.to(self.device)
+        if cfg.is_recurrent or "sliding_attention" in cfg.layer_types:
+            if bool(((length != self.length) & (length != 0)).any()):
+                raise SpecpilotError("a target with recurrent or sliding-window layers can only roll back an "
+                                     "uncommitted verify (or empty a row), not committed tokens")
+            emptied = (length == 0) & (self.length != 0)
+            if bool(emptied.any()):
+                self.model.state.reset_rows(emptied)
         self.model.state.discard()
         self.length.copy_(length.to(self.device))
         self._bound, self._pending = int(length.max()), 0

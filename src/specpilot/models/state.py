@@ -240,6 +240,14 @@ class TargetState(nn.Module):
         if self.gdn is not None:
             self.gdn.reset()
 
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Empty the state of ``rows`` (int64 [n] or bool [B]) for a new request in those slots:
+        the recurrent conv and GDN states are zeroed; attention and ring entries need nothing
+        (a row of committed length 0 sees none of them)."""
+        if self.gdn is not None:
+            self.gdn.conv[rows] = 0
+            self.gdn.rec[rows] = 0
+
     def discard(self) -> None:
         """Drop an uncommitted verify (its attention writes are invisible past the committed length)."""
         if self.gdn is not None:
