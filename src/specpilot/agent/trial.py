@@ -102,19 +102,17 @@ class Evaluator:
     def measure(self, config: dict, base: dict, prompts: list[dict] | None = None) -> tuple[list, list]:
         """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run,
         with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval)."""
-        best_c: dict[str, Record] = {}
-        best_b: dict[str, Record] = {}
-        times: dict[int, dict[str, list[float]]] = {id(best_b): {}, id(best_c): {}}
+        runs: dict[str, dict[str, list[Record]]] = {"base": {}, "cand": {}}
         for _ in range(self.repeats):
-            for cfg, best in ((base, best_b), (config, best_c)):
+            for cfg, side in ((base, runs["base"]), (config, runs["cand"])):
                 for r in self.run("specpilot", cfg, prompts):
-                    times[id(best)].setdefault(r.request_id, []).append(r.decode_s)
-                    if r.request_id not in best or r.decode_s < best[r.request_id].decode_s:
-                        best[r.request_id] = r
-        out = []
-        for best in (best_c, best_b):
-            out.append([dataclasses.replace(r, decode_s_repeats=times[id(best)][rid]) for rid, r in best.items()])
-        return out[0], out[1]
+                    side.setdefault(r.request_id, []).append(r)
+
+        def fastest(side: dict[str, list[Record]]) -> list[Record]:
+            return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
+                    for rs in side.values()]
+
+        return fastest(runs["cand"]), fastest(runs["base"])
 
     def gate(self, records: list[Record], prompts: list[dict] | None = None) -> dict:
         """Token forcing (:func:`specpilot.forcing.force`) of a candidate's records.

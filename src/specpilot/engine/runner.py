@@ -299,5 +299,5 @@ class TargetRunner:
             if bool(emptied.any()):
                 self.model.state.reset_rows(emptied)
         self.model.state.discard()
-        self.length.copy_(length.to(self.device))
+        self.length.copy_(length)
         self._bound, self._pending = int(length.max()), 0
