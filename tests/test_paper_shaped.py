@@ -45,7 +45,9 @@ def paper_shaped(stand_in: Path, data: Path) -> dict:
     return {
         "gpu": paper["gpu"],
         "deployments": {
-            "tiny": paper["deployments"]["tiny"],
+            # the default's tiny deployments, switched off as paper.yaml does (Snakemake merges a
+            # --configfile into config/config.yaml, so every default deployment must be named)
+            **{name: spec for name, spec in paper["deployments"].items() if name.startswith("tiny")},
             "qwen3-8b_dflash": real,
             "qwen3-8b_dflash2": paper["deployments"]["qwen3-8b_dflash2"],
         },
