@@ -289,12 +289,12 @@ def kernel_agent(wildcards):
 
 
 def run_inputs(wildcards):
-    """Inputs of one engine cell: prompts, the deployment, the per-GPU kernel outputs, and for
-    specpilot its engine config."""
+    """Inputs of one engine cell: prompts, the deployment, the per-GPU kernel outputs, and when
+    specpilot runs its engine config (the rounds')."""
     inputs = {"prompts": prompts_path(wildcards.deployment, wildcards.benchmark),
               "build": build_marker(wildcards), "kernels_manifest": kernels_manifest(wildcards),
               "kernel_agent": kernel_agent(wildcards)}
-    if wildcards.engine == "specpilot":
+    if "specpilot" in RUN_ENGINES:
         inputs["engine_config"] = engine_config_path(wildcards.gpu, wildcards.deployment)
     return inputs
 
@@ -322,8 +322,8 @@ def weight_format_opt(wildcards):
 
 
 def engine_config_opt(wildcards, input):
-    """The specpilot cell's engine config (the last round's); ar and stock run without one."""
-    return f"--engine-config {input.engine_config}" if wildcards.engine == "specpilot" else ""
+    """specpilot's engine config (the last round's; the engine CLI applies it to specpilot only)."""
+    return f"--engine-config {input.engine_config}" if "specpilot" in RUN_ENGINES else ""
 
 
 def forcing_references(wildcards):

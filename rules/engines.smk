@@ -22,18 +22,18 @@ rule ceilings:
         " --threads {threads} --out {output} > {log} 2>&1"
 
 
-# One cell: one engine over one benchmark's prompts at one concurrency on one device, with the
+# One cell: every engine (ar, stock, specpilot) over one benchmark's prompts at one concurrency
+# on one device, timed interleaved in one job (concurrency 1: request by request, each engine in
+# turn; batched: pass by pass), so drift of a shared machine hits all engines alike; with the
 # kernels the per-GPU manifest and the kernel sub-agent chose (recorded in engine_config.kernels;
-# on CPU they record that none apply). ar ignores --drafter.
+# on CPU they record that none apply). The engine config (the rounds') applies to specpilot only.
 rule run_engine:
     input:
         unpack(run_inputs),
     output:
-        "results/{gpu}/{deployment}/{benchmark}/{engine}-c{concurrency}.jsonl",
+        **{e: f"results/{{gpu}}/{{deployment}}/{{benchmark}}/{e}-c{{concurrency}}.jsonl" for e in RUN_ENGINES},
     log:
-        "logs/{gpu}/{deployment}/{benchmark}/{engine}-c{concurrency}.log",
-    wildcard_constraints:
-        engine=names_regex(RUN_ENGINES),
+        "logs/{gpu}/{deployment}/{benchmark}/cell-c{concurrency}.log",
     params:
         target=target_dir,
         target_name=target_name,
@@ -41,6 +41,8 @@ rule run_engine:
         drafter_name=drafter_name,
         block_size=block_size,
         max_new_tokens=config["max_new_tokens"],
+        engines=",".join(RUN_ENGINES),
+        outs=lambda wildcards, output: ",".join(output[e] for e in RUN_ENGINES),
         engine_config=engine_config_opt,
         device=torch_device,
         dtype=compute_dtype,
@@ -57,9 +59,9 @@ rule run_engine:
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot run --engine {wildcards.engine} --target {params.target}"
+        "python -m specpilot run --engine {params.engines} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
-        " --prompts {input.prompts} --out {output} --deployment {wildcards.deployment}"
+        " --prompts {input.prompts} --out {params.outs} --deployment {wildcards.deployment}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
         " {params.engine_config} --device {params.device} --dtype {params.dtype} {params.weight_format}"

@@ -18,20 +18,22 @@ rule calibration_prompts:
     input:
         build=build_marker,
     output:
-        "results/prompts/{deployment}/calibration/{benchmark}.jsonl",
+        **{b: f"results/prompts/{{deployment}}/calibration/{b}.jsonl" for b in config["benchmarks"]},
     log:
-        "logs/prompts/{deployment}/calibration/{benchmark}.log",
+        "logs/prompts/{deployment}/calibration/prompts.log",
     params:
         tokenizer=target_dir,
         n_prompts=ROUNDS["calibration_prompts"],
         seed=config.get("seed", 0),
         data=data_dir_opt(),
+        benchmarks=",".join(config["benchmarks"]),
+        outs=lambda wildcards, output: ",".join(output[b] for b in config["benchmarks"]),
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {wildcards.benchmark}"
+        "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {params.benchmarks}"
         " --role calibration --n-prompts {params.n_prompts} --seed {params.seed}"
-        " {params.data} --out {output} > {log} 2>&1"
+        " {params.data} --out {params.outs} > {log} 2>&1"
 
 
 rule calibration_gather:

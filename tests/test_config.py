@@ -102,7 +102,7 @@ def test_dry_run_default(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = job_counts(r.stdout + r.stderr)
     n_cells = len(DEFAULT["deployments"]) * len(DEFAULT["benchmarks"]) * len(DEFAULT["concurrency"])
-    assert jobs["run_engine"] == n_cells * len(DEFAULT["engines"])
+    assert jobs["run_engine"] == n_cells  # one job per cell times its engines interleaved
     assert jobs["force"] == n_cells * (len(DEFAULT["engines"]) - 1)
     assert jobs["table"] == 1 and jobs["figures"] == 1 and jobs["memory"] == 1
     # rounds, per deployment: references once, round 0's memory, plan and integrate per round
@@ -112,7 +112,8 @@ def test_dry_run_default(tmp_path):
     assert jobs["round_references"] == jobs["round_memory_start"] == n_dep
     assert jobs["round_plan"] == jobs["round_integrate"] == DEFAULT["rounds"]["count"] * n_dep
     assert jobs["build_tiny"] == 1  # the three drafters share one tiny build
-    assert jobs["calibration_prompts"] == len(DEFAULT["benchmarks"]) * n_dep and jobs["calibration_gather"] == n_dep
+    # prompt files: one job per deployment writes every benchmark's (the tokenizer loaded once)
+    assert jobs["prompts"] == jobs["calibration_prompts"] == jobs["calibration_gather"] == n_dep
 
 
 @pytest.mark.parametrize("cfg", TEST_CONFIGS, ids=lambda p: p.stem)
@@ -126,7 +127,7 @@ def test_test_configs_lint_and_dry_run(tmp_path, cfg):
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = job_counts(r.stdout + r.stderr)
     n_cells = len(full["deployments"]) * len(full["benchmarks"]) * len(full["concurrency"])
-    assert jobs["run_engine"] == n_cells * len(full["engines"])
+    assert jobs["run_engine"] == n_cells
     # one tiny build per tiny target family, shared by the drafters paired with it
     assert jobs["build_tiny"] == len({d.get("tiny_kind", "dense") for d in full["deployments"].values()
                                       if d["target"] == "tiny"})
@@ -156,9 +157,9 @@ def test_dry_run_paper_h100():
     assert len(available) == 8
     n_engines = 3
     jobs = job_counts(out)
-    assert jobs["run_engine"] == len(available) * 5 * 4 * n_engines
+    assert jobs["run_engine"] == len(available) * 5 * 4
     assert jobs["force"] == len(available) * 5 * 4 * (n_engines - 1)
-    assert jobs["link_deployment"] == 8 and jobs["prompts"] == 8 * 5
+    assert jobs["link_deployment"] == 8 and jobs["prompts"] == 8
     assert "build_tiny" not in jobs
     for d, v in cfg["deployments"].items():
         if not v.get("available", True):
@@ -170,10 +171,13 @@ def test_dry_run_paper_shell_commands():
                   "--configfile", "config/paper.yaml")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert ("python -m specpilot run --engine stock --target resources/deployments/qwen3-8b_dspark/target"
+    assert ("python -m specpilot run --engine ar,stock,specpilot --target resources/deployments/qwen3-8b_dspark/target"
             " --target-name Qwen/Qwen3-8B --drafter resources/deployments/qwen3-8b_dspark/drafter-dspark") in out
+    cell = "results/h100/qwen3-8b_dspark/gsm8k/"
+    assert f"--out {cell}ar-c16.jsonl,{cell}stock-c16.jsonl,{cell}specpilot-c16.jsonl" in out
     assert "--gpu h100 --max-new-tokens 2048 --concurrency 16 --block-size 7" in out
-    assert "--device cuda --dtype bf16  --kernels-manifest results/h100/kernels/manifest.json" in out
+    assert "--engine-config results/h100/qwen3-8b_dspark/specpilot.json --device cuda --dtype bf16" in out
+    assert "--dtype bf16  --kernels-manifest results/h100/kernels/manifest.json" in out
     assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/kernel-agent.json --threads" in out
     assert "gpu=1, gpu_model=h100" in out
     assert ("--reference results/h100/qwen3-8b_dspark/gsm8k/ar-c16.jsonl --target "

@@ -196,6 +196,41 @@ def test_cli_run_and_force_roundtrip(quick_deployment, quick_prompts, tmp_path):
     assert verdict["passed"] and verdict["tokens_checked"] == 3 * 16
 
 
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_cli_run_interleaved_cell_equals_separate_runs(quick_deployment, quick_prompts, tmp_path, concurrency):
+    """One job times ar, stock and specpilot interleaved (request by request at c1, pass by pass
+    batched): each engine's tokens equal its own separate run, the engine config reaches
+    specpilot only, and each engine's timestamps read as its own closed loop."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in quick_prompts[:3]))
+    cfg = tmp_path / "specpilot.json"
+    cfg.write_text(json.dumps({"block_size": 5, "tree_branch": 2, "tree_depth": 2}))
+    t, d = str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash")
+    common = ["--target", t, "--drafter", d, "--prompts", str(prompts), "--max-new-tokens", "12",
+              "--block-size", "4", "--concurrency", str(concurrency)]
+    engines = ("ar", "stock", "specpilot")
+    outs = [str(tmp_path / f"cell-{e}.jsonl") for e in engines]
+    repeats = 1 if concurrency == 1 else 2  # one run: its timestamps are not mixed by merge_repeats
+    res = _cli("run", "--engine", ",".join(engines), "--out", ",".join(outs), "--engine-config", str(cfg),
+               "--timing-repeats", str(repeats), *common)
+    assert res.returncode == 0, res.stderr
+    for e, out in zip(engines, outs):
+        alone = tmp_path / f"alone-{e}.jsonl"
+        extra = ["--engine-config", str(cfg)] if e == "specpilot" else []
+        assert _cli("run", "--engine", e, "--out", str(alone), *extra, *common).returncode == 0
+        cell = [json.loads(x) for x in Path(out).read_text().splitlines()]
+        ref = [json.loads(x) for x in alone.read_text().splitlines()]
+        assert [r["output_ids"] for r in cell] == [r["output_ids"] for r in ref], e
+        assert [r["engine_config"] for r in cell] == [r["engine_config"] for r in ref], e
+        assert all(len(r["decode_s_repeats"] or [0]) == repeats for r in cell)
+        if concurrency == 1:  # requests one after another on the engine's own clock
+            assert all(a["finish_s"] <= b["arrival_s"] + 1e-9 for a, b in zip(cell, cell[1:])), e
+    assert json.loads(Path(outs[2]).read_text().splitlines()[0])["engine_config"]["tree_branch"] == 2
+    assert "tree_branch" not in json.loads(Path(outs[1]).read_text().splitlines()[0])["engine_config"]
+    bad = _cli("run", "--engine", "ar,stock", "--out", outs[0], *common)
+    assert bad.returncode == 2 and "--out names 1 file(s) for 2 engine(s)" in bad.stderr
+
+
 def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")

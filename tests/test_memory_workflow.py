@@ -109,9 +109,9 @@ def test_changed_memory_reruns_only_what_depends_on_it(finished):
 
     jobs = jobs_of(smk(finished, "-n"))
     rules = {r for r, _ in jobs}
-    # the first deployment's own jobs and every ar/stock cell are untouched
+    # the first deployment's own jobs are untouched; tiny-b's cells rerun whole (ar and stock are
+    # timed interleaved with specpilot in one job, so they are re-timed with it)
     assert not [j for j in jobs if "deployment=tiny," in j[1] + "," and "tiny-b" not in j[1]], jobs
-    assert not [j for j in jobs if re.search(r"engine=(ar|stock)\b", j[1])], jobs
     assert not rules & {"kernel_agent", "round_references", "calibration_prompts", "prompts", "ceilings", "kernels"}
     assert {"round_memory_start", "round_plan", "specpilot_config", "run_engine", "table", "memory"} <= rules
     assert all("tiny-b" in w for r, w in jobs if r in ("round_memory_start", "round_plan", "run_engine")), jobs

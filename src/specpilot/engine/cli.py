@@ -1,4 +1,12 @@
-"""``specpilot run``: one engine over a prompt file into a records file (written atomically)."""
+"""``specpilot run``: engines over a prompt file into records files (each written atomically).
+
+One engine, or several timed interleaved in one process (``--engine ar,stock,specpilot --out
+a.jsonl,b.jsonl,c.jsonl``): at concurrency 1 every request is decoded by each engine in turn
+before the next request (the order rotating per request and repeat), at higher concurrency each
+timing pass serves all prompts with each engine in turn (rotating per repeat). Timing drift of a
+shared or throttled machine then hits every engine alike instead of whichever cell ran during
+it; the target (and drafter) are loaded once.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +19,19 @@ import torch
 from ..errors import SpecpilotError
 from ..io import read_json
 from ..records import merge_repeats, write_records
-from .serve import ENGINES, EngineSpec, pick_device, pick_dtype, read_prompts, serve
+from .serve import ENGINES, EngineSpec, default_max_seq, pick_device, pick_dtype, read_prompts, serve, shift_times
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, choices=ENGINES,
+    p.add_argument("--engine", required=True, type=engine_list,
                    help="ar (autoregressive baseline), stock (block drafter, linear verification), lookup "
-                        "(prompt lookup), specpilot (stock + the mechanisms in --engine-config)")
+                        "(prompt lookup), specpilot (stock + the mechanisms in --engine-config); several "
+                        "comma-separated (ar,stock,specpilot) are timed interleaved, one --out each")
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--drafter", help="drafter checkpoint directory (stock, specpilot)")
     p.add_argument("--prompts", required=True, help="prompt file from 'specpilot prompts'")
-    p.add_argument("--out", required=True, help="records file to write (JSON lines)")
+    p.add_argument("--out", required=True, type=lambda v: v.split(","),
+                   help="records file to write (JSON lines); comma-separated, one per --engine")
     p.add_argument("--deployment", default="custom", help="deployment name recorded with each request")
     p.add_argument("--target-name", help="target name for the records (default: --target)")
     p.add_argument("--drafter-name", default="dflash", help="drafter name recorded with each request (default dflash)")
@@ -36,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continuous batching (default) or the earlier static batches of c in lock step")
     p.add_argument("--prefill-chunk", type=int, help="continuous batching: prefill prompts in chunks of this many "
                    "tokens (fewer KV-cache slots per row; default whole prompts)")
-    p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round)")
+    p.add_argument("--engine-config", help="JSON file with the engine config (specpilot: from the last round); "
+                   "with several engines it applies to specpilot only")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16")
     p.add_argument("--weight-format", default=None, help="bf16 or w12 (overrides the engine config)")
@@ -71,6 +82,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: run AR first)")
 
 
+def engine_list(value: str) -> list[str]:
+    """``--engine`` value -> engine names (comma-separated, each one of ENGINES, no repeats)."""
+    names = [v.strip() for v in value.split(",")]
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown engine {bad[0]!r}; choose from {', '.join(ENGINES)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"engine listed twice in {value!r}")
+    return names
+
+
+def _block(block, drafter: str | None) -> int:
+    if str(block) == "auto":
+        from ..models.config import read_config
+        from ..models.loading import drafter_config
+
+        if not drafter:
+            raise SpecpilotError("--block-size auto needs --drafter (its config.json holds the block size)")
+        block = drafter_config(read_config(drafter), f"{drafter}/config.json").block_size
+    try:
+        return int(block)
+    except ValueError:
+        raise SpecpilotError(f"--block-size must be an integer or 'auto', got {block!r}") from None
+
+
+def interleaved_order(engines: list[str], k: int) -> list[str]:
+    """The engines rotated by ``k`` (request or repeat index): each engine leads in turn."""
+    k %= len(engines)
+    return engines[k:] + engines[:k]
+
+
 def run(args) -> int:
     from ..deployment import load_deployment
     from ..kernels_build import use_kernel_outputs
@@ -82,84 +124,117 @@ def run(args) -> int:
         raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.timing_repeats < 1:
         raise SpecpilotError(f"--timing-repeats must be >= 1, got {args.timing_repeats}")
+    engines, outs = args.engine, args.out
+    if len(outs) != len(engines):
+        raise SpecpilotError(f"--out names {len(outs)} file(s) for {len(engines)} engine(s) ({','.join(engines)})")
     config = dict(read_json(args.engine_config)) if args.engine_config else {}
     if not isinstance(config, dict):
         raise SpecpilotError(f"{args.engine_config} must hold a JSON object")
     config = config.get("engine_config", config)
-    if args.weight_format:
-        config["weight_format"] = args.weight_format
-    block = config.pop("block_size", args.block_size)
-    if str(block) == "auto":
-        from ..models.config import read_config
-        from ..models.loading import drafter_config
-
-        if not args.drafter:
-            raise SpecpilotError("--block-size auto needs --drafter (its config.json holds the block size)")
-        block = drafter_config(read_config(args.drafter), f"{args.drafter}/config.json").block_size
-    try:
-        block = int(block)
-    except ValueError:
-        raise SpecpilotError(f"--block-size must be an integer or 'auto', got {block!r}") from None
-    spec = EngineSpec(engine=args.engine, block_size=block, config=config)
+    if args.replay_profile and engines != ["stock"]:
+        raise SpecpilotError("--replay-profile goes with --engine stock")
+    specs = []
+    for e in engines:
+        cfg = dict(config) if len(engines) == 1 or e == "specpilot" else {}
+        if args.weight_format:
+            cfg["weight_format"] = args.weight_format
+        block = _block(cfg.pop("block_size", args.block_size), args.drafter)
+        specs.append(EngineSpec(engine=e, block_size=block, config=cfg))
     prompts = read_prompts(args.prompts, args.limit)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     replay = references = None
-    drafter_name = args.drafter_name if args.engine != "lookup" else "lookup"
     if args.replay_profile:
         from ..records import read_records
         from .replay import load_profile
 
-        if args.engine != "stock":
-            raise SpecpilotError("--replay-profile goes with --engine stock")
         replay = load_profile(args.replay_profile)
-        spec.config["replay_profile"] = replay.name
-        drafter_name = f"replay:{drafter_name}"
+        specs[0].config["replay_profile"] = replay.name
         if args.replay_reference:
             references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
-    dep = load_deployment(args.target, args.drafter if args.engine in ("stock", "specpilot") else None,
-                          device=device, dtype=dtype, config=config)
+    deps = {}  # weight format -> the deployment loaded in it (one load per format, drafter when needed)
+    needs_drafter = any(sp.engine in ("stock", "specpilot") for sp in specs)
+    for sp in specs:
+        fmt = sp.config.get("weight_format", "native")
+        if fmt not in deps:
+            deps[fmt] = load_deployment(args.target, args.drafter if needs_drafter else None,
+                                        device=device, dtype=dtype, config=sp.config)
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
     if args.kernel_configs:
         from .graphs import step_graphs
 
-        step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
-    warm = {"up": True}
-
-    def serve_turn(rows):
-        return serve(spec, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
-                     meta={"deployment": args.deployment, "target": args.target_name or args.target,
-                           "drafter": drafter_name, "gpu": args.gpu},
-                     eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=args.max_seq,
-                     graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile, warmup=warm["up"], regime=args.regime,
-                     prefill_chunk=args.prefill_chunk)
-
+        for dep in deps.values():
+            step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
     tokenizer = None
     if args.multi_turn:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-    runs = []
-    for rep in range(args.timing_repeats):
-        print(f"{args.engine} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-              f"run {rep + 1}/{args.timing_repeats}", file=sys.stderr, flush=True)
+    warm = {sp.engine: True for sp in specs}
+    clocks = {sp.engine: 0.0 for sp in specs}  # per engine: seconds served so far in this repeat
+
+    def serve_rows(sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
+        dep = deps[sp.config.get("weight_format", "native")]
+        name = args.drafter_name if sp.engine != "lookup" else "lookup"
+        recs = serve(sp, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
+                     meta={"deployment": args.deployment, "target": args.target_name or args.target,
+                           "drafter": f"replay:{name}" if replay is not None else name, "gpu": args.gpu},
+                     eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=max_seq,
+                     graphs=graphs, kernels=args.kernels, replay=replay, references=references,
+                     profile=not args.no_profile, warmup=warm[sp.engine], regime=args.regime,
+                     prefill_chunk=args.prefill_chunk, progress=len(rows) > 1)
+        warm[sp.engine] = False  # warmed once; later runs are timed as they come
+        return recs
+
+    def serve_pass(sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
         if tokenizer is not None:
             from .serve import serve_turns
 
-            runs.append(serve_turns(serve_turn, prompts, tokenizer))
-        else:
-            runs.append(serve_turn(prompts))
-        warm["up"] = False  # warmed once; later runs are timed as they come
-    records = merge_repeats(runs)
-    if args.kernels_manifest or args.kernel_agent:
-        for r in records:
-            r.engine_config["kernels"] = kernel_outputs
-    write_records(args.out, records)
-    taus = [t for r in records for t in r.committed_per_step]
-    print(json.dumps({"engine": args.engine, "requests": len(records),
-                      "tau": round(sum(taus) / max(len(taus), 1), 3),
-                      "decode_s": round(sum(r.decode_s for r in records), 3),
-                      "wall_s": round(max((r.finish_s or 0.0) for r in records), 3)}))
+            return serve_turns(lambda r: serve_rows(sp, r, max_seq), rows, tokenizer)
+        return serve_rows(sp, rows, max_seq)
+
+    per_request = len(specs) > 1 and args.concurrency == 1 and tokenizer is None
+    # one KV-cache size for every engine of the cell (the largest one needs), so the target's state
+    # (and any captured CUDA graph) is kept across the engines' turns instead of reallocated
+    max_seq = args.max_seq
+    if len(specs) > 1 and max_seq is None and tokenizer is None:  # later turns' prompts are longer
+        max_seq = max(default_max_seq(sp, deps[sp.config.get("weight_format", "native")].target, prompts,
+                                      args.max_new_tokens, args.concurrency, graphs, args.regime) for sp in specs)
+    runs = {sp.engine: [] for sp in specs}
+    for rep in range(args.timing_repeats):
+        print(f"{','.join(engines)} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+              f"run {rep + 1}/{args.timing_repeats}" + (", interleaved per request" if per_request else ""),
+              file=sys.stderr, flush=True)
+        if not per_request:
+            for sp in [specs[engines.index(e)] for e in interleaved_order(engines, rep)]:
+                runs[sp.engine].append(serve_pass(sp, prompts, max_seq))
+            continue
+        # one request at a time: each engine decodes it in turn, timestamps continued across its
+        # requests (each engine's records read as its own sequential closed loop)
+        done = {sp.engine: [] for sp in specs}
+        clocks = dict.fromkeys(clocks, 0.0)
+        for i, p in enumerate(prompts):
+            for e in interleaved_order(engines, i + rep):
+                sp = specs[engines.index(e)]
+                rec = serve_rows(sp, [p], max_seq)[0]
+                shift_times(rec, clocks[e])
+                clocks[e] = rec.finish_s if rec.finish_s is not None else clocks[e]
+                done[e].append(rec)
+        for e in engines:
+            runs[e].append(done[e])
+    summary = []
+    for sp, out in zip(specs, outs):
+        records = merge_repeats(runs[sp.engine])
+        if args.kernels_manifest or args.kernel_agent:
+            for r in records:
+                r.engine_config["kernels"] = kernel_outputs
+        write_records(out, records)
+        taus = [t for r in records for t in r.committed_per_step]
+        summary.append({"engine": sp.engine, "requests": len(records),
+                        "tau": round(sum(taus) / max(len(taus), 1), 3),
+                        "decode_s": round(sum(r.decode_s for r in records), 3),
+                        "wall_s": round(max((r.finish_s or 0.0) for r in records), 3)})
+    for line in summary:
+        print(json.dumps(line))
     return 0

@@ -137,6 +137,30 @@ def make_engine_proposer(spec: EngineSpec, target: Transformer, drafter, graphs:
     return proposer
 
 
+def default_max_seq(spec: EngineSpec, target: Transformer, prompts: list[dict], max_new_tokens: int,
+                    concurrency: int, graphs: bool | None = None, regime: str = "continuous") -> int:
+    """KV-cache slots per row that :func:`serve` allocates for ``prompts`` by default: what the
+    longest request needs (:func:`kv_slots_needed`), + 64 under CUDA graphs in the continuous
+    regime (a 64-token prefill chunk beyond a running row keeps the prefill widths on the
+    scheduler's bucket: fewer captured shapes), capped at the target's max_position_embeddings."""
+    batched = concurrency > 1 and len(prompts) > 1
+    need = max(kv_slots_needed(len(p["prompt_ids"]), max_new_tokens, spec.verify_width, batched) for p in prompts)
+    extra = 0
+    if regime == "continuous":
+        from .runner import use_graphs
+
+        extra = 64 if use_graphs(graphs, target.lm_head.weight.device) else 0
+    return min(need + extra, int(target.config.max_position_embeddings))
+
+
+def shift_times(record: Record, offset: float) -> None:
+    """Move a record's ``arrival_s``, ``first_token_s`` and ``finish_s`` by ``offset`` seconds
+    (requests served one call at a time then read as one sequential closed loop)."""
+    for key in ("arrival_s", "first_token_s", "finish_s"):
+        if getattr(record, key, None) is not None:
+            setattr(record, key, getattr(record, key) + offset)
+
+
 def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, prompts: list[dict],
           max_new_tokens: int, concurrency: int, meta: dict, eos_id: int | None = None,
           max_seq: int | None = None, warmup: bool = True, progress: bool = True,
@@ -189,14 +213,7 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
     batched = concurrency > 1 and len(prompts) > 1
     needs = {p["request_id"]: kv_slots_needed(len(p["prompt_ids"]), max_new_tokens, spec.verify_width, batched)
              for p in prompts}
-    extra = 0
-    if regime == "continuous":
-        from .runner import use_graphs
-
-        # under CUDA graphs, room for a 64-token prefill chunk beyond a running row keeps the
-        # prefill widths on the scheduler's bucket (fewer captured shapes)
-        extra = 64 if use_graphs(graphs, target.lm_head.weight.device) else 0
-    max_seq = max_seq or min(max(needs.values()) + extra, limit)
+    max_seq = max_seq or default_max_seq(spec, target, prompts, max_new_tokens, concurrency, graphs, regime)
     for p in prompts:
         if needs[p["request_id"]] > max_seq:
             what = (f"the target's max_position_embeddings {limit}" if max_seq == limit

