@@ -65,6 +65,7 @@ elif ROUNDS["count"] == 0:
 else:
     SPECPILOT_NOTE = "specpilot not run"
 RUN_ROUNDS = "specpilot" in RUN_ENGINES
+FORCED_ENGINES = [e for e in RUN_ENGINES if e != "ar"]  # checked by token forcing against ar (in this order)
 
 # Timing jobs (engine runs, ceilings) take every core the run was given, so nothing else runs
 # beside them on this machine; resources: timing_slots=1 (a global limit set in the profile)
@@ -324,21 +325,6 @@ def weight_format_opt(wildcards):
 def engine_config_opt(wildcards, input):
     """specpilot's engine config (the last round's; the engine CLI applies it to specpilot only)."""
     return f"--engine-config {input.engine_config}" if "specpilot" in RUN_ENGINES else ""
-
-
-def forcing_references(wildcards):
-    """Reference records of a candidate cell: AR always, and stock too for specpilot."""
-    refs = [records_path(wildcards.gpu, wildcards.deployment, wildcards.benchmark, "ar",
-                         wildcards.concurrency)]
-    if wildcards.engine == "specpilot" and "stock" in config["engines"]:
-        refs.append(records_path(wildcards.gpu, wildcards.deployment, wildcards.benchmark, "stock",
-                                 wildcards.concurrency))
-    return refs
-
-
-def reference_opts(wildcards, input):
-    """One ``--reference`` per reference records file (the option repeats)."""
-    return " ".join(f"--reference {shlex.quote(r)}" for r in input.references)
 
 
 def cells():

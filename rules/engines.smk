@@ -23,8 +23,8 @@ rule ceilings:
 
 
 # One cell: every engine (ar, stock, specpilot) over one benchmark's prompts at one concurrency
-# on one device, timed interleaved in one job (concurrency 1: request by request, each engine in
-# turn; batched: pass by pass), so drift of a shared machine hits all engines alike; with the
+# on one device, timed interleaved in one job (concurrency 1 on the CPU: request by request, each engine
+# in turn; batched or under CUDA graphs: pass by pass), so drift of a shared machine hits all engines alike; with the
 # kernels the per-GPU manifest and the kernel sub-agent chose (recorded in engine_config.kernels;
 # on CPU they record that none apply). The engine config (the rounds') applies to specpilot only.
 rule run_engine:

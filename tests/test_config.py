@@ -103,7 +103,7 @@ def test_dry_run_default(tmp_path):
     jobs = job_counts(r.stdout + r.stderr)
     n_cells = len(DEFAULT["deployments"]) * len(DEFAULT["benchmarks"]) * len(DEFAULT["concurrency"])
     assert jobs["run_engine"] == n_cells  # one job per cell times its engines interleaved
-    assert jobs["force"] == n_cells * (len(DEFAULT["engines"]) - 1)
+    assert jobs["force"] == n_cells  # one forcing job per cell checks stock and specpilot
     assert jobs["table"] == 1 and jobs["figures"] == 1 and jobs["memory"] == 1
     # rounds, per deployment: references once, round 0's memory, plan and integrate per round
     # (agents follow the plan)
@@ -158,7 +158,7 @@ def test_dry_run_paper_h100():
     n_engines = 3
     jobs = job_counts(out)
     assert jobs["run_engine"] == len(available) * 5 * 4
-    assert jobs["force"] == len(available) * 5 * 4 * (n_engines - 1)
+    assert jobs["force"] == len(available) * 5 * 4
     assert jobs["link_deployment"] == 8 and jobs["prompts"] == 8
     assert "build_tiny" not in jobs
     for d, v in cfg["deployments"].items():
@@ -180,9 +180,10 @@ def test_dry_run_paper_shell_commands():
     assert "--dtype bf16  --kernels-manifest results/h100/kernels/manifest.json" in out
     assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/kernel-agent.json --threads" in out
     assert "gpu=1, gpu_model=h100" in out
-    assert ("--reference results/h100/qwen3-8b_dspark/gsm8k/ar-c16.jsonl --target "
-            "resources/deployments/qwen3-8b_dspark/target --prompts results/prompts/qwen3-8b_dspark/gsm8k.jsonl"
+    assert (f"force --candidate {cell}stock-c16.jsonl,{cell}specpilot-c16.jsonl --reference {cell}ar-c16.jsonl"
+            " --target resources/deployments/qwen3-8b_dspark/target --prompts results/prompts/qwen3-8b_dspark/gsm8k.jsonl"
             " --tolerance 0.1 --device cuda --dtype bf16") in out
+    assert f"--out {cell}stock-c16.forcing.json,{cell}specpilot-c16.forcing.json --report-only" in out
     assert "--target Qwen/Qwen3-8B --drafter deepseek-ai/dspark_qwen3_8b_block7" in out
 
 

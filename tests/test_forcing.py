@@ -118,6 +118,40 @@ def test_honest_cell_passes_with_full_coverage(cell):
     assert verdict["replay"]["skipped"] == ["not run"]
 
 
+def test_one_job_forces_stock_then_specpilot_against_ar_and_stock(cell):
+    """The workflow's forcing job: ``--candidate stock,specpilot`` checks each candidate as its own
+    run would, specpilot against ar and against stock (the candidate before it), and writes one
+    verdict per candidate; a specpilot that dropped a request fails there, stock still passes."""
+    from specpilot.cli import main
+
+    spec = serve(EngineSpec("specpilot", BLOCK, {"tree_branch": 2, "tree_depth": 2}), cell.target, cell.drafter,
+                 cell.rows, N, 1, META, progress=False, warmup=False)
+    d = cell.dir
+    write_records(d / "stock-c1.jsonl", cell.stock)
+    base = ["--reference", str(d / "ar-c1.jsonl"), "--target", str(cell.deployment / "target"),
+            "--prompts", str(cell.prompt_file), "--tolerance", "0.001", "--drafter", str(cell.deployment / "drafter-dflash"),
+            "--max-new-tokens", str(N), "--report-only"]
+    outs = [d / "stock-c1.forcing.json", d / "specpilot-c1.forcing.json"]
+
+    def run(specpilot_records):
+        write_records(d / "specpilot-c1.jsonl", specpilot_records)
+        assert main(["force", "--candidate", f"{d / 'stock-c1.jsonl'},{d / 'specpilot-c1.jsonl'}",
+                     "--out", ",".join(map(str, outs)), *base]) == 0
+        return [json.loads(o.read_text()) for o in outs]
+
+    stock_v, spec_v = run(spec)
+    assert stock_v["passed"] and spec_v["passed"], (stock_v["violation_list"], spec_v["violation_list"])
+    assert set(stock_v["references"]) == {str(d / "ar-c1.jsonl")}
+    assert set(spec_v["references"]) == {str(d / "ar-c1.jsonl"), str(d / "stock-c1.jsonl")}
+    assert spec_v["tokens_checked"] == stock_v["tokens_checked"] == 2 * N
+    assert spec_v["replay"]["reproduced"] == 2
+    stock_v, spec_v = run(spec[:1])
+    assert stock_v["passed"] and not spec_v["passed"]
+    assert {v["check"] for v in spec_v["violation_list"]} == {"missing_request"}
+    assert len(by_check(spec_v, "missing_request")) == 2  # against ar and against stock
+    assert main(["force", "--candidate", str(d / "stock-c1.jsonl"), "--out", ",".join(map(str, outs)), *base]) == 2
+
+
 def test_chunked_teacher_forcing_equals_one_forward(cell):
     from specpilot.forcing import teacher_forced
 

@@ -331,8 +331,13 @@ def test_distillation_prompts_cover_every_kind_and_never_an_eval_or_calibration_
     texts = [t for _, t in got]
     assert not held & set(texts)
     assert len(set(texts)) == len(texts)
-    stub = next(t for k, t in got if k == "code_completion")
-    assert stub.startswith(bm.HUMANEVAL_PREFIX + "def ") and '"""' in stub and stub.endswith(bm.HUMANEVAL_SUFFIX)
+    stubs = [t for k, t in got if k == "code_completion"]
+    assert all(t.startswith(bm.HUMANEVAL_PREFIX) and '"""' in t and t.endswith(bm.HUMANEVAL_SUFFIX) for t in stubs)
+    # a DISTILL_LONG share carries solved MBPP functions before the stub (HumanEval-length prompts)
+    long_code = [t for t in stubs if t.count("\ndef ") + t.startswith(bm.HUMANEVAL_PREFIX + "def ") >= 3]
+    assert 0.3 < len(long_code) / len(stubs) < 0.7 and max(map(len, long_code)) > 3 * max(map(len, set(stubs) - set(long_code)))
+    chats = [t for k, t in got if k == "chat"]
+    assert 0.3 < sum("\n\n" in t for t in chats) / len(chats) < 0.7
     assert all(t.endswith(bm.BOXED_SUFFIX) for k, t in got if k in ("word_maths", "competition_maths"))
     assert bm.distillation_prompts(400, random.Random(0), DATA) == got  # deterministic for a seed
     assert bm.distillation_prompts(400, random.Random(1), DATA) != got

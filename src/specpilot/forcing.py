@@ -810,14 +810,18 @@ def _check_engine_config(verdict: dict, candidate: list[Record], path: str) -> N
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--candidate", required=True, help="records file of the engine under test")
+    p.add_argument("--candidate", required=True, type=lambda v: v.split(","),
+                   help="records file of the engine under test; several comma-separated (one --out each) are "
+                        "checked in one job, each against the --reference files and the candidates before it "
+                        "(stock,specpilot: stock against ar, specpilot against ar and stock)")
     p.add_argument("--reference", action="append", default=[],
                    help="reference records (repeatable): request ids and token counts must match")
     p.add_argument("--target", required=True, help="target checkpoint dir: checks every token")
     p.add_argument("--prompts", required=True, help="the cell's prompt file")
     p.add_argument("--drafter", help="drafter checkpoint dir (to re-execute a drafter engine's first steps)")
     p.add_argument("--engine-config", help="JSON file of the engine config the cell was run with (specpilot: "
-                   "results/{gpu}/{deployment}/specpilot.json): every record's engine_config must hold it")
+                   "results/{gpu}/{deployment}/specpilot.json): every record's engine_config must hold it; with "
+                   "several candidates it applies to the specpilot one")
     p.add_argument("--max-new-tokens", type=int,
                    help="the cell's token budget (default: the largest new_tokens of the references)")
     p.add_argument("--replay-tokens", type=int, default=REPLAY_TOKENS,
@@ -832,7 +836,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(an engine run with --graphs off or --kernels torch needs eager: its records do not say so)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key}: the matmul configs the engine ran with "
                    "('specpilot run --kernel-configs'), for the Triton teacher-forced pass")
-    p.add_argument("--out", required=True, help="verdict JSON to write")
+    p.add_argument("--out", required=True, type=lambda v: v.split(","),
+                   help="verdict JSON to write; comma-separated, one per --candidate")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
@@ -849,36 +854,20 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.chunk < 1:
         raise SpecpilotError(f"--chunk must be >= 1, got {args.chunk}")
-    candidate = read_records(args.candidate)
+    if len(args.out) != len(args.candidate):
+        raise SpecpilotError(f"--out names {len(args.out)} file(s) for {len(args.candidate)} candidate(s)")
+    candidates = [(str(c), read_records(c)) for c in args.candidate]
     references = {str(p): read_records(p) for p in args.reference}
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    target = load_target(args.target, dtype, device)
     prompts = {p["request_id"]: p["prompt_ids"] for p in read_prompts(args.prompts)}
-    replay = None
+    drafter = None
     if args.replay_tokens > 0:
-        needs_drafter = any(r.engine in ("stock", "specpilot") for r in candidate)
+        needs_drafter = any(r.engine in ("stock", "specpilot") for _, recs in candidates for r in recs)
         if needs_drafter and not args.drafter:
             raise SpecpilotError("re-executing a drafter engine's first steps needs --drafter "
                                  "(or --replay-tokens 0 to skip the spot re-execution)")
         drafter = load_drafter(args.drafter, dtype=dtype, device=device) if args.drafter else None
-        converted = {}
-
-        def target_for(config: dict):
-            if config.get("weight_format") != "w12":
-                return target
-            if not converted:  # after the teacher-forced pass, which uses the reference weights
-                from .w12 import apply_w12
-
-                if dtype != torch.bfloat16:
-                    raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
-                apply_w12(target)
-                converted["w12"] = True
-            return target
-
-        r0 = candidate[0] if candidate else None
-        meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
-        replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
     tol = args.tolerance if args.tolerance is not None else \
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
     kernel_configs = None
@@ -886,24 +875,56 @@ def run(args) -> int:
         from .io import read_json
 
         kernel_configs = dict(read_json(args.kernel_configs))
-        if device.type == "cuda":  # as 'specpilot run' installs them (the spot re-execution runs them too)
-            from .engine.graphs import step_graphs
+    loaded: dict = {}
 
-            step_graphs(target, "triton", kernel_configs)
-    verdict = force(candidate, references, prompts, target, tol, replay, args.chunk,
-                    candidate_name=str(args.candidate), teacher_forced_path=args.teacher_forced_path,
-                    kernel_configs=kernel_configs)
-    if args.engine_config:
-        _check_engine_config(verdict, candidate, args.engine_config)
-    write_json(args.out, verdict)
-    mx = verdict["max_near_tie_margin"]
-    print(f"token forcing {Path(args.candidate).name}: {'pass' if verdict['passed'] else 'FAIL'} "
-          f"({verdict['tokens_checked']}/{verdict['tokens_generated']} tokens checked, "
-          f"{verdict['violations']} violations {verdict['violations_by_check'] or ''}, "
-          f"{verdict['near_ties']} near-ties (largest margin {mx if mx is not None else '-'}, "
-          f"tolerance {verdict['tolerance']:g}), replay {verdict['replay']['reproduced']}/"
-          f"{verdict['replay']['requests']} reproduced; teacher-forced path {verdict['teacher_forced_path']}; "
-          f"{verdict['seconds']['teacher_forced']:.2f} s + {verdict['seconds']['replay']:.2f} s)")
-    for v in verdict["violation_list"][:5]:
-        print(f"  {v['check']} {v['request_id']}: {v.get('detail', '')}")
-    return 0 if verdict["passed"] or args.report_only else 1
+    def reference_target():
+        """The target in its stored weights; reloaded after a w12 re-execution converted it."""
+        if loaded.get("w12") or "target" not in loaded:
+            loaded["target"], loaded["w12"] = load_target(args.target, dtype, device), False
+            if kernel_configs is not None and device.type == "cuda":  # as 'specpilot run' installs them
+                from .engine.graphs import step_graphs
+
+                step_graphs(loaded["target"], "triton", kernel_configs)
+        return loaded["target"]
+
+    failed = False
+    for (name, candidate), out in zip(candidates, args.out):
+        target = reference_target()
+        replay = None
+        if args.replay_tokens > 0:
+            def target_for(config: dict):
+                if config.get("weight_format") != "w12":
+                    return loaded["target"]
+                if not loaded["w12"]:  # after the teacher-forced pass, which uses the reference weights
+                    from .w12 import apply_w12
+
+                    if dtype != torch.bfloat16:
+                        raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
+                    apply_w12(loaded["target"])
+                    loaded["w12"] = True
+                return loaded["target"]
+
+            r0 = candidate[0] if candidate else None
+            meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
+            replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)
+        verdict = force(candidate, references, prompts, target, tol, replay, args.chunk,
+                        candidate_name=name, teacher_forced_path=args.teacher_forced_path,
+                        kernel_configs=kernel_configs)
+        engine_config = args.engine_config if len(candidates) == 1 or (
+            candidate and candidate[0].engine == "specpilot") else None
+        if engine_config:
+            _check_engine_config(verdict, candidate, engine_config)
+        write_json(out, verdict)
+        mx = verdict["max_near_tie_margin"]
+        print(f"token forcing {Path(name).name}: {'pass' if verdict['passed'] else 'FAIL'} "
+              f"({verdict['tokens_checked']}/{verdict['tokens_generated']} tokens checked, "
+              f"{verdict['violations']} violations {verdict['violations_by_check'] or ''}, "
+              f"{verdict['near_ties']} near-ties (largest margin {mx if mx is not None else '-'}, "
+              f"tolerance {verdict['tolerance']:g}), replay {verdict['replay']['reproduced']}/"
+              f"{verdict['replay']['requests']} reproduced; teacher-forced path {verdict['teacher_forced_path']}; "
+              f"{verdict['seconds']['teacher_forced']:.2f} s + {verdict['seconds']['replay']:.2f} s)")
+        for v in verdict["violation_list"][:5]:
+            print(f"  {v['check']} {v['request_id']}: {v.get('detail', '')}")
+        failed |= not verdict["passed"]
+        references[name] = candidate  # a later candidate is checked against this one too
+    return 0 if not failed or args.report_only else 1

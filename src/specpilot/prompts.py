@@ -537,6 +537,11 @@ def run(args: argparse.Namespace) -> int:
 # kind -> share of the distillation prompts (sums to 1); see :func:`distillation_prompts`
 DISTILL_MIX: dict[str, float] = {"word_maths": 0.3, "code_task": 0.15, "code_completion": 0.2,
                                  "competition_maths": 0.175, "chat": 0.175}
+# share of the code_completion and chat prompts given a long context (2-5 solved MBPP functions
+# before the stub; 4-10 other instructions before the chat request), as HumanEval's and MT-Bench's
+# longer prompts (200-500 tokens of the tiny tokenizer) have: without it the drafters' tau fell to
+# ~1.2-1.5 on every prompt longer than ~190 tokens (README, Measured)
+DISTILL_LONG: float = 0.5
 
 _MATH_TEMPLATES = (
     "What is the value of ${a}^2 - {b}^2$?",
@@ -624,7 +629,8 @@ def distillation_prompts(n: int, rng: random.Random, data_dir: str | os.PathLike
     """``n`` (kind, user text) prompts the tiny drafters are distilled on, covering every
     benchmark's kind of text, none of them an evaluation or calibration prompt.
 
-    Kinds and shares (:data:`DISTILL_MIX`): ``word_maths`` = gsm8k train questions with the
+    Kinds and shares (:data:`DISTILL_MIX`; a :data:`DISTILL_LONG` share of the code_completion
+    and chat prompts has a long context, :func:`_long_context`): ``word_maths`` = gsm8k train questions with the
     gsm8k suffix; ``code_task`` = MBPP non-test task texts; ``code_completion`` = HumanEval-style
     prompts synthesized from MBPP non-test tasks (:func:`_stub`); ``competition_maths`` =
     MATH-style problems from templates with random numbers, with the boxed suffix;
@@ -661,4 +667,27 @@ def distillation_prompts(n: int, rng: random.Random, data_dir: str | os.PathLike
                 if t not in held and t not in texts:
                     texts.append(t)
         out += [(kind, t) for t in texts if t not in held]
+    solutions = [r["code"].replace("\r\n", "\n").replace("\t", "    ").strip()
+                 for r in _load_source("mbpp-all", "mbpp", data_dir)
+                 if r.get("task_id") not in MBPP_TEST_TASK_IDS and r.get("code")]
+    return _long_context(out, rng, solutions)
+
+
+def _long_context(prompts: list[tuple[str, str]], rng: random.Random, solutions: list[str]
+                  ) -> list[tuple[str, str]]:
+    """A :data:`DISTILL_LONG` share of the code_completion and chat prompts with context before
+    them: 2-5 solved MBPP non-test functions inside the code block before the stub (a file with
+    helpers, as many HumanEval prompts are), 4-10 other chat instructions before the request. Context comes only from the distillation pool and MBPP's non-test rows."""
+    chats = [t for k, t in prompts if k == "chat"]
+    out = list(prompts)
+    for i, (kind, text) in enumerate(prompts):
+        if kind not in ("code_completion", "chat") or rng.random() >= DISTILL_LONG:
+            continue
+        n = rng.randint(2, 5) if kind == "code_completion" else rng.randint(4, 10)
+        if kind == "code_completion" and solutions and text.startswith(HUMANEVAL_PREFIX):
+            ctx = "\n\n\n".join(rng.choice(solutions) for _ in range(n))
+            out[i] = (kind, HUMANEVAL_PREFIX + ctx + "\n\n\n" + text[len(HUMANEVAL_PREFIX):])
+        elif kind == "chat" and len(chats) > 1:
+            ctx = [c for c in (rng.choice(chats) for _ in range(n)) if c != text]
+            out[i] = (kind, "\n\n".join(ctx + [text]))
     return out

@@ -1,9 +1,10 @@
 """``specpilot run``: engines over a prompt file into records files (each written atomically).
 
 One engine, or several timed interleaved in one process (``--engine ar,stock,specpilot --out
-a.jsonl,b.jsonl,c.jsonl``): at concurrency 1 every request is decoded by each engine in turn
-before the next request (the order rotating per request and repeat), at higher concurrency each
-timing pass serves all prompts with each engine in turn (rotating per repeat). Timing drift of a
+a.jsonl,b.jsonl,c.jsonl``): at concurrency 1 on an eager device (CPU) every request is decoded by
+each engine in turn before the next request (the order rotating per request and repeat); batched,
+or under CUDA graphs, each timing pass serves all prompts with each engine in turn (rotating per
+repeat). Each engine's KV-cache size is the one its own run would allocate. Timing drift of a
 shared or throttled machine then hits every engine alike instead of whichever cell ran during
 it; the target (and drafter) are loaded once.
 """
@@ -194,13 +195,14 @@ def run(args) -> int:
             return serve_turns(lambda r: serve_rows(sp, r, max_seq), rows, tokenizer)
         return serve_rows(sp, rows, max_seq)
 
-    per_request = len(specs) > 1 and args.concurrency == 1 and tokenizer is None
-    # one KV-cache size for every engine of the cell (the largest one needs), so the target's state
-    # (and any captured CUDA graph) is kept across the engines' turns instead of reallocated
-    max_seq = args.max_seq
-    if len(specs) > 1 and max_seq is None and tokenizer is None:  # later turns' prompts are longer
-        max_seq = max(default_max_seq(sp, deps[sp.config.get("weight_format", "native")].target, prompts,
-                                      args.max_new_tokens, args.concurrency, graphs, args.regime) for sp in specs)
+    # request-by-request interleaving at concurrency 1 on eager devices (the CPU, where drift is
+    # worst); under CUDA graphs an engine switch reallocates the target's state (each engine has
+    # the KV-cache size its own run would have, which token forcing's re-execution reproduces)
+    # and recaptures its graphs, so there the engines alternate pass by pass
+    from .runner import use_graphs
+
+    eager = not use_graphs(graphs, device)
+    per_request = len(specs) > 1 and args.concurrency == 1 and tokenizer is None and eager
     runs = {sp.engine: [] for sp in specs}
     for rep in range(args.timing_repeats):
         print(f"{','.join(engines)} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
@@ -208,16 +210,19 @@ def run(args) -> int:
               file=sys.stderr, flush=True)
         if not per_request:
             for sp in [specs[engines.index(e)] for e in interleaved_order(engines, rep)]:
-                runs[sp.engine].append(serve_pass(sp, prompts, max_seq))
+                runs[sp.engine].append(serve_pass(sp, prompts, args.max_seq))
             continue
         # one request at a time: each engine decodes it in turn, timestamps continued across its
         # requests (each engine's records read as its own sequential closed loop)
+        sizes = {sp.engine: args.max_seq or default_max_seq(sp, deps[sp.config.get("weight_format", "native")].target,
+                                                            prompts, args.max_new_tokens, 1, graphs, args.regime)
+                 for sp in specs}  # what the engine's run over the whole prompt file allocates
         done = {sp.engine: [] for sp in specs}
         clocks = dict.fromkeys(clocks, 0.0)
         for i, p in enumerate(prompts):
             for e in interleaved_order(engines, i + rep):
                 sp = specs[engines.index(e)]
-                rec = serve_rows(sp, [p], max_seq)[0]
+                rec = serve_rows(sp, [p], sizes[e])[0]
                 shift_times(rec, clocks[e])
                 clocks[e] = rec.finish_s if rec.finish_s is not None else clocks[e]
                 done[e].append(rec)

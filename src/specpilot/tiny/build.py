@@ -45,8 +45,8 @@ class TinyRecipe:
     kv_heads: int = 2
     intermediate: int = 576
     target_steps: int = 360
-    batch: int = 16
-    seq_len: int = 256
+    batch: int = 5
+    seq_len: int = 768  # covers the longer HumanEval / MT-Bench prompts + 128 new tokens (as many tokens per step as 16 x 256)
     draft_layers: int = 2
     draft_intermediate: int = 512
     draft_block: int = 12
