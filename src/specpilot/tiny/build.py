@@ -53,6 +53,7 @@ class TinyRecipe:
     distill_prompts: int = 512
     distill_tokens: int = 128
     drafter_steps: int = 360
+    dflash_steps: int = 540  # DFlash learns slowest (one shared block pass, no selector): 360 left it undertrained
     drafter_batch: int = 16
     anchors: int = 12
     selector_rank: int = 32
@@ -63,7 +64,7 @@ class TinyRecipe:
 FULL = TinyRecipe()
 QUICK = TinyRecipe(vocab=512, hidden=64, layers=5, heads=2, kv_heads=1, intermediate=128, target_steps=150,
                    batch=8, seq_len=128, draft_intermediate=128, draft_block=8, distill_prompts=16,
-                   distill_tokens=48, drafter_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
+                   distill_tokens=48, drafter_steps=20, dflash_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
                    selector_top_k=4, markov_rank=8)
 
 
@@ -240,7 +241,8 @@ def build_drafter_stage(kind: str, state: dict, seqs, out: Path, recipe: TinyRec
     target.requires_grad_(False)
     t0 = time.time()
     block = cfg.block_size
-    losses = train_drafter(drafter, target, seqs, recipe.drafter_steps, recipe.drafter_batch, block,
+    steps = recipe.dflash_steps if kind == "dflash" else recipe.drafter_steps
+    losses = train_drafter(drafter, target, seqs, steps, recipe.drafter_batch, block,
                            recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"), teacher=teacher)
     dt = time.time() - t0
     d = out / f"drafter-{kind}"
