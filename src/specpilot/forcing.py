@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import SpecpilotError
-from .io import write_json
+from .io import comma_list, one_out_each, write_json
 from .records import Record, read_records
 
 REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
@@ -810,7 +810,7 @@ def _check_engine_config(verdict: dict, candidate: list[Record], path: str) -> N
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--candidate", required=True, type=lambda v: v.split(","),
+    p.add_argument("--candidate", required=True, type=comma_list,
                    help="records file of the engine under test; several comma-separated (one --out each) are "
                         "checked in one job, each against the --reference files and the candidates before it "
                         "(stock,specpilot: stock against ar, specpilot against ar and stock)")
@@ -836,7 +836,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(an engine run with --graphs off or --kernels torch needs eager: its records do not say so)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key}: the matmul configs the engine ran with "
                    "('specpilot run --kernel-configs'), for the Triton teacher-forced pass")
-    p.add_argument("--out", required=True, type=lambda v: v.split(","),
+    p.add_argument("--out", required=True, type=comma_list,
                    help="verdict JSON to write; comma-separated, one per --candidate")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -854,16 +854,14 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.chunk < 1:
         raise SpecpilotError(f"--chunk must be >= 1, got {args.chunk}")
-    if len(args.out) != len(args.candidate):
-        raise SpecpilotError(f"--out names {len(args.out)} file(s) for {len(args.candidate)} candidate(s)")
-    candidates = [(str(c), read_records(c)) for c in args.candidate]
+    candidates = [(str(c), read_records(c), out) for c, out in one_out_each(args.out, args.candidate, "candidate(s)")]
     references = {str(p): read_records(p) for p in args.reference}
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     prompts = {p["request_id"]: p["prompt_ids"] for p in read_prompts(args.prompts)}
     drafter = None
     if args.replay_tokens > 0:
-        needs_drafter = any(r.engine in ("stock", "specpilot") for _, recs in candidates for r in recs)
+        needs_drafter = any(r.engine in ("stock", "specpilot") for _, recs, _ in candidates for r in recs)
         if needs_drafter and not args.drafter:
             raise SpecpilotError("re-executing a drafter engine's first steps needs --drafter "
                                  "(or --replay-tokens 0 to skip the spot re-execution)")
@@ -887,23 +885,24 @@ def run(args) -> int:
                 step_graphs(loaded["target"], "triton", kernel_configs)
         return loaded["target"]
 
+    def target_for(config: dict):
+        """The target for the spot re-execution in ``config``'s weight format."""
+        if config.get("weight_format") != "w12":
+            return loaded["target"]
+        if not loaded["w12"]:  # after the teacher-forced pass, which uses the reference weights
+            from .w12 import apply_w12
+
+            if dtype != torch.bfloat16:
+                raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
+            apply_w12(loaded["target"])
+            loaded["w12"] = True
+        return loaded["target"]
+
     failed = False
-    for (name, candidate), out in zip(candidates, args.out):
+    for name, candidate, out in candidates:
         target = reference_target()
         replay = None
         if args.replay_tokens > 0:
-            def target_for(config: dict):
-                if config.get("weight_format") != "w12":
-                    return loaded["target"]
-                if not loaded["w12"]:  # after the teacher-forced pass, which uses the reference weights
-                    from .w12 import apply_w12
-
-                    if dtype != torch.bfloat16:
-                        raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
-                    apply_w12(loaded["target"])
-                    loaded["w12"] = True
-                return loaded["target"]
-
             r0 = candidate[0] if candidate else None
             meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
             replay = Replay(serve_replay(target_for, drafter, meta), args.replay_tokens, args.max_new_tokens)

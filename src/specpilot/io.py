@@ -87,3 +87,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     except FileNotFoundError:
         raise SpecpilotError(f"file not found: {path}") from None
     return rows
+
+
+def comma_list(value: str) -> list[str]:
+    """An argparse ``type``: ``"a,b,c"`` -> ``["a", "b", "c"]`` (options naming one file per item)."""
+    return value.split(",")
+
+
+def one_out_each(outs: list[str], items: list, what: str) -> list[tuple]:
+    """``(item, out)`` pairs of a command writing one ``--out`` file per item.
+
+    Raises:
+        SpecpilotError: the two lists differ in length (both counts named).
+    """
+    if len(outs) != len(items):
+        from .errors import SpecpilotError
+
+        raise SpecpilotError(f"--out names {len(outs)} file(s) for {len(items)} {what}")
+    return list(zip(items, outs))

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecpilotError
-from .io import read_jsonl, write_jsonl
+from .io import comma_list, one_out_each, read_jsonl, write_jsonl
 
 BENCHMARKS: tuple[str, ...] = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")
 ROLES: tuple[str, ...] = ("eval", "calibration")
@@ -500,7 +500,7 @@ def training_pairs(data_dir: str | os.PathLike | None = None) -> list[tuple[str,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``specpilot prompts``."""
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder (or Hub id) of the target model")
-    parser.add_argument("--benchmark", required=True, type=lambda v: v.split(","),
+    parser.add_argument("--benchmark", required=True, type=comma_list,
                         help=f"one of: {', '.join(BENCHMARKS)}; several comma-separated, one --out each")
     parser.add_argument("--n-prompts", required=True, help="number of prompts; 0 or 'all' = every row (eval only)")
     parser.add_argument("--seed", type=int, default=0, help="subset permutation seed (default 0)")
@@ -513,16 +513,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-id", default=None,
                         help="expected checksum of the data (the workflow passes it): refuse other data")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="fail if a prompt is longer than this")
-    parser.add_argument("--out", required=True, type=lambda v: v.split(","),
+    parser.add_argument("--out", required=True, type=comma_list,
                         help="output .jsonl file; comma-separated, one per --benchmark")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``specpilot prompts``: write the prompt file; returns 0."""
-    if len(args.out) != len(args.benchmark):
-        raise SpecpilotError(f"--out names {len(args.out)} file(s) for {len(args.benchmark)} benchmark(s)")
+    pairs = one_out_each(args.out, args.benchmark, "benchmark(s)")
     data_dir = check_data_id(args.data_dir, args.data_id)
-    for benchmark, out in zip(args.benchmark, args.out):
+    for benchmark, out in pairs:
         rows = write_prompt_file(
             benchmark, args.tokenizer, out, args.n_prompts, seed=args.seed, role=args.role,
             data_dir=data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..errors import SpecpilotError
-from ..io import read_json
+from ..io import comma_list, one_out_each, read_json
 from ..records import merge_repeats, write_records
 from .serve import ENGINES, EngineSpec, default_max_seq, pick_device, pick_dtype, read_prompts, serve, shift_times
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--drafter", help="drafter checkpoint directory (stock, specpilot)")
     p.add_argument("--prompts", required=True, help="prompt file from 'specpilot prompts'")
-    p.add_argument("--out", required=True, type=lambda v: v.split(","),
+    p.add_argument("--out", required=True, type=comma_list,
                    help="records file to write (JSON lines); comma-separated, one per --engine")
     p.add_argument("--deployment", default="custom", help="deployment name recorded with each request")
     p.add_argument("--target-name", help="target name for the records (default: --target)")
@@ -125,9 +125,8 @@ def run(args) -> int:
         raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.timing_repeats < 1:
         raise SpecpilotError(f"--timing-repeats must be >= 1, got {args.timing_repeats}")
-    engines, outs = args.engine, args.out
-    if len(outs) != len(engines):
-        raise SpecpilotError(f"--out names {len(outs)} file(s) for {len(engines)} engine(s) ({','.join(engines)})")
+    engines = args.engine
+    outs = [o for _, o in one_out_each(args.out, engines, f"engine(s) ({','.join(engines)})")]
     config = dict(read_json(args.engine_config)) if args.engine_config else {}
     if not isinstance(config, dict):
         raise SpecpilotError(f"{args.engine_config} must hold a JSON object")
@@ -161,6 +160,11 @@ def run(args) -> int:
         if fmt not in deps:
             deps[fmt] = load_deployment(args.target, args.drafter if needs_drafter else None,
                                         device=device, dtype=dtype, config=sp.config)
+
+    def dep_of(sp: EngineSpec):
+        return deps[sp.config.get("weight_format", "native")]
+
+    by_name = dict(zip(engines, specs))
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
     if args.kernel_configs:
         from .graphs import step_graphs
@@ -173,10 +177,9 @@ def run(args) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     warm = {sp.engine: True for sp in specs}
-    clocks = {sp.engine: 0.0 for sp in specs}  # per engine: seconds served so far in this repeat
 
     def serve_rows(sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
-        dep = deps[sp.config.get("weight_format", "native")]
+        dep = dep_of(sp)
         name = args.drafter_name if sp.engine != "lookup" else "lookup"
         recs = serve(sp, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
                      meta={"deployment": args.deployment, "target": args.target_name or args.target,
@@ -203,26 +206,25 @@ def run(args) -> int:
 
     eager = not use_graphs(graphs, device)
     per_request = len(specs) > 1 and args.concurrency == 1 and tokenizer is None and eager
+    if per_request:  # each engine at the KV-cache size its run over the whole prompt file allocates
+        sizes = {sp.engine: args.max_seq or default_max_seq(sp, dep_of(sp).target, prompts, args.max_new_tokens, 1,
+                                                            graphs, args.regime) for sp in specs}
     runs = {sp.engine: [] for sp in specs}
     for rep in range(args.timing_repeats):
         print(f"{','.join(engines)} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
               f"run {rep + 1}/{args.timing_repeats}" + (", interleaved per request" if per_request else ""),
               file=sys.stderr, flush=True)
         if not per_request:
-            for sp in [specs[engines.index(e)] for e in interleaved_order(engines, rep)]:
-                runs[sp.engine].append(serve_pass(sp, prompts, args.max_seq))
+            for e in interleaved_order(engines, rep):
+                runs[e].append(serve_pass(by_name[e], prompts, args.max_seq))
             continue
         # one request at a time: each engine decodes it in turn, timestamps continued across its
         # requests (each engine's records read as its own sequential closed loop)
-        sizes = {sp.engine: args.max_seq or default_max_seq(sp, deps[sp.config.get("weight_format", "native")].target,
-                                                            prompts, args.max_new_tokens, 1, graphs, args.regime)
-                 for sp in specs}  # what the engine's run over the whole prompt file allocates
-        done = {sp.engine: [] for sp in specs}
-        clocks = dict.fromkeys(clocks, 0.0)
+        done = {e: [] for e in engines}
+        clocks = dict.fromkeys(engines, 0.0)  # per engine: seconds served so far in this repeat
         for i, p in enumerate(prompts):
             for e in interleaved_order(engines, i + rep):
-                sp = specs[engines.index(e)]
-                rec = serve_rows(sp, [p], sizes[e])[0]
+                rec = serve_rows(by_name[e], [p], sizes[e])[0]
                 shift_times(rec, clocks[e])
                 clocks[e] = rec.finish_s if rec.finish_s is not None else clocks[e]
                 done[e].append(rec)
