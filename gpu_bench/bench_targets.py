@@ -10,8 +10,10 @@ GPU (bf16, :func:`specpilot.models.random_checkpoint.build_target`; no checkpoin
    (recorded); a correctness check first: prefill + decode logits vs one block forward, and the
    fla path vs the pure-torch path on the same prompt (relative error); a failing fla path is
    switched off and the error recorded;
-3. AR decode step at batch 1 and 16, context 512: eager, and as a CUDA graph of the same step
-   (the runner itself runs non-dense targets eager); MBU = (weights + KV/ring read + GDN state
+3. AR decode step at batch 1 and 16, context 512: with ``--path fast`` (default) through the
+   product's runner (:class:`specpilot.engine.fast_family.FastFamilyTarget`, CUDA graphs; also the
+   fast verify of a block against its own decodes: row independence); with ``--path eager``
+   eager and as a CUDA graph of the eager step; MBU = (weights + KV/ring read + GDN state
    read and written) / step time / copy bandwidth;
 4. verify-16 step (and verify + commit, where GDN commit replays the accepted tokens) as a
    multiple of the AR step, batch 1;
@@ -24,7 +26,8 @@ GPU (bf16, :func:`specpilot.models.random_checkpoint.build_target`; no checkpoin
 Writes ``targets.json`` under ``--out-dir`` (default $OUT or .) and prints a table. Run on the GPU
 machine from the repository root::
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_targets.py --budget-s 500
+    PYTHONUNBUFFERED=1 python gpu_bench/bench_targets.py --budget-s 500            # the fast path
+    PYTHONUNBUFFERED=1 python gpu_bench/bench_targets.py --path eager --budget-s 500
 
 ``--quick`` runs the same logic on the CPU with the tiny-hybrid and tiny-muse shapes (fp32,
 no graphs): it checks the script, not the speed.
@@ -112,9 +115,18 @@ class Bench:
         log(f"copy bandwidth {self.R['copy_bw_Bps'] / 1e12:.3f} TB/s")
         del a
 
+    @property
+    def fast(self) -> bool:
+        return self.args.path == "fast" and self.cuda
+
     def runner(self, model, B, S, capture=()):
         from specpilot.engine.runner import TargetRunner
 
+        if self.fast:  # the product's runner: FastFamilyTarget under CUDA graphs
+            r = TargetRunner(model, B, S, capture, graphs=True, kernels="triton")
+            if r.graphs is None or r.graphs.fast is None:
+                raise RuntimeError("the runner did not take the family fast path")
+            return r
         return TargetRunner(model, B, S, capture, graphs=False)
 
     def step_bytes(self, model, B, ctx) -> dict:
@@ -161,13 +173,29 @@ class Bench:
                             write=True)
         r = self.runner(model, 1, 128)
         r.prefill([ids[0, :60].tolist()])
-        dec = torch.stack([r.decode(ids[:, t]) for t in range(60, 80)], 1)
+        dec = torch.stack([r.decode(ids[:, t]).clone() for t in range(60, 80)], 1)  # graph outputs: copy
         d["prefill_decode_vs_block_rel_err"] = rel_err(dec, full[:, 60:80])
+        d["argmax_agree_decode_vs_block"] = float((dec.argmax(-1) == full[:, 60:80].argmax(-1)).float().mean())
+        if self.fast:  # the fast path's verify of the 20 tokens vs its own decodes: row independence
+            r.prefill([ids[0, :60].tolist()])
+            ver, _ = r.verify(ids[:, 60:80])
+            d["fast_verify_vs_decode_max_abs"] = float((ver.float() - dec.float()).abs().max())
+            d["fast_verify_vs_decode_bit_equal"] = bool(torch.equal(ver, dec))
+            if not d["fast_verify_vs_decode_bit_equal"]:  # attention tiles of 16 query rows for every width?
+                r.graphs.fast.set_configs({"attn_rows": 16})
+                r.graphs.cache.entries.clear()
+                r.prefill([ids[0, :60].tolist()])
+                dec16 = torch.stack([r.decode(ids[:, t]).clone() for t in range(60, 80)], 1)
+                r.prefill([ids[0, :60].tolist()])
+                ver16, _ = r.verify(ids[:, 60:80])
+                d["attn_rows16_verify_vs_decode_bit_equal"] = bool(torch.equal(ver16, dec16))
+                r.graphs.fast.set_configs({"attn_rows": 0})
+                r.graphs.cache.entries.clear()
         if model.config.is_recurrent and gdn.use_fla(self.dev):
             try:
                 gdn._FLA = False
                 r.prefill([ids[0, :60].tolist()])
-                ref = torch.stack([r.decode(ids[:, t]) for t in range(60, 80)], 1)
+                ref = torch.stack([r.decode(ids[:, t]).clone() for t in range(60, 80)], 1)
                 d["fla_vs_torch_rel_err"] = rel_err(dec, ref)
             except Exception as e:  # noqa: BLE001
                 d["fla_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -193,8 +221,10 @@ class Bench:
             r._bound = int(ctx)
             r.decode(tok)
 
-        d = {"B": B, "ctx": ctx, "eager_s": self.median(step)}
-        if self.cuda:
+        d = {"B": B, "ctx": ctx, "eager_s": self.median(step), "path": "fast" if self.fast else "eager"}
+        if self.fast:
+            d["graph_s"] = d.pop("eager_s")  # runner.decode replays the captured fast step
+        elif self.cuda:
             from specpilot.models.layers import chain_ancestors
 
             anc = chain_ancestors(B, 1, self.dev)
@@ -207,11 +237,12 @@ class Bench:
                     d["graph_s"] = self.graph_median(raw)
             except Exception as e:  # noqa: BLE001
                 d["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-        t = d.get("graph_s", d["eager_s"])
+        t = d["graph_s"] if "graph_s" in d else d["eager_s"]
         b = self.step_bytes(model, B, ctx)
         bw = self.R.get("copy_bw_Bps", float("nan"))
-        d.update(step_s=t, bytes=b, tok_s=B / t, mbu=sum(b.values()) / t / bw,
-                 mbu_eager=sum(b.values()) / d["eager_s"] / bw, mbu_weights_only=b["weights"] / t / bw)
+        d.update(step_s=t, bytes=b, tok_s=B / t, mbu=sum(b.values()) / t / bw, mbu_weights_only=b["weights"] / t / bw)
+        if "eager_s" in d:
+            d["mbu_eager"] = sum(b.values()) / d["eager_s"] / bw
         return d
 
     def verify(self, model, block) -> dict:
@@ -227,13 +258,29 @@ class Bench:
         def v():
             r.verify(blk)
 
+        base = r.length.clone()
+
         def vc():
             r.verify(blk)
-            r.model.commit(r.length, counts)  # replay all: the worst case; length stays
+            if self.fast:  # the runner's commit: the fast path replays the accepted tokens
+                r.commit(counts.to(self.dev))
+                r.length.copy_(base)
+                r._bound = int(ctx)
+            else:
+                r.model.commit(r.length, counts)  # replay all: the worst case; length stays
+
+        def dec():
+            r.decode(one[:, 0])
+            r.length.copy_(base)
+            r._bound = int(ctx)
 
         d = {"ar_verify1_s": self.median(lambda: r.verify(one)), "verify_s": self.median(v),
-             "verify_commit_s": self.median(vc)}
-        if self.cuda:
+             "verify_commit_s": self.median(vc), "path": "fast" if self.fast else "eager"}
+        if self.fast:
+            d["ar_decode_s"] = self.median(dec)
+            d["graph_x_ar"] = d["verify_s"] / d["ar_decode_s"]
+            d["commit_x_ar_decode"] = d["verify_commit_s"] / d["ar_decode_s"]
+        elif self.cuda:
             try:
                 from specpilot.models.layers import chain_ancestors
 
@@ -247,6 +294,94 @@ class Bench:
         d.update(x_ar=d["verify_s"] / d["ar_verify1_s"], commit_x_ar=d["verify_commit_s"] / d["ar_verify1_s"])
         return d
 
+    def tune(self, model) -> dict:
+        """Per matmul role, the fastest Triton block config at M = 1 (decode; every M <= 16 uses it, so
+        a verify of 16 rows stays bit-equal to its decodes) for this shape's weights, timed with
+        its epilogue (norm prologue, residual, SwiGLU) as the step runs it; the runner then uses
+        them (``step_graphs(model, configs=...)``). Shapes other than the 8B one the defaults were
+        tuned on have other wave counts (e.g. 2 x 17408 gate/up rows in 128-column programs = 136
+        programs on 132 SMs)."""
+        torch = self.torch
+        import triton
+
+        from specpilot.engine import triton_step as K
+        from specpilot.engine.graphs import DEFAULT_CONFIGS, step_graphs
+        from specpilot.engine.fast_family import fuse_family_weights
+
+        fuse_family_weights(model)
+        layers = model.model.layers
+        gdn = next((l for l in layers if l.kind == "linear_attention"), None)
+        att = next(l for l in layers if l.kind != "linear_attention")
+        n = {k: sum(1 for l in layers if (l.kind == "linear_attention") == (k == "gdn")) for k in ("gdn", "att")}
+        H = model.config.hidden_size
+        nw = torch.ones(H, dtype=torch.float32, device=self.dev)
+        jobs = {"qkv": [(att.fused_qkv, n["att"])] + ([(gdn.fused_in, n["gdn"])] if gdn is not None else []),
+                "o": [(att.self_attn.o_proj.weight, n["att"])]
+                + ([(gdn.linear_attn.out_proj.weight, n["gdn"])] if gdn is not None else []),
+                "gate_up": [(att.fused_gate_up, len(layers))], "down": [(att.mlp.down_proj.weight, len(layers))],
+                "lm_head": [(model.lm_head.weight, 1)]}
+        kinds = {"qkv": "norm", "o": "res", "gate_up": "swiglu", "down": "res", "lm_head": "norm"}
+        extra = [K.LinearConfig(16, 256, 4, 4), K.LinearConfig(16, 512, 4, 4), K.LinearConfig(32, 128, 4, 4),
+                 K.LinearConfig(64, 64, 4, 4)]
+        chosen, report = {}, {}
+        for role, ws in jobs.items():
+            default = K.LinearConfig.parse(DEFAULT_CONFIGS[role]["16"])
+            best = None
+            for c in list(K.CANDIDATES) + extra:
+                c = K.LinearConfig(c.bn, c.bk, c.warps, c.stages, default.prenorm)
+                total = 0.0
+                try:
+                    for w, count in ws:
+                        N = w.shape[0] // 2 if kinds[role] == "swiglu" else w.shape[0]
+                        x = torch.randn(1, w.shape[1], dtype=w.dtype, device=self.dev)
+                        out = torch.empty(1, N, dtype=w.dtype, device=self.dev)
+                        norm = nw[: w.shape[1]] if kinds[role] == "norm" or role == "gate_up" else None
+                        if c.prenorm:
+                            norm = None
+                        fn = lambda: K.linear(x, w, out, cfg=c, norm=norm, residual=out if kinds[role] == "res" else None,  # noqa: E731
+                                              swiglu=kinds[role] == "swiglu")
+                        total += count * triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") / 1e3
+                except Exception as e:  # noqa: BLE001  (a config that does not compile is no candidate)
+                    report.setdefault(role + "_errors", []).append(f"{c.key()}: {type(e).__name__}")
+                    continue
+                report.setdefault(role, {})[c.key()] = total
+                if best is None or total < best[1]:
+                    best = (c, total)
+            chosen[role] = {**DEFAULT_CONFIGS[role], "16": best[0].key()}
+            report[role + "_best"] = (best[0].key(), best[1], report[role].get(default.key()))
+        step_graphs(model, "triton", chosen)
+        log("tuned", {r: report[r + "_best"] for r in jobs})
+        return {"chosen_16": {r: chosen[r]["16"] for r in jobs}, "report": report}
+
+    def profile(self, model) -> dict:
+        """Device time per kernel of the fast AR decode step (batch 1, context 512; torch.profiler
+        over 5 uncaptured steps): where the step's time goes beyond streaming the weights."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        ctx = self.ctx
+        r = self.runner(model, 1, ctx + 128)
+        g = torch.Generator(device="cpu").manual_seed(5)
+        r.prefill([torch.randint(0, model.config.vocab_size, (ctx,), generator=g).tolist()])
+        tok = torch.randint(0, model.config.vocab_size, (1, 1), generator=g).to(self.dev)
+        fast = r.graphs.fast
+        for _ in range(2):
+            fast.forward(tok, r.length, write=True)
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fast.forward(tok, r.length, write=True)
+            self.sync()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t:
+                rows.append((e.key[:60], e.count // 5, t / 5 / 1e3))
+        rows.sort(key=lambda x: -x[2])
+        total = sum(x[2] for x in rows)
+        return {"per_step_ms_total": total, "kernels": [{"name": n, "per_step": c, "ms": round(t, 4)}
+                                                         for n, c, t in rows[:20]]}
+
     def e2e(self, model, drafter, block) -> dict:
         from specpilot.engine.generate import generate_ar, generate_speculative
         from specpilot.engine.proposers import DFlashProposer
@@ -259,14 +394,19 @@ class Bench:
         prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=g).tolist()
         capture = tuple(drafter.config.target_layer_ids)
         r = self.runner(model, 1, S)
+        generate_ar(r, [prompt], 4)  # warm-up: captures the decode graph for this cache size
         ar_row = generate_ar(r, [prompt], n_new)[0]
         t_ar = ar_row.decode_s / max(1, n_new - 1)
         res = {"ctx": ctx, "new_tokens": n_new, "block": block, "ar_step_s_loop": t_ar}
         for name in self.args.profiles:
             prof = load_profile(name)
             rs = self.runner(model, 1, S, capture)
-            prop = ReplayProposer([ar_row.output_ids], prof, model.config.vocab_size,
-                                  DFlashProposer(drafter, False, "torch"), seed=0)
+            net = DFlashProposer(drafter, True, "triton") if self.fast else DFlashProposer(drafter, False, "torch")
+            # warm-up: the first steps capture the drafter's graphs and compile its Triton kernels
+            # (seconds) that would otherwise be counted as draft time
+            generate_speculative(rs, ReplayProposer([ar_row.output_ids], prof, model.config.vocab_size, net, seed=1),
+                                 [prompt], 2 * block, block, profile=True)
+            prop = ReplayProposer([ar_row.output_ids], prof, model.config.vocab_size, net, seed=0)
             row = generate_speculative(rs, prop, [prompt], n_new, block, profile=True)[0]
             steps = row.committed_per_step
             tau = sum(steps) / len(steps)
@@ -292,10 +432,13 @@ class Bench:
             "params": sum(p.numel() for p in model.parameters()), "build_s": time.time() - t,
             "layer_types": {k: model.config.layer_types.count(k) for k in set(model.config.layer_types)}}
         log(f"{name}: {R['params'] / 1e9:.2f} B params built in {R['build_s']:.1f}s")
-        phases = [("correctness", lambda: self.correctness(model, name))]
+        phases = [("tune", lambda: self.tune(model))] if (self.fast and self.args.tune) else []
+        phases += [("correctness", lambda: self.correctness(model, name))]
         phases += [(f"ar_b{B}", lambda B=B: self.ar(model, B)) for B in self.batches]
         phases += [(f"verify{self.args.block}", lambda: self.verify(model, self.args.block)),
                    ("e2e", lambda: self.e2e(model, drafter, self.args.block))]
+        if self.fast and self.args.profile:
+            phases.append(("kernel_profile", lambda: self.profile(model)))
         for key, fn in phases:
             if self.left() < (10 if self.args.quick else 45):
                 R.setdefault("skipped", []).append(key)
@@ -350,6 +493,10 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--profiles", nargs="+", default=["study_stock"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--path", choices=["fast", "eager"], default="fast",
+                   help="fast: the product's runner (FastFamilyTarget under CUDA graphs); eager: the eager forward")
+    p.add_argument("--profile", action="store_true", help="fast path: device time per kernel of the AR step")
+    p.add_argument("--tune", action="store_true", help="fast path: tune each matmul role's M <= 16 config per shape first")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if args.budget_s is None:

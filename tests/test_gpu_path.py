@@ -608,3 +608,21 @@ def test_graph_path_equals_eager_on_cuda(kernels):
     spec = generate_speculative(TargetRunner(target, 2, 128, cap, kernels=kernels),
                                 DFlashProposer(drafter, kernels=kernels), prompts, 32, 8)
     assert [r.output_ids for r in spec] == [r.output_ids for r in graph]
+
+
+@needs_cuda
+def test_tree_verify_in_fast_path_on_cuda():
+    """Tree verification of a dense target runs in the Triton step under CUDA graphs (no eager
+    fallback) and commits exactly the AR tokens, at batch 2 with a tree of side branches."""
+    target = build_target("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
+    drafter = build_drafter("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    ar = generate_ar(TargetRunner(target, 2, 192, kernels="triton"), prompts, 40)
+    cap = tuple(drafter.config.target_layer_ids)
+    runner = TargetRunner(target, 2, 192, cap, kernels="triton")
+    assert runner.tree_fast
+    before = runner.graphs.cache.captures
+    prop = DFlashProposer(drafter, kernels="triton", block_size=8, tree_branch=2, tree_depth=2)
+    spec = generate_speculative(runner, prop, prompts, 40, 8)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
+    assert runner.graphs.cache.captures > before  # the tree step was captured, not run eager

@@ -25,8 +25,8 @@ def fast_runner(model, batch: int, max_seq: int, capture: tuple[int, ...] = ()):
     from specpilot.engine.runner import TargetRunner
 
     class Uncaptured(StepGraphs):
-        def run(self, tokens, start, capture=(), tree=None):
-            return self.step(tokens, start, capture, tree)
+        def run(self, tokens, start, capture=(), tree=None, write=False):
+            return self.step(tokens, start, capture, tree, write)
 
     runner = TargetRunner(model, batch, max_seq, capture, graphs=False)
     runner.graphs = Uncaptured(model, "triton")

@@ -13,8 +13,11 @@ instead of minutes of compilation):
   continuous-batching refills both call ``TargetRunner.prefill_row``), so a prompt's K/V and first
   token do not depend on the batch it arrives in; with the torch kernels it stays eager. Token trees (<= 64 nodes) run in the
   Triton step too (``StepGraphs.run(..., tree=tree_inputs(parents))``, the accepted path then
-  compacted on the device by :func:`compact_path_`); checked against the eager tree forward under
-  Triton's interpreter only so far, and the runner still verifies trees eagerly.
+  compacted on the device by :func:`compact_path_`): the runner verifies a dense target's trees
+  this way (``TargetRunner.tree_fast``; tests/test_gpu_path.py checks them against the eager tree
+  forward under the interpreter and against AR on a GPU). Hybrid (GDN) and Muse-Glimmer targets
+  run :class:`~specpilot.engine.fast_family.FastFamilyTarget` in the same graphs (chain steps;
+  their trees stay eager).
 - drafter steps, one graph per shape: ``draft`` (anchor [B], start [B]) and ``add_context``
   (features [B, T, F], start [B]).
 
@@ -623,7 +626,9 @@ class GraphCache:
 
     Capture runs ``fn`` twice on a side stream first (Triton compilation, cuBLAS workspaces); those
     warm-up runs see the real inputs, so side effects (KV-cache writes) are the ones the replay
-    repeats. ``token`` (e.g. the KV cache's address) invalidates every graph when it changes. Each
+    repeats. A step whose side effects do not repeat harmlessly (a decode that advances recurrent
+    state) passes ``guard`` = (save, restore): ``restore(save())`` puts the state back after the
+    warm-ups, so the replay applies the step once. ``token`` (e.g. the KV cache's address) invalidates every graph when it changes. Each
     graph has its own memory pool, so graphs may be replayed in any order.
     """
 
@@ -631,7 +636,8 @@ class GraphCache:
     token: object = None
     captures: int = 0
 
-    def run(self, key, fn: Callable, inputs: tuple, token=None, prepare: Callable | None = None):
+    def run(self, key, fn: Callable, inputs: tuple, token=None, prepare: Callable | None = None,
+            guard: tuple[Callable, Callable] | None = None):
         if token != self.token:
             self.entries.clear()
             self.token = token
@@ -639,7 +645,10 @@ class GraphCache:
         if e is None:
             if prepare is not None:
                 prepare()
+            saved = guard[0]() if guard is not None else None
             e = self._capture(fn, inputs)
+            if guard is not None:
+                guard[1](saved)
             self.entries[key] = e
         for s, x in zip(e.inputs, inputs):
             s.copy_(x)
@@ -667,13 +676,23 @@ class StepGraphs:
     def __init__(self, model: Transformer, kernels: str = "triton", configs: dict | None = None):
         self.model = model
         self.kernels = kernels
-        self.fast = FastTarget(model, configs) if kernels == "triton" else None
+        self.fast = None
+        if kernels == "triton":
+            if model.config.is_dense:
+                self.fast = FastTarget(model, configs)
+            else:
+                from .fast_family import FastFamilyTarget
+
+                self.fast = FastFamilyTarget(model, configs)
         self.cache = GraphCache()
 
     def step(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
-             tree: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """One chain (or tree, see :meth:`FastTarget.forward`) step without a graph (the captured function)."""
+             tree: tuple[torch.Tensor, torch.Tensor] | None = None, write: bool = False):
+        """One chain (or tree, see :meth:`FastTarget.forward`) step without a graph (the captured
+        function). ``write``: a decode that advances recurrent state (hybrid targets)."""
         if self.fast is not None:
+            if write:
+                return self.fast.forward(tokens, start, capture, tree, write=True)
             return self.fast.forward(tokens, start, capture, tree)
         if tree is not None:
             raise SpecpilotError("tree steps under CUDA graphs need the Triton kernels")
@@ -682,21 +701,43 @@ class StepGraphs:
             return self.model(tokens, start, chain_ancestors(B, T, tokens.device), capture=capture)
 
     def run(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
-            tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+            tree: tuple[torch.Tensor, torch.Tensor] | None = None, write: bool = False):
         """Replay (capturing on first use) the step for ``tokens`` [B, T] at ``start`` [B].
 
         ``tree`` (from :func:`tree_inputs`) is an input of the graph like the tokens: one graph per
-        (B, T) serves every tree shape of that size.
+        (B, T) serves every tree shape of that size. ``write``: the step advances recurrent state
+        (a decode of a hybrid target; its own graph); a verify of such a target leaves the state
+        for :meth:`FastFamilyTarget.commit_recurrent`.
         """
-        if self.model.cache is None:
+        if self.model.state is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
-        key = (tuple(tokens.shape), tuple(capture), tree is not None)
-        token = (self.model.cache.k.data_ptr(), tuple(self.model.cache.k.shape), self.model.cos.data_ptr())
+        key = (tuple(tokens.shape), tuple(capture), tree is not None, write)
+        token = (self.model.state.data_ptrs(), self.model.cos.data_ptr())
         with torch.inference_mode():
+            if write:
+                return self.cache.run(key, lambda t, s: self.step(t, s, capture, write=True), (tokens, start), token,
+                                      guard=_state_guard(self.model))
             if tree is None:
                 return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
             return self.cache.run(key, lambda t, s, a, d: self.step(t, s, capture, (a, d)),
                                   (tokens, start, *tree), token)
+
+
+def _state_guard(model: Transformer) -> tuple[Callable, Callable] | None:
+    """(save, restore) of a target's recurrent state around a capture's warm-up runs (None: no
+    recurrent state, nothing to guard)."""
+    g = model.state.gdn
+    if g is None:
+        return None
+
+    def save():
+        return g.conv.clone(), g.rec.clone()
+
+    def restore(saved):
+        g.conv.copy_(saved[0])
+        g.rec.copy_(saved[1])
+
+    return save, restore
 
 
 def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -745,7 +786,14 @@ def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict 
         raise SpecpilotError("CUDA graphs need the model on a CUDA device")
     asked = kernels or "auto"
     kernels = resolve_kernels(kernels, w.device, w.dtype)
-    if kernels == "triton" and not fast_path_supported(model):
+    if not model.config.is_dense:
+        from .fast_family import family_fast_supported
+
+        why = family_fast_supported(model)
+        if why or kernels != "triton":
+            raise SpecpilotError(f"CUDA graphs of a hybrid / sliding-window target need the Triton kernels"
+                                 f"{': ' + why if why else ''}")
+    elif kernels == "triton" and not fast_path_supported(model):
         if asked == "triton":
             raise SpecpilotError("kernels 'triton' need plain linear layers (not another weight format) and a power-of-two head_dim")
         kernels = "torch"

@@ -69,6 +69,16 @@ class PhaseTimer:
         return out[::-1]
 
 
+def _family_fast(model: Transformer, kernels: str | None) -> bool:
+    """True when a hybrid / sliding-window target can run the Triton fast path under CUDA graphs
+    (:mod:`specpilot.engine.fast_family`): bf16 / fp16 weights, supported shapes, kernels not 'torch'."""
+    if kernels == "torch" or model.lm_head.weight.dtype == torch.float32:
+        return False
+    from .fast_family import family_fast_supported
+
+    return family_fast_supported(model) is None
+
+
 def use_graphs(graphs: bool | None, device: torch.device) -> bool:
     """``None`` (auto) -> CUDA graphs on CUDA devices, eager elsewhere; True needs CUDA."""
     if graphs is None:
@@ -84,11 +94,15 @@ class TargetRunner:
     ``length[b]`` is the number of positions of row b whose K/V are in the cache and committed.
 
     On CUDA (``graphs`` None or True) chain verify and decode steps replay captured CUDA graphs
-    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); tree verification stays
+    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); so does tree
+    verification of a dense target on the Triton kernels (ancestor bits, the accepted path
+    compacted on the device by :func:`~specpilot.engine.graphs.compact_path_`); other trees run
     eager. Prefill runs through the Triton step row by row when the step graphs use the Triton
     kernels (:attr:`can_prefill_rows`: batch-invariant, the path every continuous-batching refill
-    takes too), else eager. Targets other than dense full attention (hybrid GDN, sliding window,
-    softcapped heads) always run eager. The runner never reads ``length`` on the host inside a step: a host
+    takes too), else eager. Hybrid (GDN) and Muse-Glimmer targets in bf16 run the same way through
+    :class:`~specpilot.engine.fast_family.FastFamilyTarget` (decode graphs advance the GDN state;
+    a chain verify's accepted tokens are replayed into it at :meth:`commit`); their trees, and
+    fp32 or unsupported shapes, run eager. The runner never reads ``length`` on the host inside a step: a host
     upper bound of it decides whether the cache has room, and only when that bound is too loose
     is the exact length read (a synchronization).
     """
@@ -101,10 +115,11 @@ class TargetRunner:
         model.setup_cache(batch, max_seq)
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.graphs = None
-        if use_graphs(graphs, self.device) and model.config.is_dense:
+        if use_graphs(graphs, self.device) and (model.config.is_dense or _family_fast(model, kernels)):
             from .graphs import step_graphs
 
             self.graphs = step_graphs(model, kernels)
+        self._recurrent = model.config.is_recurrent
         self._bound = 0  # host upper bound of max(length)
         self._pending = 0  # entries written by the last verify, not yet committed
         self._grew = 0  # how much the last commit raised the bound (settle() may lower it)
@@ -207,9 +222,16 @@ class TargetRunner:
         T = len(tokens)
         if start + T > self.max_seq:
             raise SpecpilotError(f"row {b}: prefill to {start + T} KV-cache slots but the cache holds {self.max_seq}")
+        ring = self.model.state.ring
+        step = ring.reserve if ring is not None and ring.R < self.max_seq else T  # a wrapping ring: chunks
+        if T > step:
+            out = [self.prefill_row(b, tokens[s0:s0 + step], start + s0) for s0 in range(0, T, step)]
+            feats = [f for _, f in out]
+            return out[-1][0], (torch.cat(feats, 1) if feats[0] is not None else None)
         tok = torch.tensor([tokens], dtype=torch.long).to(self.device)
         st = torch.full((1,), start, dtype=torch.long, device=self.device)
-        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True)
+        kw = {"write": True} if not self.model.config.is_dense else {}
+        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True, **kw)
         self.length[b] = start + T
         self._bound = max(self._bound, start + T)
         return logits[0, 0], feats
@@ -227,20 +249,43 @@ class TargetRunner:
         self._pending = N
         self.model.state.discard()
         if parents is None and self.graphs is not None:
-            return self.graphs.run(block, self.length, self.capture)
+            out = self.graphs.run(block, self.length, self.capture)
+            if self._recurrent:  # a replay runs no Python: tell the fast path which tape commit() replays
+                self.graphs.fast.note_verify(B, N, len(self.capture))
+            return out
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
-        else:  # the tree shape is static within a generation: build its mask once
-            key = (parents.data_ptr(), tuple(parents.shape))
-            if getattr(self, "_tree_key", None) != key:
+            return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
+        # the tree shape is static within a generation: build its mask (or bits) once
+        fast = self.tree_fast and N <= 64  # the ancestor bits of the Triton step hold 64 nodes
+        key = (parents.data_ptr(), tuple(parents.shape), fast)
+        if getattr(self, "_tree_key", None) != key:
+            if fast:
+                from .graphs import tree_inputs
+
+                self._tree_key, self._tree = key, tree_inputs(parents)
+            else:
                 self._tree_key, self._tree = key, tree_ancestors(parents)
-            anc, depth = self._tree
+        if fast:  # the Triton step with the ancestor bits, replayed like a chain verify
+            self._tree_pending = True
+            return self.graphs.run(block, self.length, self.capture, tree=self._tree)
+        anc, depth = self._tree
         return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
+
+    @property
+    def tree_fast(self) -> bool:
+        """True when tree verification runs in the Triton step under CUDA graphs (a dense target on
+        the fast path, trees of <= 64 nodes); else trees run eager."""
+        return self.graphs is not None and self.graphs.fast is not None and self.model.config.is_dense
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor):
         """Decode one token per row (tokens int64 [B]); commits it. Returns logits [B, vocab]."""
-        if self.graphs is not None:
+        if self.graphs is not None and self._recurrent:  # the decode graph advances the GDN state
+            self._check_room(1)
+            self.model.state.discard()
+            logits, _ = self.graphs.run(tokens[:, None], self.length, self.capture, write=True)
+        elif self.graphs is not None:
             logits, _ = self.verify(tokens[:, None])
         else:
             self._check_room(1)
@@ -260,7 +305,15 @@ class TargetRunner:
         their K/V are moved to contiguous slots so the cache stays chain-shaped, and a recurrent
         (GDN) state replays exactly that path from the committed state.
         """
-        self.model.commit(self.length, counts, path_slots)
+        if path_slots is not None and getattr(self, "_tree_pending", False):
+            from .graphs import compact_path_
+
+            compact_path_(self.model.cache, self.length, counts, path_slots)  # on the device, no sync
+        else:
+            self.model.commit(self.length, counts, path_slots)
+        self._tree_pending = False
+        if self.graphs is not None and self._recurrent and path_slots is None:
+            self.graphs.fast.commit_recurrent(counts)  # replay the accepted tokens (fast path)
         before = self._bound
         if isinstance(counts, torch.Tensor) and counts.device.type == "cpu":
             self._bound += int(counts.max()) if counts.numel() else 0
@@ -299,5 +352,8 @@ class TargetRunner:
             if bool(emptied.any()):
                 self.model.state.reset_rows(emptied)
         self.model.state.discard()
+        self._tree_pending = False
+        if self.graphs is not None and self._recurrent:
+            self.graphs.fast.discard()
         self.length.copy_(length)
         self._bound, self._pending = int(length.max()), 0

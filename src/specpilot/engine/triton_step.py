@@ -279,11 +279,13 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, l_ws,
-                         T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale,
+                         T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale, WIN, RING,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
-                         TREE: tl.constexpr, INTERP: tl.constexpr):
+                         TREE: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
-    against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum."""
+    against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum.
+    WINDOWED (chain only): positions are read from slot position mod RING and a row at position
+    P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring)."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
@@ -308,10 +310,16 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     ones = tl.full((BS, 16), 1.0, dtype=vc_ptr.dtype.element_ty)
     s_lo = c * CHUNK
     s_hi = tl.minimum(s_lo + CHUNK, start + T)
+    if WINDOWED:  # skip the key tiles below the first row's window; tiles stay BS-aligned (as in a
+        # decode of any row), so every row sums its keys in the same tiles whatever the block
+        s_lo = tl.maximum(s_lo, (tl.maximum(start - WIN + 1, 0) // BS) * BS)
     for s0 in range(s_lo, s_hi, BS):
         offs_s = s0 + tl.arange(0, BS)
         smask = offs_s < s_hi
-        kv_off = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        if WINDOWED:
+            kv_off = (offs_s % RING)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        else:
+            kv_off = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         k = tl.load(kbase + kv_off, mask=smask[:, None], other=0.0)
         if INTERP:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -325,6 +333,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
             vis = ((j < 0)[None, :] | (inblk[None, :] & (bit != 0))) & smask[None, :]
         else:
             vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
+            if WINDOWED:
+                vis = vis & (offs_s[None, :] > last[:, None] - WIN)
         sc = tl.where(vis, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -414,7 +424,7 @@ class AttnWorkspace:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
               n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace,
-              anc_bits: torch.Tensor | None = None) -> torch.Tensor:
+              anc_bits: torch.Tensor | None = None, window: int = 0, ring: int = 0) -> torch.Tensor:
     """Block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
     Chain (``anc_bits`` None): row t of block b sees cache slots 0 .. start[b] + t (the committed
@@ -427,8 +437,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     scale = head_dim ** -0.5
     _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
         q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale,
-        CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=anc_bits is not None, INTERP=INTERPRET,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale, window,
+        max(ring, 1), CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=anc_bits is not None,
+        WINDOWED=window > 0, INTERP=INTERPRET,
         num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,

@@ -248,6 +248,11 @@ class TargetState(nn.Module):
             self.gdn.conv[rows] = 0
             self.gdn.rec[rows] = 0
 
+    def data_ptrs(self) -> tuple:
+        """(address, shape) of every state tensor: a captured CUDA graph is valid while these hold."""
+        return tuple((t.data_ptr(), tuple(t.shape)) for c in (self.kv, self.ring, self.gdn) if c is not None
+                     for t in c.buffers())
+
     def discard(self) -> None:
         """Drop an uncommitted verify (its attention writes are invisible past the committed length)."""
         if self.gdn is not None:
