@@ -22,30 +22,15 @@ from specpilot.engine.runner import TargetRunner
 from specpilot.models.config import TargetConfig
 from specpilot.models.target import Transformer
 
+from test_target_state import build, hybrid_config, muse_config
+
 V = 96
+POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16)  # the Triton kernels tile by powers of two
 def hybrid():
-    return TargetConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                        family="qwen3_5", architecture="Qwen3_5ForCausalLM",
-                        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-                        norm_offset=True, final_norm_offset=True, attn_gate="interleaved",
-                        partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
-                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    return hybrid_config(**POW2, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                              "linear_attention"], linear_key_head_dim=16, linear_value_head_dim=16)
 def muse():
-    return TargetConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                        family="muse_glimmer", architecture="MuseGlimmerForCausalLM", qk_norm=False,
-                        layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=8,
-                        layer_rope=[True, True, True, False], norm_offset=True, attn_gate="proj",
-                        qk_scaleless=True, qk_scale_factor=3.87, sandwich_norm=True, post_norm_eps=1e-8,
-                        embed_norm=True, final_logit_softcapping=20.0, output_multiplier=0.196)
-def build(cfg):
-    torch.manual_seed(0)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
-    return m.eval()
+    return muse_config(**POW2, sliding_window=8)
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 

@@ -22,24 +22,26 @@ from specpilot.models.target import Transformer
 V = 128
 
 
-def hybrid_config() -> TargetConfig:
-    return TargetConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=10000.0,
-                        family="qwen3_5", architecture="Qwen3_5ForCausalLM",
-                        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-                        norm_offset=True, final_norm_offset=True, attn_gate="interleaved",
-                        partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
-                        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+def hybrid_config(**over) -> TargetConfig:
+    """A tiny Qwen3.5-style hybrid (3 GDN + 1 gated attention layer); ``over`` replaces fields."""
+    return TargetConfig(**{**dict(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=10000.0,
+                                  family="qwen3_5", architecture="Qwen3_5ForCausalLM",
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                  norm_offset=True, final_norm_offset=True, attn_gate="interleaved",
+                                  partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4), **over})
 
 
-def muse_config() -> TargetConfig:
-    return TargetConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=10000.0,
-                        family="muse_glimmer", architecture="MuseGlimmerForCausalLM", qk_norm=False,
-                        layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=6,
-                        layer_rope=[True, True, True, False], norm_offset=True, attn_gate="proj",
-                        qk_scaleless=True, qk_scale_factor=3.87, sandwich_norm=True, post_norm_eps=1e-8,
-                        embed_norm=True, final_logit_softcapping=20.0, output_multiplier=0.196)
+def muse_config(**over) -> TargetConfig:
+    """A tiny Muse-Glimmer-style target (3 sliding + 1 global NoPE layer); ``over`` replaces fields."""
+    return TargetConfig(**{**dict(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=10000.0,
+                                  family="muse_glimmer", architecture="MuseGlimmerForCausalLM", qk_norm=False,
+                                  layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=6,
+                                  layer_rope=[True, True, True, False], norm_offset=True, attn_gate="proj",
+                                  qk_scaleless=True, qk_scale_factor=3.87, sandwich_norm=True, post_norm_eps=1e-8,
+                                  embed_norm=True, final_logit_softcapping=20.0, output_multiplier=0.196), **over})
 
 
 def build(cfg: TargetConfig, seed: int = 0) -> Transformer:

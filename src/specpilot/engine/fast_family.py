@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..errors import SpecpilotError
 from ..models.layers import RMSNorm
 from ..models.norms import ScalelessRMSNorm, WeightedRMSNorm
-from .graphs import DEFAULT_ATTN_ROWS, DEFAULT_CONFIGS, LINEAR_ROLES, FastTarget, _Workspace
+from .graphs import DEFAULT_ATTN_ROWS, DEFAULT_CONFIGS, LINEAR_ROLES, FastTarget, _Workspace, fuse_linears
 
 
 def norm_scale(mod: nn.Module, dim: int, device) -> torch.Tensor:
@@ -80,19 +80,6 @@ def family_fast_supported(model) -> str | None:
     return None
 
 
-@torch.no_grad()
-def _fuse(owner, names: list[str]) -> torch.Tensor:
-    """Concatenate ``owner``'s linears ``names`` into one weight; their parameters become views of it."""
-    parts = [getattr(owner, n) for n in names]
-    w = torch.cat([m.weight for m in parts], 0)
-    o = 0
-    for m in parts:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[o:o + n], requires_grad=False)
-        o += n
-    return w
-
-
 def fuse_family_weights(model) -> None:
     """Fused projection weights per layer, in place, once: attention ``fused_qkv``
     (q | k | v [| gate_proj]), GDN ``fused_in`` (qkv | z | b | a), MLP ``fused_gate_up``."""
@@ -100,11 +87,11 @@ def fuse_family_weights(model) -> None:
         return
     for layer in model.model.layers:
         if layer.kind == "linear_attention":
-            layer.fused_in = _fuse(layer.linear_attn, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
+            layer.fused_in = fuse_linears(layer.linear_attn, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
         else:
             a = layer.self_attn
-            layer.fused_qkv = _fuse(a, ["q_proj", "k_proj", "v_proj"] + (["gate_proj"] if a.gate == "proj" else []))
-        layer.fused_gate_up = _fuse(layer.mlp, ["gate_proj", "up_proj"])
+            layer.fused_qkv = fuse_linears(a, ["q_proj", "k_proj", "v_proj"] + (["gate_proj"] if a.gate == "proj" else []))
+        layer.fused_gate_up = fuse_linears(layer.mlp, ["gate_proj", "up_proj"])
     model._fused_family = True
 
 

@@ -153,17 +153,23 @@ def fuse_layer_weights(layers) -> None:
     for layer in layers:
         if getattr(layer, "fused_qkv", None) is not None:
             continue
-        a, mlp = layer.self_attn, layer.mlp
-        for names, attr in ((("q_proj", "k_proj", "v_proj"), "fused_qkv"), (("gate_proj", "up_proj"), "fused_gate_up")):
-            owner = a if attr == "fused_qkv" else mlp
-            parts = [getattr(owner, n) for n in names]
-            w = torch.cat([m.weight for m in parts], 0)
-            o = 0
-            for m in parts:
-                n = m.weight.shape[0]
-                m.weight = nn.Parameter(w[o:o + n], requires_grad=False)
-                o += n
-            setattr(layer, attr, w)
+        layer.fused_qkv = fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        layer.fused_gate_up = fuse_linears(layer.mlp, ("gate_proj", "up_proj"))
+
+
+@torch.no_grad()
+def fuse_linears(owner: nn.Module, names) -> torch.Tensor:
+    """Concatenate the weights of ``owner``'s linears ``names`` (in order) into one tensor
+    [sum of out features, in features] and make each linear's ``weight`` a view into it (no
+    memory duplicated; the eager forward and ``state_dict`` keep working). Returns the tensor."""
+    parts = [getattr(owner, n) for n in names]
+    w = torch.cat([m.weight for m in parts], 0)
+    o = 0
+    for m in parts:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[o:o + n], requires_grad=False)
+        o += n
+    return w
 
 
 def fuse_weights(model: Transformer) -> None:
