@@ -128,8 +128,8 @@ class FastFamilyTarget(FastTarget):
         H = c.hidden_size
         self.P = []
         gdn = []
-        for layer in m.model.layers:
-            p = {"kind": layer.kind, "in": norm_scale(layer.input_layernorm, H, dev)}
+        for i, layer in enumerate(m.model.layers):
+            p = {"kind": layer.kind, "layer": i, "in": norm_scale(layer.input_layernorm, H, dev)}
             if layer.sandwich:
                 p["post_attn"] = norm_scale(layer.post_attention_layernorm, H, dev)
                 p["pre_ff"] = norm_scale(layer.pre_feedforward_layernorm, H, dev)
@@ -167,6 +167,7 @@ class FastFamilyTarget(FastTarget):
         if gdn:
             self.a_log = torch.stack([a for a, _ in gdn]).contiguous()
             self.dt_bias = torch.stack([d for _, d in gdn]).contiguous()
+        self.gdn0 = next((p for p in self.P if p["kind"] == "linear_attention"), None)  # GDN offsets (all equal)
         attn = [layer.fused_qkv.shape[0] for layer in m.model.layers if layer.kind != "linear_attention"]
         self.attn_cols = max(attn) if attn else 0
         self.n_gdn = len(gdn)
@@ -198,7 +199,7 @@ class FastFamilyTarget(FastTarget):
             ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
         ws.extra["tmp"] = torch.zeros(M, c.hidden_size, **z)
         if self.n_gdn:
-            g = next(p for p in self.P if p["kind"] == "linear_attention")
+            g = self.gdn0
             n_in = g["a_off"] + c.linear_num_value_heads
             vd = c.linear_num_value_heads * c.linear_value_head_dim
             L = 1 if write else self.n_gdn  # a verify keeps every layer's projections for the commit replay
@@ -294,7 +295,6 @@ class FastFamilyTarget(FastTarget):
             x = self.k.rmsnorm(x, self.embed_scale, x, c.rms_norm_eps)  # row-wise: in place is safe
         for i, layer in enumerate(m.model.layers):
             p = self.P[i]
-            p["layer"] = i
             if p["kind"] == "linear_attention":
                 self._gdn(x, p, st, rows, start, T, M, ws, write)
             else:
@@ -332,7 +332,7 @@ class FastFamilyTarget(FastTarget):
         B, T, rows, ws = self._last
         self._last = None
         c, st = self.model.config, self.model.state.gdn
-        g = next(p for p in self.P if p["kind"] == "linear_attention")
+        g = self.gdn0
         counts = counts.to(ws.tok.device)
         self.f.gdn_recurrent(ws.extra["mixed"], ws.extra["proj"], self.a_log, self.dt_bias, st.rec[rows], None, T,
                              n_key_heads=c.linear_num_key_heads, a_off=g["a_off"], b_off=g["b_off"], write=True,

@@ -383,7 +383,7 @@ class FastTarget:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
                 tree: tuple[torch.Tensor, torch.Tensor] | None = None, rows: slice | None = None,
-                last_only: bool = False):
+                last_only: bool = False, write: bool = False):
         """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
 
         ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T]) from :func:`tree_inputs` for a
@@ -394,7 +394,9 @@ class FastTarget:
         logits of each row's last block position only ([B, 1, vocab]; a prefill), in a fresh
         workspace that is not kept (prompt lengths vary; a kept workspace per length would pile
         up, and a prompt as long as a captured step's block must not write, or drop, that step's
-        buffers): the outputs stay valid until the caller drops them.
+        buffers): the outputs stay valid until the caller drops them. ``write``: part of the step
+        interface (:class:`~specpilot.engine.fast_family.FastFamilyTarget` advances recurrent state
+        with it); a dense target has none, so it changes nothing here.
         """
         K, m, c = self.k, self.model, self.model.config
         if m.cache is None:
@@ -697,9 +699,7 @@ class StepGraphs:
         """One chain (or tree, see :meth:`FastTarget.forward`) step without a graph (the captured
         function). ``write``: a decode that advances recurrent state (hybrid targets)."""
         if self.fast is not None:
-            if write:
-                return self.fast.forward(tokens, start, capture, tree, write=True)
-            return self.fast.forward(tokens, start, capture, tree)
+            return self.fast.forward(tokens, start, capture, tree, write=write)
         if tree is not None:
             raise SpecpilotError("tree steps under CUDA graphs need the Triton kernels")
         B, T = tokens.shape

@@ -120,6 +120,7 @@ class TargetRunner:
 
             self.graphs = step_graphs(model, kernels)
         self._recurrent = model.config.is_recurrent
+        self._tree_pending = False  # the last verify was a tree in the Triton step (commit compacts on the device)
         self._bound = 0  # host upper bound of max(length)
         self._pending = 0  # entries written by the last verify, not yet committed
         self._grew = 0  # how much the last commit raised the bound (settle() may lower it)
@@ -230,8 +231,8 @@ class TargetRunner:
             return out[-1][0], (torch.cat(feats, 1) if feats[0] is not None else None)
         tok = torch.tensor([tokens], dtype=torch.long).to(self.device)
         st = torch.full((1,), start, dtype=torch.long, device=self.device)
-        kw = {"write": True} if not self.model.config.is_dense else {}
-        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True, **kw)
+        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True,
+                                                 write=True)
         self.length[b] = start + T
         self._bound = max(self._bound, start + T)
         return logits[0, 0], feats
@@ -305,7 +306,7 @@ class TargetRunner:
         their K/V are moved to contiguous slots so the cache stays chain-shaped, and a recurrent
         (GDN) state replays exactly that path from the committed state.
         """
-        if path_slots is not None and getattr(self, "_tree_pending", False):
+        if path_slots is not None and self._tree_pending:
             from .graphs import compact_path_
 
             compact_path_(self.model.cache, self.length, counts, path_slots)  # on the device, no sync
