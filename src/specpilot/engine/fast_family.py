@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..errors import SpecpilotError
 from ..models.layers import RMSNorm
 from ..models.norms import ScalelessRMSNorm, WeightedRMSNorm
-from .graphs import DEFAULT_ATTN_ROWS, DEFAULT_CONFIGS, LINEAR_ROLES, FastTarget, _Workspace, fuse_linears
+from .graphs import FastTarget, _Workspace, fuse_linears
 
 
 def norm_scale(mod: nn.Module, dim: int, device) -> torch.Tensor:
@@ -105,20 +105,18 @@ class FastFamilyTarget(FastTarget):
     """
 
     def __init__(self, model, configs: dict | None = None, attn_rows: int | None = None):
-        from . import family_step, triton_step
+        from . import family_step
 
         why = family_fast_supported(model)
         if why:
             raise SpecpilotError(f"the family fast path cannot run this target: {why}")
-        self.k, self.f = triton_step, family_step
-        self.model = model
-        self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
-        fuse_family_weights(model)
-        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
-        self._ws: dict[tuple, _Workspace] = {}
-        self.set_configs(configs or {})
+        self.f = family_step
+        super().__init__(model, configs, attn_rows)
         self._params()
         self._last = None  # (B, T, rows, workspace) of the last verify on a recurrent target
+
+    def _fuse_weights(self) -> None:
+        fuse_family_weights(self.model)
 
     # ---------------------------------------------------------------- parameters
     @torch.no_grad()

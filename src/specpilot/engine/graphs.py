@@ -254,10 +254,14 @@ class FastTarget:
         self.model = model
         # query rows per attention program (0: by block length, see triton_step.AttnWorkspace)
         self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
-        fuse_weights(model)
+        self._fuse_weights()
         self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self._ws: dict[tuple, _Workspace] = {}
         self.set_configs(configs or {})
+
+    def _fuse_weights(self) -> None:
+        """Fuse the model's projection weights the way this step reads them (once, in place)."""
+        fuse_weights(self.model)
 
     def _one(self, c):
         if isinstance(c, self.k.LinearConfig) or c == CUBLAS:
@@ -465,19 +469,14 @@ class FastDrafter(FastTarget):
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  configs: dict | None = None, attn_rows: int | None = None):
-        from . import triton_step
-
         if not fast_drafter_supported(drafter):
             raise SpecpilotError("the Triton draft step needs a plain DFlash drafter (full non-causal layers, "
                                  "plain linears, power-of-two head_dim)")
-        self.k = triton_step
-        self.model = drafter
         self.embed_w, self.lm_w = embed_weight, lm_head_weight
-        self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
-        fuse_layer_weights(drafter.layers)
-        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
-        self._ws: dict[tuple, _Workspace] = {}
-        self.set_configs(configs or {})
+        super().__init__(drafter, configs, attn_rows)
+
+    def _fuse_weights(self) -> None:
+        fuse_layer_weights(self.model.layers)
 
     def _dims(self) -> tuple:
         d = self.model
