@@ -39,20 +39,10 @@ from specpilot.models.random_checkpoint import build_drafter, target_config  # n
 
 
 def median_ms(fn, n: int = 50, warm: int = 5) -> float:
-    """Median wall time [ms] of ``fn`` over ``n`` runs, each between CUDA events."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median time [ms] of ``fn`` over ``n`` runs, each between CUDA events (L2 left warm)."""
+    from specpilot.engine.graphs import median_ms as med
+
+    return med(fn, n, warm, flush_l2=False)
 
 
 def copy_bandwidth() -> float:

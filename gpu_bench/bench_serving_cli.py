@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=JSON: also run stock with this engine config (a mechanism alone), e.g. "
-                         "overlap='{\"overlap\": true}'; repeatable")
+                         "overlap='{\"overlap\": true}'; NAME@16,24=JSON: at those concurrencies only; repeatable")
     ap.add_argument("--regime", choices=("continuous", "static"), default="continuous",
                     help="'specpilot run --regime': closed-loop concurrency (default) or lock-step batches")
     ap.add_argument("--ar-reference", type=int, default=None,
@@ -144,9 +144,13 @@ def main() -> int:
         (out / "serving.json").write_text(json.dumps(R, indent=1))
 
     variants = {"stock": {}}
+    only = {}  # variant -> the concurrencies it runs at (NAME@16,20=JSON), else all
     for v in args.variant:
         name, _, cfg = v.partition("=")
+        name, _, at = name.partition("@")
         variants[name] = json.loads(cfg or "{}")
+        if at:
+            only[name] = {int(x) for x in at.split(",")}
     for c in args.concurrency:
         lim = [] if c > 1 else ["--limit", str(args.requests_c1)]
         ar = rec / f"ar-c{c}.jsonl"
@@ -167,13 +171,15 @@ def main() -> int:
                      # for the batch's time
                      "ar_tok_s_aggregate": throughput(list(a.values()), c)})
         for name, vcfg in variants.items():  # stock, then stock + each mechanism alone (same replay draws)
+            if name in only and c not in only[name]:
+                continue
             st = rec / f"{name}-c{c}.jsonl"
             conf = []
             if vcfg:
                 cf = rec / f"{name}.engine.json"
                 cf.write_text(json.dumps(vcfg))
                 conf = ["--engine-config", str(cf)]
-            rc, wall, _ = sh(["run", "--engine", "stock", "--drafter", str(dr), "--out", str(st),
+            rc, wall, run_out = sh(["run", "--engine", "stock", "--drafter", str(dr), "--out", str(st),
                               "--concurrency", str(c), "--block-size", str(args.block),
                               "--replay-profile", args.profile, "--replay-reference", str(ar),
                               *conf, *common, *lim], log)
@@ -200,6 +206,9 @@ def main() -> int:
                 "verify_s_mean": sum(r.get("verify_s", 0.0) for r in s.values()) / len(s),
                 "verify_steps_mean": sum(r["verify_steps"] for r in s.values()) / len(s),
                 "prefill": prefill_stats(list(s.values())),
+                # the checked-cuBLAS choices of the run's fast steps (FastTarget._select), from its summary line
+                "matmul": next((json.loads(ln).get("matmul") for ln in run_out.splitlines()
+                                if ln.startswith('{"engine"')), None),
             }
             save()
     # AR against AR across concurrencies, on the requests both cells served

@@ -414,8 +414,14 @@ class Bench:
         tok = torch.randint(0, V, (Bmax, 64), generator=g, device=self.dev)
         tables = self.R["tables"]
         inv, times = {}, {}
-        for name, table in tables.items():
-            fast = FastTarget(m, table, attn_rows=self.R["attn_rows"].get(name, 16))
+        checked = {"off": (False,), "on": (True,), "both": (False, True)}[self.args.checked_cublas]
+        runs = [(name + ("+cublas" if c else ""), name, c) for name in tables for c in checked]
+        for name, base, chk in runs:
+            table = tables[base]
+            # +cublas: FastTarget's checked cuBLAS (the product default on CUDA): per (role, M) the
+            # fastest of the table's Triton entry and cuBLAS among those whose rows are bit-equal
+            # to the decode config's; the invariance checks below then cover whole steps
+            fast = FastTarget(m, table, attn_rows=self.R["attn_rows"].get(base, 16), checked_cublas=chk)
             log(f"table {name}: {json.dumps(fast.config_keys())}")
             inv[name] = self.invariance(fast, tok, S)
             log(f"  invariance {name}: {json.dumps(inv[name])}")
@@ -423,7 +429,7 @@ class Bench:
             for B, T in self.step_shapes:
                 start = torch.full((B,), 512 if self.cuda else 100, device=self.dev, dtype=torch.long)
                 tb = tok[:B, :T].contiguous()
-                t = self.timer.graph(lambda: fast.forward(tb, start))
+                t = self.timer.graph(lambda: fast.forward(tb, start, rows=slice(0, B)))
                 times[name][f"{B}x{T}"] = t * 1e3
             log(f"  step ms {name}: " + " ".join(f"{k}={v:.3f}" for k, v in times[name].items()))
             from specpilot.engine.graphs import kv_bytes_per_step, weight_bytes_per_step
@@ -433,6 +439,12 @@ class Bench:
                 f"{B}x1": (weight_bytes_per_step(m, B) + kv_bytes_per_step(m, B, 512)) / (times[name][f"{B}x1"] / 1e3) / bw
                 for B in (1, 16, 20, 24) if f"{B}x1" in times[name]}
             log(f"  AR MBU {name}: " + json.dumps({k: round(v, 3) for k, v in self.R["mbu"][name].items()}))
+            if chk:
+                self.R.setdefault("selection", {})[name] = dict(fast.selection)
+                log(f"  checked cuBLAS {name}: " + "; ".join(
+                    f"{k}->{v['chosen']} (" + ", ".join(f"{o}:{'=' if d.get('bit_equal') else '!='}"
+                                                        f"{d.get('ms') or 0:.3f}" for o, d in v["options"].items()) + ")"
+                    for k, v in fast.selection.items()))
             del fast
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -448,7 +460,9 @@ class Bench:
 
         if not self.cuda:
             return
-        fast = FastTarget(self.model, self.R["tables"][name], attn_rows=self.R["attn_rows"].get(name, 16))
+        base = name.split("+")[0]
+        fast = FastTarget(self.model, self.R["tables"][base], attn_rows=self.R["attn_rows"].get(base, 16),
+                          checked_cublas=name.endswith("+cublas"))
         out = {}
         for B, T in ((1, 1), (16, 16)):
             tb = torch.randint(0, self.c.vocab_size, (B, T), device=self.dev)
@@ -476,8 +490,8 @@ class Bench:
         res = {}
         dev = self.dev
 
-        def fwd(t, s):
-            return fast.forward(t.contiguous(), s)[0].clone()
+        def fwd(t, s):  # a batch of b rows runs on the cache's first b rows
+            return fast.forward(t.contiguous(), s, rows=slice(0, t.shape[0]))[0].clone()
 
         big = (24, 17, 16, 4, 2, 1) if self.cuda else (2, 1)
         # (a) a batch's first rows vs smaller batches, rows at different lengths
@@ -578,6 +592,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shape under Triton's CPU interpreter")
     ap.add_argument("--only", nargs="+", help="time and check only these tables")
     ap.add_argument("--default-out", help="write the fastest fully invariant table here ({role: config} JSON)")
+    ap.add_argument("--checked-cublas", choices=("off", "on", "both"), default="both",
+                    help="time each table with FastTarget's checked cuBLAS off, on, or both (default)")
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile_worker:
@@ -616,9 +632,10 @@ def main() -> int:
         if ok:
             best = min(ok, key=lambda n: b.R["step_ms"][n].get(key, 1e9))
             b.R["default_table"] = best
-            t = dict(b.R["tables"][best])
-            if best in b.R["attn_rows"]:
-                t["attn_rows"] = b.R["attn_rows"][best]
+            base = best.split("+")[0]
+            t = dict(b.R["tables"][base])
+            if base in b.R["attn_rows"]:
+                t["attn_rows"] = b.R["attn_rows"][base]
             Path(args.default_out).write_text(json.dumps(t))
             b.profile(best)
             log(f"default table: {best}")

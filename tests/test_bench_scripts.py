@@ -62,3 +62,38 @@ def test_bench_targets_quick_dry_run(tmp_path):
         e = s["e2e"]["study_stock"]
         assert e["outputs_equal_ar"] and e["tau"] > 1
     assert r["shapes"]["tiny-hybrid"]["state_memory_per_request"]["gdn"] > 0
+
+
+def test_profile_serving_cpu_run(tmp_path):
+    """gpu_bench/profile_serving.py on the CPU (tiny shape): the closed-loop scheduler serves AR, stock
+    and stock with overlap asked for, every stock output equal to AR's, and the JSON behind
+    BENCHMARKS.md."""
+    _run(["gpu_bench/profile_serving.py", "--shape", "tiny", "--concurrency", "2", "--requests", "4",
+          "--prompt-len", "32", "--new", "16", "--block", "8", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "profile_serving.json").read_text())
+    assert set(r["engines"]) == {"ar", "stock", "stock+overlap"}
+    for name in ("stock", "stock+overlap"):
+        e = r["engines"][name]
+        assert e["equal_ar"] == 4 and e["tau"] > 1.0 and e["steps"] < r["engines"]["ar"]["steps"], (name, e)
+    assert not r["engines"]["stock"]["overlapped"]  # (overlap needs the CUDA-graph draft: off on the CPU)
+
+
+def test_drafter_ranks_writes_a_tree_profile(tmp_path, quick_deployment, data_dir):
+    """gpu_bench/drafter_ranks.py on the quick deployment: the speculative loop equals AR, and the
+    profile it writes loads as a replay profile whose rank recall agrees with its own counts."""
+    from specpilot.engine.replay import expected_tau, load_profile
+
+    out = tmp_path / "ranks.json"
+    _run(["gpu_bench/drafter_ranks.py", "--deployment", str(quick_deployment), "--drafter", "dflash2", "--n", "2",
+          "--new", "24", "--width", "6", "--ranks", "4", "--threads", "1", "--tree", "2,5", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["outputs_equal_ar"] == "2/2"
+    t = d["tree_checks"]["branch2_depth5"]  # the drafter's own tree, beside the profile's prediction
+    assert t["outputs_equal_ar"] == "2/2" and t["measured_tau"] >= 1.0 and t["predicted_tau"] >= d["expected_tau"]
+    prof = load_profile(out)  # a valid profile: recall non-decreasing, first column = acceptance
+    assert prof.block_size == 6 and len(prof.rates) == 5 and len(prof.recall[0]) == 4
+    counts = d["rank_counts"]
+    assert d["samples_per_position"][0] > 0 and [sum(c) for c in counts] == d["samples_per_position"]
+    n0 = sum(counts[0])
+    assert prof.recall[0][1] == pytest.approx((counts[0][0] + counts[0][1]) / n0, abs=1e-6)
+    assert d["expected_tau"] == pytest.approx(expected_tau(prof, 6), abs=1e-4)

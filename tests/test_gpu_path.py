@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.engine.generate import generate_ar, generate_speculative
+from specpilot.engine.generate import generate, generate_ar, generate_speculative
 from specpilot.engine.proposers import DFlashProposer
 from specpilot.engine.replay import AcceptanceProfile, ReplayProposer, calibrate, expected_tau, load_profile
 from specpilot.engine.runner import TargetRunner, use_graphs
@@ -150,6 +150,83 @@ def test_replay_equals_ar_and_hits_its_tau(tiny_pair):
     planted = prop.planted
     assert 1 + sum(planted) / len(planted) == pytest.approx(tau, abs=0.5)
     assert rows[0].draft_s > 0  # the drafter network ran
+
+
+def test_packaged_profiles_load_and_measured_tree_profiles_match_their_drafters():
+    """Every packaged profile loads (rank recall consistent); the measured tiny-drafter profiles
+    predict their own drafter's tree tau within 6 % (gpu_bench/drafter_ranks.py --tree)."""
+    from specpilot.engine.replay import expected_tau_tree, profile_names
+
+    names = profile_names()
+    assert {"study_stock", "tiny_dflash_ranks", "tiny_dflash2_ranks", "tiny_dspark_ranks"} <= set(names)
+    for name in names:
+        prof = load_profile(name)
+        if not name.startswith("tiny_"):
+            continue
+        assert prof.recall is not None and prof.extra["outputs_equal_ar"] == "20/20"
+        for key, chk in prof.extra["tree_checks"].items():
+            b, d = (int(x) for x in key.replace("branch", "").split("_depth"))
+            pred = expected_tau_tree(prof, prof.block_size, b, d)
+            assert pred == pytest.approx(chk["predicted_tau"], abs=1e-3)
+            assert abs(pred - chk["measured_tau"]) / chk["measured_tau"] < 0.06, (name, key, chk)
+
+
+def test_replay_tree_profile_and_sampling():
+    from specpilot.engine.replay import expected_tau_tree, geometric_recall
+
+    prof = load_profile("study_stock")
+    assert prof.recall is not None and [r[0] for r in prof.recall] == prof.rates
+    # DFlash2's published recall ratio: top-16 misses are 0.005 / 0.146 of top-1 misses
+    r0 = prof.recall[0]
+    assert (1 - r0[15]) / (1 - r0[0]) == pytest.approx(0.005 / 0.146, rel=1e-3)
+    assert expected_tau_tree(prof, 16, 0, 15) == pytest.approx(4.8, abs=0.01)
+    t3 = expected_tau_tree(prof, 16, 3, 15)
+    assert 4.8 < t3 < expected_tau_tree(prof, 16, 4, 15) < 16
+    # a hand-computed case: 2 drafts, p = 0.5, recall(2) = 0.75: leaves catch half the misses
+    small = AcceptanceProfile("s", [0.5, 0.5], recall=[[0.5, 0.75], [0.5, 0.75]])
+    # chain tau 1 + .5 + .25; + miss at 1 (.5) x .5 + miss at 2 (.25) x .5
+    assert expected_tau_tree(small, 3, 1, 2) == pytest.approx(1.75 + 0.25 + 0.125)
+    assert expected_tau_tree(small, 3, 1, 1) == pytest.approx(1.75 + 0.25)
+    rng, n = random.Random(0), 40000
+    draws = [small.sample_tree(2, 1, 2, rng) for _ in range(n)]
+    mean = sum(1 + a + (leaf is not None) for a, leaf in draws) / n
+    assert mean == pytest.approx(2.125, abs=0.03)
+    assert all(leaf is None or (a < 2 and leaf == 0) for a, leaf in draws)
+    with pytest.raises(SpecpilotError, match="starts at"):
+        AcceptanceProfile("bad", [0.5], recall=[[0.6, 0.7]])
+    with pytest.raises(SpecpilotError, match="non-decreasing"):
+        AcceptanceProfile("bad", [0.5], recall=[[0.5, 0.4]])
+    assert geometric_recall([0.8], 4, 0.5 ** 3) == [[0.8, 0.9, 0.95, 0.975]]
+
+
+def test_replay_tree_equals_ar_and_hits_its_tau(tiny_pair):
+    """The replay drafter proposing the spine + side-branch tree: the target decides every token,
+    and tau follows expected_tau_tree (the side leaves add what the rank profile says)."""
+    from specpilot.engine.replay import expected_tau_tree
+
+    target, drafter = tiny_pair
+    prompts = [torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    n_new, block, branch, depth = 400, 8, 3, 7
+    runner = TargetRunner(target, 2, 20 + n_new + 64)
+    ar = [r.output_ids for r in generate_ar(runner, prompts, n_new)]
+    # a profile whose leaves matter: p = 0.6 per position, recall 0.6 / 0.8 / 0.9 / 0.95
+    prof = AcceptanceProfile("leafy", [0.6] * 7, recall=[[0.6, 0.8, 0.9, 0.95]] * 7)
+    cap = tuple(drafter.config.target_layer_ids)
+    prop = ReplayProposer(ar, prof, 1024, DFlashProposer(drafter), seed=5, block_size=block,
+                          tree_branch=branch, tree_depth=depth)
+    assert prop.verify_width == block + branch * depth
+    rows = generate(TargetRunner(target, 2, 20 + n_new + 64, cap), prop, prompts, n_new)
+    for r, a in zip(rows, ar):
+        assert r.output_ids == a
+    steps = [c for r in rows for c in r.committed_per_step[:-1]]
+    tau = sum(steps) / len(steps)
+    want = expected_tau_tree(prof, block, branch, depth)
+    assert want - expected_tau(prof, block) > 0.5  # the leaves are worth measuring here
+    assert tau == pytest.approx(want, abs=0.35)  # ~240 steps, std of tau per step ~1.7: 3 standard errors
+    hits = sum(leaf is not None for leaf in prop.leaves)
+    assert 1 + (sum(prop.planted) + hits) / len(prop.planted) == pytest.approx(tau, abs=0.3)
+    with pytest.raises(SpecpilotError, match="rank_recall"):
+        ReplayProposer(ar, AcceptanceProfile("chain", [0.6]), 1024, tree_branch=2)
 
 
 def test_serve_with_replay_marks_records_synthetic(tiny_pair):
@@ -382,6 +459,14 @@ with torch.inference_mode():
     # a block's K/V sit past start: the next context injection overwrites them, and a second
     # draft at the same start gives the same tokens (nothing of the first leaks into the second)
     res["redraft_equal"] = bool(torch.equal(fast.draft(anchor, start, 6), tf))
+    # side branches of a spine + side-branch tree from the same step: the eager builder's
+    # (drafters.proposal.side_branches over the eager logits), and never the spine's token
+    from specpilot.drafters.proposal import side_branches
+    sp, alts = fast.draft(anchor, start, 6, branch=2, depth=3)
+    res["tree_spine_equal"] = bool(torch.equal(sp, tr))
+    res["tree_alts_equal"] = bool(torch.equal(alts, side_branches(lr, tr, 3, 2)))
+    res["tree_alts_shape"] = list(alts.shape)
+    res["tree_alts_not_spine"] = bool((alts != sp[:, :3, None]).all())
     # an incremental context step (T = 6 at start) then a draft further on
     f2 = torch.randn(B, 6, 2 * H, generator=g)
     fast.add_context(f2, start); ref.add_context(f2, start)
@@ -405,12 +490,15 @@ print("RESULT " + json.dumps(res))
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
     """FastDrafter (the DFlash draft step and context injection in the target's Triton kernels) vs
-    the eager DFlash network: context K/V, draft logits and tokens, at two rows of different lengths."""
+    the eager DFlash network: context K/V, draft logits and tokens, at two rows of different lengths;
+    the side branches of a tree proposal from the same step equal the eager builder's."""
     res = _interpreted(tmp_path / "draft_check.py", DRAFT_CHECK)
     assert res["supported"]
     assert res["ctx_kv"] < 1e-5 and res["ctx_kv2"] < 1e-5, res
     assert res["logits"] < 1e-5, res
     assert res["tokens_equal"] and res["redraft_equal"] and res["tokens2_equal"], res
+    assert res["tree_spine_equal"] and res["tree_alts_equal"] and res["tree_alts_not_spine"], res
+    assert res["tree_alts_shape"] == [2, 3, 2], res
     assert res["ctx_row"] < 1e-5 and res["ctx_row_other"], res
 
 
@@ -431,14 +519,15 @@ N = 4  # new tokens per request
 reqs = [Request(torch.randint(0, 128, (5 + i,), generator=g).tolist(), N) for i in range(5)]
 
 
-def logged(runner, eager_first=False):
+def logged(runner, eager_first=False, parked=lambda b: False):
     # per cache row, one segment per prompt prefilled into it: the prompt, then the logits the
-    # request's tokens were the argmax of (its prefill's last position, then each decode step)
+    # request's tokens were the argmax of (its prefill's last position, then each decode step;
+    # not the steps while the row is parked for a prefill beside them, whose logits nothing reads)
     log = [[] for _ in range(runner.batch)]
     row, verify, prefill = runner.prefill_row, runner.verify, runner.prefill
 
-    def prefill_row(b, tokens, start):
-        lg, f = row(b, tokens, start)
+    def prefill_row(b, tokens, start, **kw):
+        lg, f = row(b, tokens, start, **kw)
         if start == 0:
             log[b].append({"prompt": list(tokens), "logits": [lg.clone()]})
         else:  # a later chunk of the same prompt
@@ -449,7 +538,7 @@ def logged(runner, eager_first=False):
     def verify_logged(block, parents=None):
         lg, f = verify(block, parents)
         for b in range(runner.batch):
-            if log[b]:
+            if log[b] and not parked(b):
                 log[b][-1]["logits"].append(lg[b, 0].clone())
         return lg, f
 
@@ -473,11 +562,16 @@ def per_request(log, prompts):
     return out
 
 
-def serve(c, order, eager_first=False, chunk=None):
+def serve(c, order, eager_first=False, chunk=None, beside=None, delay=0):
     rs = [reqs[i] for i in order]
     runner = fast_runner(m, c, slots_needed(rs, 1, c > 1))
-    log = logged(runner, eager_first)
-    rows = Scheduler(runner, prefill_chunk=chunk).run(rs)
+    holder = []
+    log = logged(runner, eager_first, parked=lambda b: bool(holder) and b in holder[0]._pending)
+    sched = Scheduler(runner, prefill_chunk=chunk, prefill_beside=beside)
+    holder.append(sched)
+    sched._beside_delay = delay  # admit a finished prefill only after this many polls
+    rows = sched.run(rs)
+    assert sched.beside == bool(beside), (sched.beside, beside)
     outs = {i: r.output_ids for i, r in zip(order, rows)}
     logits = dict(zip(order, per_request(log, [r.prompt_ids for r in rs])))
     return [outs[i] for i in range(len(reqs))], [logits[i] for i in range(len(reqs))]
@@ -487,7 +581,10 @@ res = {}
 with torch.inference_mode():
     ref_out, ref_lg = serve(1, range(5))  # c1: request 0 prefilled at the start, 1..4 as refills
     runs = {"c2": serve(2, range(5)), "c3": serve(3, range(5)),  # requests 1, 2 now start the run
-            "c3_reversed": serve(3, [4, 3, 2, 1, 0]), "c2_chunked": serve(2, range(5), chunk=3)}
+            "c3_reversed": serve(3, [4, 3, 2, 1, 0]), "c2_chunked": serve(2, range(5), chunk=3),
+            # refills prefilled beside the running rows' steps, admitted 0 / 2 polls late
+            "c3_beside": serve(3, range(5), beside=True), "c2_beside_late": serve(2, range(5), beside=True, delay=2),
+            "c3_beside_chunked": serve(3, [4, 3, 2, 1, 0], chunk=3, beside=True, delay=1)}
     runner = fast_runner(m, 2, slots_needed(reqs[:2], 1, True))  # static: one lock-step batch of 2
     log = logged(runner)
     static = generate_ar(runner, [r.prompt_ids for r in reqs[:2]], N)
@@ -501,6 +598,19 @@ with torch.inference_mode():
     # the engine before this path: the first c requests in one eager block (cuBLAS on the GPU)
     _, eager_lg = serve(3, range(5), eager_first=True)
     res["eager_first_logits_equal"] = [bool(torch.equal(a, b)) for a, b in zip(eager_lg, ref_lg)]
+    # the speculative loop (replay drafter, budgets of N tokens) with refills beside, with and
+    # without overlap scheduling: outputs equal AR's, every request's K/V came from its own prefill
+    from specpilot.engine.replay import AcceptanceProfile, ReplayProposer
+    for ov in (False, True):
+        for delay in (0, 3):
+            runner = fast_runner(m, 3, slots_needed(reqs, 4, True))
+            rp = ReplayProposer([ref_out[i] for i in range(3)], AcceptanceProfile("half", [0.5] * 3), 128,
+                                block_size=4)
+            spec_reqs = [Request(r.prompt_ids, N, ref_out[i]) for i, r in enumerate(reqs)]
+            sched = Scheduler(runner, rp, prefill_beside=True, overlap=ov)
+            sched._beside_delay = delay
+            rows = sched.run(spec_reqs)
+            res[f"spec_beside_ov{int(ov)}_d{delay}"] = [r.output_ids for r in rows] == ref_out and sched.beside
 print("RESULT " + json.dumps(res))
 """
 
@@ -510,11 +620,14 @@ def test_prefill_is_the_same_first_or_as_refill_interpreted(tmp_path):
     """Fast path (Triton step, interpreted): a request's logits at every token (its prefill's last
     position, then each decode step) and outputs are bit-identical whether it is prefilled at the
     start of a continuous-batching run or as a refill, at c1, c2, c3, in reverse arrival order, in
-    prefill chunks, and in a static batch: every prompt takes TargetRunner.prefill_row."""
+    prefill chunks, in a static batch, and with refills prefilled beside the running rows' steps
+    (admitted at once or some polls late, AR and the speculative loop with and without overlap):
+    every prompt takes TargetRunner.prefill_row."""
     res = _interpreted(tmp_path / "prefill_check.py", PREFILL_CHECK)
     assert res["distinct_outputs"] > 1, res
-    for name in ("c2", "c3", "c3_reversed", "c2_chunked"):
+    for name in ("c2", "c3", "c3_reversed", "c2_chunked", "c3_beside", "c2_beside_late", "c3_beside_chunked"):
         assert res[name + "_outputs_equal"] and all(res[name + "_logits_equal"]), (name, res)
+    assert all(res[f"spec_beside_ov{o}_d{d}"] for o in (0, 1) for d in (0, 3)), res
     assert res["static_outputs_equal"] and res["static_logits_equal"], res
     # the check has teeth: the former eager first batch gives other bits than its refill
     # (recorded, not required: it depends on the CPU's BLAS)

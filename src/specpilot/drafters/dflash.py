@@ -85,11 +85,15 @@ class DFlashProposer:
         self.lm_head = runner.model.lm_head
         # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
         self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
-        if self.branch == 0 and not self.second_level and not self.confidence and \
-                use_graphs(self.use_graphs, first.device):
-            from ..engine.graphs import drafter_graphs
+        if not self.second_level and not self.confidence and use_graphs(self.use_graphs, first.device):
+            from ..engine.graphs import drafter_graphs, fast_drafter_supported
 
-            self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
+            # side branches come out of the captured Triton draft step (plain DFlash); other
+            # networks with side branches draft eagerly
+            if self.branch == 0 or fast_drafter_supported(self.drafter):
+                self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
+                if self.branch and self.graphs.fast is None:
+                    self.graphs = None
         with torch.inference_mode():
             self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
@@ -100,8 +104,11 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:
         """A chain (anchor + B-1 drafts) or the spine + side-branch tree after ``last`` [B]."""
-        if self.graphs is not None:
+        if self.graphs is not None and not self.branch:
             return chain(last, self.graphs.draft(last, start, self._net_block()))
+        if self.graphs is not None and self.graphs.fast is not None:  # spine + side branches, one captured step
+            spine, alts = self.graphs.draft(last, start, self._net_block(), self.branch, self.depth)
+            return spine_tree(last, spine, alts)
         tokens, logits = self._draft(last, start)
         if self.second_level:
             return chain(last, torch.cat([tokens, self._second_level(tokens, start)], 1))

@@ -291,23 +291,24 @@ class FastFamilyTarget(FastTarget):
             x = F.embedding(ws.tok, m.model.embed_tokens.weight)
         if self.embed_scale is not None:
             x = self.k.rmsnorm(x, self.embed_scale, x, c.rms_norm_eps)  # row-wise: in place is safe
-        for i, layer in enumerate(m.model.layers):
-            p = self.P[i]
-            if p["kind"] == "linear_attention":
-                self._gdn(x, p, st, rows, start, T, M, ws, write)
-            else:
-                self._attention(x, p, st, rows, start, T, M, ws)
-            self._mlp(x, p, layer, ws)
-            if i in capture:
-                j = capture.index(i)
-                ws.feats[:, j * H:(j + 1) * H].copy_(x)
-        feats = ws.feats[:M].view(B, T, -1) if capture else None
-        self._last = (B, T, rows, ws) if (self.n_gdn and not write) else None
-        if last_only:
-            logits = ws.logits[:B]
-            self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, logits, ws, norm=self.final)
-            self._cap(logits)
-            return logits.view(B, 1, -1), feats
+        with self.prefilling(last_only):
+            for i, layer in enumerate(m.model.layers):
+                p = self.P[i]
+                if p["kind"] == "linear_attention":
+                    self._gdn(x, p, st, rows, start, T, M, ws, write)
+                else:
+                    self._attention(x, p, st, rows, start, T, M, ws)
+                self._mlp(x, p, layer, ws)
+                if i in capture:
+                    j = capture.index(i)
+                    ws.feats[:, j * H:(j + 1) * H].copy_(x)
+            feats = ws.feats[:M].view(B, T, -1) if capture else None
+            self._last = (B, T, rows, ws) if (self.n_gdn and not write) else None
+            if last_only:
+                logits = ws.logits[:B]
+                self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, logits, ws, norm=self.final)
+                self._cap(logits)
+                return logits.view(B, 1, -1), feats
         self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=self.final)
         self._cap(ws.logits[:M])
         return ws.logits[:M].view(B, T, -1), feats

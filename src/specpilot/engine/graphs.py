@@ -40,6 +40,7 @@ reuses a cache of the same shape, so graphs survive from one batch of requests t
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,6 +74,60 @@ DEFAULT_CONFIGS = {
 }
 DEFAULT_ATTN_ROWS = 0  # query rows per attention program: 0 = 16 for decode, 64 for blocks (AttnWorkspace)
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
+PREFILL_CUBLAS_MIN_ROWS = 64  # a prefill matmul of this many rows or more runs cuBLAS (FastTarget._pick)
+# a decode / verify matmul of this many rows or more may run cuBLAS where it is checked bit-equal
+# (FastTarget._select). Below it the step is bound by weight bandwidth and the tuned Triton configs
+# were as fast or faster on the H200 (1 x 32 verify 5.02 ms Triton vs 5.07 with cuBLAS; AR at
+# 20 / 24 rows 5.31 / 5.40 vs 5.35 / 5.46 ms; gpu_bench/verify_h200_2026-12-02_checked-cublas.json)
+CHECKED_CUBLAS_MIN_ROWS = 64
+# a checked matmul may also run cuBLAS on up to this many rows more than the step has (the
+# workspaces keep that slack): cuBLAS picks its algorithm by shape, and at some M (e.g. the down
+# projection of 16 x 16 = 256 rows) only a slightly larger M reduces in the decode kernels' order
+# (gpu_bench/verify_h200_2026-12-02_checked-cublas.json: down at 256 rows not bit-equal, at 272 bit-equal)
+CUBLAS_PAD_ROWS = (16, 32)
+
+
+def _cfg_key(c) -> str:
+    return c if isinstance(c, str) else c.key()
+
+
+@dataclass(frozen=True)
+class PaddedCublas:
+    """cuBLAS over ``rows`` rows for a matmul of fewer (the step's rows, then workspace slack whose
+    outputs nothing reads); chosen by :meth:`FastTarget._select` only where it is bit-equal."""
+
+    rows: int
+
+    def key(self) -> str:
+        return f"cublas@{self.rows}"
+
+
+_L2_FLUSH: list = []  # a buffer twice the L2 cache, written before each timed call of median_ms
+
+
+def median_ms(fn, iters: int = 5, warmup: int = 2, flush_l2: bool = True) -> float:
+    """Median device milliseconds of ``fn()`` over ``iters`` calls (CUDA events), after ``warmup``.
+
+    ``flush_l2``: overwrite the L2 cache before each timed call, so a matmul reads its weight from
+    device memory as it does in a step over every layer (a probe on one layer's weight would
+    otherwise find it in L2 and favour whichever option is more bound by bandwidth)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if flush_l2 and not _L2_FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or (64 << 20)
+        _L2_FLUSH.append(torch.empty(2 * l2, dtype=torch.uint8, device="cuda"))
+    times = []
+    for _ in range(iters):
+        if flush_l2:
+            _L2_FLUSH[0].zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
 
 
 def with_decode_configs(decode: dict, tables: dict | None = None) -> dict:
@@ -219,6 +274,7 @@ class _Workspace:
     xn: torch.Tensor | None = None
     gu: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)  # FastDrafter's buffers (context, K/V projections, tree bits)
+    rows: int = 0  # the step's rows (B x T, padded for explicit cuBLAS); buffers may hold slack beyond (0: none)
 
 
 CUBLAS = "cublas"
@@ -244,16 +300,35 @@ class FastTarget:
     classification covers that). Row independence of Triton entries: see
     :mod:`specpilot.engine.triton_step` (checked on the GPU by ``benchmarks/bench_verify.py``).
 
+    **Checked cuBLAS** (``checked_cublas``, default on; CUDA only). cuBLAS runs a batched verify's
+    GEMMs (M = 128-384 rows) 25-45 % faster than these Triton kernels (H200, BENCHMARKS.md), and
+    on most shapes its rows are bit-equal to the decode kernels' (its algorithm reduces over K in
+    the same order); on some (split-K) they are not. So the first call of each (role, M, weight
+    shape) of at least 64 rows checks the options on a probe against the decode config and keeps
+    the fastest bit-equal one (:meth:`_select`, recorded in :attr:`selection`): the table's Triton
+    entry, cuBLAS, and cuBLAS over 16 or 32 rows more (:class:`PaddedCublas`; the workspaces of
+    such steps keep that slack), since cuBLAS picks its algorithm by shape. Row independence
+    holds on any GPU and library, by check rather than by assumption, and no shape is faster by
+    being inexact. Below 64 rows (bound by weight bandwidth) the tuned Triton configs were as fast.
+    Prefill matmuls (``forward(last_only=True)``, >= 64 rows) run cuBLAS unchecked: a
+    prompt is prefilled by the same calls in every engine and in token forcing, so it only needs
+    to be deterministic. ``checked_cublas=False`` keeps the tables' Triton entries everywhere.
+
     Raises SpecpilotError for an unknown role or a malformed config.
     """
 
-    def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None):
+    def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None,
+                 checked_cublas: bool = True):
         from . import triton_step
 
         self.k = triton_step
         self.model = model
         # query rows per attention program (0: by block length, see triton_step.AttnWorkspace)
         self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
+        self.checked_cublas = bool(checked_cublas)
+        self._chosen: dict[tuple, object] = {}  # (role, M, weight shape, ...) -> checked config
+        self.selection: dict[str, dict] = {}  # what _select found per shape (for records and benchmarks)
+        self._prefilling = False
         self._fuse_weights()
         self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
         self._ws: dict[tuple, _Workspace] = {}
@@ -297,6 +372,9 @@ class FastTarget:
             t = self._tiers(c)
             changed |= self.configs[role] != t
             self.configs[role] = t
+        if changed:
+            self._chosen.clear()
+            self.selection.clear()
         return changed
 
     def config_for(self, role: str, rows: int):
@@ -334,7 +412,8 @@ class FastTarget:
         key = (B, T, n_capture, max_seq, pad, self.attn_rows)
         ws = self._ws.get(key) if keep else None
         if ws is None:
-            M = -(-B * T // pad) * pad
+            rows = -(-B * T // pad) * pad
+            M = rows + (self._slack(rows) if keep else 0)
             nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
             z = dict(dtype=dt, device=dev)
             ws = _Workspace(
@@ -345,27 +424,153 @@ class FastTarget:
                 attn_ws=self.k.AttnWorkspace(B, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                              max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
+            ws.rows = rows
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
             if keep:
                 self._ws[key] = ws
         return ws
 
+    def _slack(self, rows: int) -> int:
+        """Workspace rows beyond a step's ``rows`` for :class:`PaddedCublas` options."""
+        return max(CUBLAS_PAD_ROWS) if self.checked_cublas and rows >= CHECKED_CUBLAS_MIN_ROWS else 0
+
     def _linear(self, role, x, w, out, ws, norm=None, residual=None, swiglu=False):
-        cfg = self.config_for(role, x.shape[0])
+        """One matmul role on x [M, K] into ``out`` with the config :meth:`_pick` chooses for it.
+
+        ``x`` / ``out`` may be whole workspace buffers: only the step's ``ws.rows`` rows are
+        computed, but for a :class:`PaddedCublas` choice, which runs over the slack rows too.
+        ``residual`` is ``out`` itself or None."""
+        n = min(x.shape[0], ws.rows) if getattr(ws, "rows", 0) else x.shape[0]
+        room = min(x.shape[0], out.shape[0])
+        xr, outr = x[:n], out[:n]
+        cfg = self._pick(role, xr, w, norm, residual, swiglu, room)
+        if isinstance(cfg, PaddedCublas):
+            xr, outr = x[:cfg.rows], out[:cfg.rows]
+            cfg = CUBLAS
+        return self._apply(cfg, xr, w, outr, ws, norm, outr if residual is not None else None, swiglu)
+
+    def _apply(self, cfg, x, w, out, ws, norm=None, residual=None, swiglu=False):
+        """``out = epilogue(norm(x) @ w.T)`` through ``cfg`` (a LinearConfig or ``"cublas"``).
+
+        The cuBLAS variant runs the norm and SwiGLU as the Triton prenorm configs do (same
+        kernels, same roundings), so only the GEMM's own reduction can make its rows differ."""
+        M = x.shape[0]
         eps = self.model.config.rms_norm_eps
         if cfg != CUBLAS:
             if cfg.prenorm and norm is not None:
-                x, norm = self.k.rmsnorm(x, norm, ws.xn, eps), None
+                x, norm = self.k.rmsnorm(x, norm, ws.xn[:M], eps), None
             return self.k.linear(x, w, out, cfg=cfg, norm=norm, eps=eps, residual=residual, swiglu=swiglu)
         if norm is not None:
-            x = self.k.rmsnorm(x, norm, ws.xn, eps)
+            x = self.k.rmsnorm(x, norm, ws.xn[:M], eps)
         if residual is not None:  # out is the residual: out += x @ w.T in the GEMM epilogue
             return out.addmm_(x, w.t())
         if swiglu:
-            torch.mm(x, w.t(), out=ws.gu)
-            return self.k.silu_mul(ws.gu, out)
+            if ws.gu is None or ws.gu.shape[0] < M or ws.gu.shape[1] != w.shape[0]:
+                ws.gu = torch.empty(max(M, ws.xn.shape[0]), w.shape[0], dtype=x.dtype, device=x.device)
+            gu = torch.mm(x, w.t(), out=ws.gu[:M])
+            return self.k.silu_mul(gu, out)
         return torch.mm(x, w.t(), out=out)
+
+    @contextlib.contextmanager
+    def prefilling(self, on: bool = True):
+        """Within the block, matmuls are a prefill's (:meth:`_pick`)."""
+        before, self._prefilling = self._prefilling, bool(on)
+        try:
+            yield
+        finally:
+            self._prefilling = before
+
+    def _pick(self, role, x, w, norm, residual, swiglu, room: int = 0):
+        """The config of one matmul call (see :attr:`checked_cublas`).
+
+        The table's entry for M = x's rows, except on a CUDA device: a prefill matmul
+        (``forward(last_only=True)``) of at least :data:`PREFILL_CUBLAS_MIN_ROWS` rows runs cuBLAS
+        (deterministic for a given prompt and chunk, which is all a prefill needs: every engine and
+        token forcing prefill a prompt through the same calls); a decode / verify matmul of at least
+        :data:`CHECKED_CUBLAS_MIN_ROWS` rows runs whatever :meth:`_select` found fastest among the
+        options whose every row is bit-equal to the same row computed by the decode config.
+        """
+        M = x.shape[0]
+        cfg = self.config_for(role, M)
+        if cfg == CUBLAS or not self.checked_cublas or not self._on_gpu(x):
+            return cfg
+        if self._prefilling:
+            return CUBLAS if M >= PREFILL_CUBLAS_MIN_ROWS else cfg
+        if M < CHECKED_CUBLAS_MIN_ROWS:
+            return cfg
+        pads = tuple(M + p for p in CUBLAS_PAD_ROWS if M + p <= room)
+        key = (role, M, tuple(w.shape), norm is not None, residual is not None, bool(swiglu), pads)
+        c = self._chosen.get(key)
+        if c is None:
+            if torch.cuda.is_current_stream_capturing():  # no probing inside a capture: the table's (invariant) entry
+                return cfg
+            c = self._chosen[key] = self._select(key, cfg, w, norm, residual is not None, swiglu)
+        return c
+
+    @staticmethod
+    def _on_gpu(x: torch.Tensor) -> bool:
+        """Whether matmuls on ``x`` may run cuBLAS (a CUDA tensor; the CPU interpreter never does)."""
+        return x.is_cuda
+
+    @staticmethod
+    def _time(cfg, fn) -> float:
+        """Median device milliseconds of ``fn`` (one call of option ``cfg``) for :meth:`_select`."""
+        return median_ms(fn)
+
+    @torch.inference_mode()
+    def _select(self, key, table_cfg, w, norm, residual: bool, swiglu: bool):
+        """Check and time the options of one (role, M, weight shape) matmul; returns the fastest
+        option whose output is bit-equal, row for row, to the decode config's (the config of
+        M <= 16 rows, whose 16-row tiles compute each row exactly as a one-row decode does).
+
+        Options: the table's Triton entry for M, cuBLAS (``torch.mm``) on the M rows, and cuBLAS on
+        M + 16 / M + 32 rows (:class:`PaddedCublas`, where the caller's buffers have that slack:
+        ``key[-1]``). Each is checked on a random probe x (and residual) with the role's real
+        weight and norm, its first M rows against the decode config's; whichever fails is never
+        used for this shape, so a row's logits stay those of the row decoded alone (row
+        independence) on any GPU and library version, whatever cuBLAS's heuristics pick. Records
+        the outcome in :attr:`selection` (key string -> dict). Falls back to the decode config
+        when no option is bit-equal.
+        """
+        import types
+
+        role, M, pads = key[0], key[1], key[-1]
+        dev, dt = w.device, w.dtype
+        Kd = w.shape[1]
+        N = w.shape[0] // 2 if swiglu else w.shape[0]
+        P = max((M,) + pads)
+        g = torch.Generator(device=dev).manual_seed(1234 + M)
+        x = torch.randn(P, Kd, generator=g, device=dev, dtype=dt)
+        r = torch.randn(P, N, generator=g, device=dev, dtype=dt) if residual else None
+        ws = types.SimpleNamespace(xn=torch.empty(P, Kd, dtype=dt, device=dev), gu=None)
+        base = self.config_for(role, 1)
+
+        def run(cfg, out=None):
+            n = cfg.rows if isinstance(cfg, PaddedCublas) else M
+            if out is None:
+                out = r[:n].clone() if r is not None else torch.empty(n, N, dtype=dt, device=dev)
+            self._apply(CUBLAS if isinstance(cfg, PaddedCublas) else cfg, x[:n], w, out, ws, norm,
+                        out if r is not None else None, swiglu)
+            return out
+
+        ref = run(base)
+        opts = [c for c in (table_cfg, CUBLAS, *(PaddedCublas(p) for p in pads)) if c != base]
+        rec = {"rows": M, "weight": list(w.shape), "decode_config": _cfg_key(base), "options": {}}
+        best, best_t = base, None
+        for c in opts:
+            try:
+                ok = bool(torch.equal(run(c)[:M], ref))
+                t = self._time(c, lambda c=c, o=run(c): run(c, o)) if ok else None
+            except Exception as e:  # noqa: BLE001 - an option that cannot run is not an option
+                rec["options"][_cfg_key(c)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                continue
+            rec["options"][_cfg_key(c)] = {"bit_equal": ok, "ms": t}
+            if ok and (best_t is None or t < best_t):
+                best, best_t = c, t
+        rec["chosen"] = _cfg_key(best)
+        self.selection[f"{role}:{M}:{'x'.join(map(str, w.shape))}"] = rec
+        return best
 
     def _layer(self, x, layer, kc, vc, cos, sin, start, T: int, M: int, ws: _Workspace, anc_bits=None, depth=None):
         """One pre-norm attention + SwiGLU layer on the residual stream ``x`` [>= M, hidden] (in place).
@@ -416,17 +621,18 @@ class FastTarget:
         rows = rows if rows is not None else slice(None)
         if m.cache.k[rows].shape[0] != B:
             raise SpecpilotError(f"a block of {B} rows for cache rows {rows} of a batch of {m.cache.k.shape[0]}")
-        for i, layer in enumerate(m.model.layers):
-            self._layer(x, layer, m.cache.k[rows, i], m.cache.v[rows, i], m.cos, m.sin, start, T, M, ws,
-                        anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None)
-            if i in capture:
-                j = capture.index(i)
-                ws.feats[:, j * H:(j + 1) * H].copy_(x)
-        feats = ws.feats[:M].view(B, T, -1) if capture else None
-        if last_only:
-            self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, ws.logits[:B], ws,
-                         norm=m.model.norm.weight)
-            return ws.logits[:B].view(B, 1, -1), feats
+        with self.prefilling(last_only):
+            for i, layer in enumerate(m.model.layers):
+                self._layer(x, layer, m.cache.k[rows, i], m.cache.v[rows, i], m.cos, m.sin, start, T, M, ws,
+                            anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None)
+                if i in capture:
+                    j = capture.index(i)
+                    ws.feats[:, j * H:(j + 1) * H].copy_(x)
+            feats = ws.feats[:M].view(B, T, -1) if capture else None
+            if last_only:
+                self._linear("lm_head", x[:M].view(B, T, H)[:, -1], m.lm_head.weight, ws.logits[:B], ws,
+                             norm=m.model.norm.weight)
+                return ws.logits[:B].view(B, 1, -1), feats
         self._linear("lm_head", x, m.lm_head.weight, ws.logits, ws, norm=m.model.norm.weight)
         return ws.logits[:M].view(B, T, -1), feats
 
@@ -492,11 +698,17 @@ class FastDrafter(FastTarget):
         return t
 
     @torch.inference_mode()
-    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int, branch: int = 0,
+              depth: int = 0):
         """Draft tokens int64 [B, block_size - 1] (argmax) after ``anchor`` int64 [B] at ``start`` int64 [B].
 
-        Same contract as :meth:`DFlashDrafter.draft` (tokens only). Raises SpecpilotError for a
-        block of more than 63 slots (the ancestor bits of one int64).
+        Same contract as :meth:`DFlashDrafter.draft` (tokens only). With ``branch`` > 0 also the
+        side branches of a "spine + side branches" tree (:func:`~specpilot.drafters.proposal.spine_tree`):
+        returns (spine [B, block_size - 1], alternatives int64 [B, min(depth, block_size - 1), branch]),
+        the alternatives at position i being the drafter's next ``branch`` best tokens there (one
+        top-(branch + 1) per position, whose first is the spine token; so they never repeat it), all
+        inside the captured step. Raises SpecpilotError for a block of more than 63 slots (the
+        ancestor bits of one int64).
         """
         d, c = self.model, self.model.config
         B, T = anchor.shape[0], int(block_size)
@@ -517,9 +729,13 @@ class FastDrafter(FastTarget):
             self._layer(x, layer, d.ctx_k[i], d.ctx_v[i], d.cos, d.sin, start, T, M, ws, anc_bits=anc)
         self._linear("lm_head", x, self.lm_w, ws.logits, ws, norm=d.norm.weight)
         logits = ws.logits[:M].view(B, T, -1)[:, 1:]
-        if c.output_multiplier < 0:  # a negative scale reverses the order (the softcap keeps it)
-            return logits.argmin(-1)
-        return logits.argmax(-1)
+        largest = c.output_multiplier >= 0  # a negative scale reverses the order (the softcap keeps it)
+        spine = logits.argmax(-1) if largest else logits.argmin(-1)
+        if not branch:
+            return spine
+        dd = min(int(depth), T - 1)
+        top = logits[:, :dd].topk(int(branch) + 1, dim=-1, largest=largest).indices
+        return torch.cat([top[..., 0], spine[:, dd:]], 1), top[..., 1:]
 
     @torch.inference_mode()
     def add_context(self, features: torch.Tensor, start: torch.Tensor, rows: slice | None = None) -> None:
@@ -810,6 +1026,18 @@ def step_graphs(model: Transformer, kernels: str | None = "auto", configs: dict 
     return store[kernels]
 
 
+def matmul_choices(model) -> dict[str, str]:
+    """What the checked-cuBLAS selection of ``model``'s fast step chose so far: ``"role:M:NxK"`` ->
+    ``"cublas"`` or a Triton config key (empty when the model runs no Triton step; see
+    :meth:`FastTarget._select`). For a DFlash drafter, its draft step's choices."""
+    out = {}
+    for g in list(model.__dict__.get("_step_graphs", {}).values()) + list(model.__dict__.get("_drafter_graphs", {}).values()):
+        fast = getattr(g, "fast", None)
+        if fast is not None:
+            out.update({k: v["chosen"] for k, v in fast.selection.items()})
+    return out
+
+
 class DrafterGraphs:
     """Captured DFlash drafter steps: ``draft`` and ``add_context`` per shape."""
 
@@ -830,15 +1058,20 @@ class DrafterGraphs:
     def _token(self):
         return (self.drafter.ctx_k.data_ptr(), tuple(self.drafter.ctx_k.shape))
 
-    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Draft tokens [B, block_size - 1] (static buffer) after ``anchor`` [B] at ``start`` [B]."""
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, block_size: int, branch: int = 0, depth: int = 0):
+        """Draft tokens [B, block_size - 1] (static buffer) after ``anchor`` [B] at ``start`` [B]; with
+        ``branch`` > 0 (the Triton draft step only) also the side branches, see :meth:`FastDrafter.draft`.
+
+        Raises SpecpilotError for side branches without the Triton draft step."""
         if self.fast is not None:
-            fn = lambda a, s: self.fast.draft(a, s, block_size)  # noqa: E731
+            fn = lambda a, s: self.fast.draft(a, s, block_size, branch, depth)  # noqa: E731
+        elif branch:
+            raise SpecpilotError("side branches in a captured draft step need the Triton draft step (plain DFlash)")
         else:
             fn = lambda a, s: self.drafter.draft(a, s, self.embed, self.lm_head, block_size)[0]  # noqa: E731
+        key = ("draft", anchor.shape[0], block_size) + ((branch, depth) if branch else ())
         with torch.inference_mode():
-            return self.cache.run(("draft", anchor.shape[0], block_size), fn, (anchor, start), self._token(),
-                                  self._prepare)
+            return self.cache.run(key, fn, (anchor, start), self._token(), self._prepare)
 
     def add_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
         """Inject target features [B, T, F] of positions start..start+T-1 into the draft cache."""

@@ -18,6 +18,16 @@ position gets a wrong token (reference token + 1 mod vocab), so the target rejec
 
 (:func:`expected_tau`). Profiles are JSON files shipped in the package (``specpilot/replay_profiles/``,
 listed by :func:`profile_names`) or any path.
+
+Trees (``tree_branch`` b > 0, ``tree_depth`` d): the replay proposes the engine's "spine + side
+branches" tree (:func:`~specpilot.drafters.proposal.spine_tree`): the spine as above, and at each
+of the first d draft positions b side leaves standing for the drafter's next-best tokens. Where
+the spine is first wrong (position j = A + 1 <= d), the reference token is among those leaves
+with the chance that the correct token's rank lies in 2..b+1 given it is not 1, from the
+profile's ``rank_recall`` (per position, the cumulative recall P(rank <= r | earlier positions
+accepted) for r = 1..K; its first column equals the conditional acceptance); its leaf is the one of
+rank r. Side leaves have no children, so a hit commits one token more. The expected tau is
+:func:`expected_tau_tree`. A profile without ``rank_recall`` cannot model trees.
 """
 
 from __future__ import annotations
@@ -55,14 +65,41 @@ class AcceptanceProfile:
     source: str = ""
     target_tau: float | None = None
     extra: dict = field(default_factory=dict)
+    recall: list[list[float]] | None = None  # rank_recall: per position, P(rank <= r), r = 1..K
 
     def __post_init__(self):
         if not self.rates or any(not (0.0 <= p <= 1.0) for p in self.rates):
             raise SpecpilotError(f"profile {self.name!r}: conditional acceptance rates must lie in [0, 1]")
+        if self.recall is not None:
+            if len(self.recall) != len(self.rates):
+                raise SpecpilotError(f"profile {self.name!r}: rank_recall has {len(self.recall)} positions, "
+                                     f"conditional_acceptance {len(self.rates)}")
+            for j, (row, p) in enumerate(zip(self.recall, self.rates), 1):
+                if not row or any(not (0.0 <= x <= 1.0) for x in row) or any(b < a - 1e-9 for a, b in zip(row, row[1:])):
+                    raise SpecpilotError(f"profile {self.name!r}: rank_recall at position {j} must be "
+                                         f"non-decreasing values in [0, 1], got {row}")
+                if abs(row[0] - p) > 1e-6:
+                    raise SpecpilotError(f"profile {self.name!r}: rank_recall at position {j} starts at {row[0]}, "
+                                         f"not at the conditional acceptance {p}")
 
     def rate(self, j: int) -> float:
         """p_j for draft position j >= 1 (the last rate repeats past the profile's length)."""
         return self.rates[min(j, len(self.rates)) - 1]
+
+    def recall_at(self, j: int, r: int) -> float:
+        """P(rank <= r | drafts 1..j-1 accepted) at draft position j >= 1 for rank r >= 1 (the last
+        position repeats past the profile's length; ranks past the profile's K recall no more).
+
+        Raises SpecpilotError for a profile without ``rank_recall``."""
+        if self.recall is None:
+            raise SpecpilotError(f"profile {self.name!r} has no rank_recall: it cannot model side branches")
+        row = self.recall[min(j, len(self.recall)) - 1]
+        return row[min(r, len(row)) - 1]
+
+    def side_hit(self, j: int, branch: int) -> float:
+        """P(the correct token at position j is among ranks 2..branch+1 | it is not rank 1)."""
+        p1 = self.recall_at(j, 1)
+        return 0.0 if p1 >= 1.0 else (self.recall_at(j, branch + 1) - p1) / (1.0 - p1)
 
     def sample(self, k: int, rng: random.Random) -> int:
         """Accepted count A in 0..k for a block of k drafts."""
@@ -71,10 +108,30 @@ class AcceptanceProfile:
             a += 1
         return a
 
+    def sample_tree(self, k: int, branch: int, depth: int, rng: random.Random) -> tuple[int, int | None]:
+        """(A, leaf): the spine's accepted count as :meth:`sample`, and where the spine is first
+        wrong at a position j = A + 1 <= depth, the side leaf (0 .. branch-1, rank leaf + 2) that
+        holds the correct token, or None."""
+        a = self.sample(k, rng)
+        if a >= k or a + 1 > depth or branch < 1:
+            return a, None
+        j = a + 1
+        if rng.random() >= self.side_hit(j, branch):
+            return a, None
+        p1, top = self.recall_at(j, 1), self.recall_at(j, branch + 1)
+        u = p1 + rng.random() * (top - p1)  # the rank r with recall(r - 1) < u <= recall(r)
+        for r in range(2, branch + 2):
+            if u <= self.recall_at(j, r):
+                return a, r - 2
+        return a, branch - 1
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "block_size": self.block_size, "source": self.source,
-                "target_tau": self.target_tau, "expected_tau": round(expected_tau(self, self.block_size), 4),
-                "conditional_acceptance": self.rates, **self.extra}
+        d = {"name": self.name, "block_size": self.block_size, "source": self.source,
+             "target_tau": self.target_tau, "expected_tau": round(expected_tau(self, self.block_size), 4),
+             "conditional_acceptance": self.rates, **self.extra}
+        if self.recall is not None:
+            d["rank_recall"] = self.recall
+        return d
 
 
 def expected_tau(profile: AcceptanceProfile, block_size: int | None = None) -> float:
@@ -85,6 +142,31 @@ def expected_tau(profile: AcceptanceProfile, block_size: int | None = None) -> f
         run *= profile.rate(j)
         tau += run
     return tau
+
+
+def expected_tau_tree(profile: AcceptanceProfile, block_size: int, branch: int, depth: int) -> float:
+    """Expected tau of the spine + side-branch tree: the chain's tau plus, per position j <= depth,
+    P(the spine is first wrong at j) x :meth:`AcceptanceProfile.side_hit` (a side leaf commits one
+    token more). ``branch`` 0 gives :func:`expected_tau`."""
+    k = block_size - 1
+    tau = expected_tau(profile, block_size)
+    if branch < 1:
+        return tau
+    run = 1.0  # P(drafts 1..j-1 accepted)
+    for j in range(1, min(depth, k) + 1):
+        p = profile.rate(j)
+        tau += run * (1.0 - p) * profile.side_hit(j, branch)
+        run *= p
+    return tau
+
+
+def geometric_recall(rates: list[float], ranks: int = 16, miss_ratio: float = 0.005 / 0.146) -> list[list[float]]:
+    """Cumulative rank recall per position from its top-1 rate p: the miss 1 - recall(r) falls
+    geometrically from 1 - p at r = 1 to ``miss_ratio`` x (1 - p) at r = ``ranks``. The default
+    ratio is DFlash2's published top-1 85.4 % / top-16 99.5 % recall (inco.ai, quoted in
+    notes/drafters.md): misses 0.146 -> 0.005. An assumption between those two points."""
+    rho = miss_ratio ** (1.0 / (ranks - 1))
+    return [[round(1.0 - (1.0 - p) * rho ** (r - 1), 6) if r > 1 else p for r in range(1, ranks + 1)] for p in rates]
 
 
 def load_profile(path_or_name: str | Path) -> AcceptanceProfile:
@@ -105,10 +187,14 @@ def load_profile(path_or_name: str | Path) -> AcceptanceProfile:
         raise SpecpilotError(f"{p} is not valid JSON: {e}") from None
     if not isinstance(d.get("conditional_acceptance"), list):
         raise SpecpilotError(f"{p}: a profile needs a 'conditional_acceptance' list")
-    known = {"name", "conditional_acceptance", "block_size", "source", "target_tau", "expected_tau"}
+    recall = d.get("rank_recall")
+    if recall is not None and not (isinstance(recall, list) and all(isinstance(r, list) for r in recall)):
+        raise SpecpilotError(f"{p}: 'rank_recall' must be a list (per position) of lists (per rank)")
+    known = {"name", "conditional_acceptance", "block_size", "source", "target_tau", "expected_tau", "rank_recall"}
     return AcceptanceProfile(name=d.get("name", Path(p.name).stem), rates=[float(x) for x in d["conditional_acceptance"]],
                              block_size=int(d.get("block_size", 16)), source=d.get("source", ""),
-                             target_tau=d.get("target_tau"), extra={k: v for k, v in d.items() if k not in known})
+                             target_tau=d.get("target_tau"), extra={k: v for k, v in d.items() if k not in known},
+                             recall=[[float(x) for x in r] for r in recall] if recall is not None else None)
 
 
 def calibrate(target_tau: float, block_size: int = 16, slope: float = 0.006) -> list[float]:
@@ -138,6 +224,10 @@ class ReplayProposer:
             row's prompt tokens. Each row draws from its own generator seeded by (``seed``, key),
             so requests get different acceptance sequences, the same ones on every run, whichever
             requests share their batch.
+        tree_branch, tree_depth: propose the spine + side-branch tree (see the module docstring;
+            the network, when it is a DFlash proposer, drafts the same tree for its cost).
+    Raises:
+        SpecpilotError: a block size < 2; side branches with a profile without ``rank_recall``.
     """
 
     synthetic = True
@@ -146,11 +236,16 @@ class ReplayProposer:
 
     def __init__(self, references: list[list[int]], profile: AcceptanceProfile, vocab_size: int,
                  network=None, seed: int = 0, row_keys: list[str] | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1):
         self.refs = [list(r) for r in references]
         self.block_size = int(block_size or getattr(network, "block_size", 0) or profile.block_size)
         if self.block_size < 2:
             raise SpecpilotError(f"replay: block size must be >= 2, got {self.block_size}")
+        self.branch, self.depth = int(tree_branch), int(tree_depth)
+        if self.branch < 0 or self.depth < 0:
+            raise SpecpilotError("replay: tree_branch and tree_depth must be >= 0")
+        if self.branch and profile.recall is None:
+            raise SpecpilotError(f"replay: side branches need a profile with rank_recall; {profile.name!r} has none")
         self.capture = tuple(getattr(network, "capture", ()))
         self.profile = profile
         self.vocab = vocab_size
@@ -159,6 +254,7 @@ class ReplayProposer:
         self.row_keys = None if row_keys is None else [str(k) for k in row_keys]
         self.rngs: list[random.Random] = []
         self.planted: list[int] = []  # accepted count drawn per step and row (for tests)
+        self.leaves: list[int | None] = []  # side leaf holding the correct token per step and row (trees)
 
     @staticmethod
     def _row_rng(seed: int, key: str) -> random.Random:
@@ -182,7 +278,8 @@ class ReplayProposer:
 
     @property
     def verify_width(self) -> int:
-        return self.block_size
+        """Tokens per verify forward: anchor + drafts (+ the side leaves of a tree)."""
+        return self.block_size + self.branch * min(self.depth, self.block_size - 1)
 
     def propose(self, last, start):
         """A chain of block_size - 1 reference tokens with one planted wrong token (or none)."""
@@ -194,6 +291,7 @@ class ReplayProposer:
     def _network_block(self) -> None:
         if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
             self.network.block_size = self.block_size
+            self.network.branch, self.network.depth = self.branch, self.depth  # and its side branches
 
     def can_observe_row(self) -> bool:
         """Row-wise context injection is available when the network has it (or there is none)."""
@@ -206,10 +304,10 @@ class ReplayProposer:
 
     # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
     def can_overlap(self) -> bool:
-        """Overlaps when its network does (or there is none)."""
+        """Overlaps when its network does (or there is none); chains only."""
         from .overlap import can_overlap
 
-        return self.network is None or can_overlap(self.network)
+        return self.branch == 0 and (self.network is None or can_overlap(self.network))
 
     def observe_device(self, features, start, counts) -> None:
         """The network's context injection of a verified block (device work only)."""
@@ -229,19 +327,35 @@ class ReplayProposer:
         return None
 
     def proposal(self, handle, last):
-        """The reference chain behind ``last`` [B] with this step's planted wrong token per row."""
-        from ..drafters.proposal import chain
+        """The reference chain behind ``last`` [B] with this step's planted wrong token per row
+        (a tree: and its side leaves, one of which may hold the reference token)."""
+        from ..drafters.proposal import chain, spine_tree
 
         k = self.block_size - 1
-        rows = []
+        d_ = min(self.depth, k)
+        rows, alts = [], []
         for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
             d = d + [ref[-1] if ref else 0] * (k - len(d))
-            a = self.profile.sample(k, rng)
+            if self.branch:
+                a, leaf = self.profile.sample_tree(k, self.branch, self.depth, rng)
+                self.leaves.append(leaf)
+                # side leaves: tokens other than the spine's and the reference's (wrong), but the
+                # reference token at the drawn leaf where the spine is first wrong
+                alt = [[(d[j] + 2 + s) % self.vocab for s in range(self.branch)] for j in range(d_)]
+                if leaf is not None:
+                    alt[a][leaf] = d[a]
+                alts.append(alt)
+            else:
+                a = self.profile.sample(k, rng)
             self.planted.append(a)
             if a < k:
                 d[a] = (d[a] + 1) % self.vocab
             rows.append(d)
+        if self.branch:
+            spine = torch.tensor(rows, dtype=torch.long, device=self.device)
+            return spine_tree(last, spine, torch.tensor(alts, dtype=torch.long, device=self.device).view(
+                len(rows), d_, self.branch))
         host = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":
             # through pinned memory: a pageable host-to-device copy synchronizes the stream (it would

@@ -210,10 +210,11 @@ class TargetRunner:
         return self.graphs is not None and self.graphs.fast is not None
 
     @torch.inference_mode()
-    def prefill_row(self, b: int, tokens: list[int], start: int):
+    def prefill_row(self, b: int, tokens: list[int], start: int, set_length: bool = True):
         """Prefill ``tokens`` into cache row ``b`` at positions start .. start+T-1 and commit them,
         leaving every other row untouched (continuous batching: a newcomer's prompt costs its own
-        T rows, not T x batch).
+        T rows, not T x batch). ``set_length`` False: the row's committed length is left as it is
+        (a row :meth:`park_row`-ed at the prompt's length while its prefill runs on another stream).
 
         Returns the logits [vocab] at the last position and captured features [1, T, F] (or None). Needs
         :attr:`can_prefill_rows`; raises SpecpilotError otherwise or when the row has no room.
@@ -226,16 +227,33 @@ class TargetRunner:
         ring = self.model.state.ring
         step = ring.reserve if ring is not None and ring.R < self.max_seq else T  # a wrapping ring: chunks
         if T > step:
-            out = [self.prefill_row(b, tokens[s0:s0 + step], start + s0) for s0 in range(0, T, step)]
+            out = [self.prefill_row(b, tokens[s0:s0 + step], start + s0, set_length) for s0 in range(0, T, step)]
             feats = [f for _, f in out]
             return out[-1][0], (torch.cat(feats, 1) if feats[0] is not None else None)
         tok = torch.tensor([tokens], dtype=torch.long).to(self.device)
         st = torch.full((1,), start, dtype=torch.long, device=self.device)
         logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True,
                                                  write=True)
-        self.length[b] = start + T
+        if set_length:
+            self.length[b] = start + T
         self._bound = max(self._bound, start + T)
         return logits[0, 0], feats
+
+    def park_row(self, b: int, length: int) -> None:
+        """Set row ``b``'s committed length to ``length`` for a newcomer whose prompt of that many
+        tokens is being prefilled into the row beside the running rows' steps
+        (:meth:`~specpilot.engine.scheduler.Scheduler._launch_beside`): meanwhile every verify
+        writes the row's cache at slots >= ``length`` only, never the prompt's. Dense targets only
+        (a recurrent state or a sliding-window ring of the row would be shared with the prefill).
+
+        Raises SpecpilotError for other targets or a length beyond the cache.
+        """
+        if not self.model.config.is_dense:
+            raise SpecpilotError("parking a row for a prefill beside the decode steps needs a dense target")
+        if not 0 <= length <= self.max_seq:
+            raise SpecpilotError(f"row {b}: length {length} outside the KV cache of {self.max_seq} slots")
+        self.length[b] = length
+        self._bound = max(self._bound, length)
 
     @torch.inference_mode()
     def verify(self, block: torch.Tensor, parents: torch.Tensor | None = None):

@@ -44,6 +44,7 @@ continuous batching costs a running request).
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +73,17 @@ class RequestResult(RowResult):
     first_token_s: float = 0.0
     finish_s: float = 0.0
     prefill_stall_s: float = 0.0  # seconds of neighbours' prefill steps while this request decoded
+
+
+@dataclass
+class _Beside:
+    """A newcomer's prefill in flight beside the decode steps (:meth:`Scheduler._launch_beside`)."""
+
+    request: int
+    event: object  # torch.cuda.Event recorded after the prefill (None on the CPU: done)
+    first: torch.Tensor  # [1] its first token, copied to (pinned) host memory by the prefill stream
+    arrival: float  # seconds from the run's start when its slot freed
+    delay: int = 0  # tests: polls to wait before admission on the CPU
 
 
 class ARProposer:
@@ -139,15 +151,22 @@ class Scheduler:
         on_step: optional callback(proposal, accepted paths) after each decode step.
         overlap: launch each next draft before the host reads the acceptance
             (:mod:`specpilot.engine.overlap`; drafters that cannot overlap run as without it).
+        prefill_beside: a newcomer's prefill runs on a second CUDA stream beside the running
+            requests' steps instead of stopping them (:meth:`_launch_beside`; needs
+            :meth:`can_prefill_beside`). Off by default: on the H200 at concurrency 16-24 the
+            verify steps already keep the GPU busy, so the prefill only slowed them (BENCHMARKS.md,
+            issue 15: stock 1.60x -> 1.44x AR at c24, 1.76x -> 1.72x at c16).
     Raises:
-        SpecpilotError: a drafter without ``reset_slot``.
+        SpecpilotError: a drafter without ``reset_slot``; ``prefill_beside=True`` where it cannot run.
     """
 
     def __init__(self, runner: TargetRunner, drafter=None, accept: Callable = accept_greedy,
                  eos_id: int | None = None, profile: bool = True, prefill_bucket: int | None = None,
-                 on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False):
+                 on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False,
+                 prefill_beside: bool = False):
         self.runner = runner
         self.overlap = bool(overlap)
+        self.prefill_beside = prefill_beside
         self.drafter = drafter if drafter is not None else ARProposer()
         if not hasattr(self.drafter, "reset_slot"):
             raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
@@ -163,6 +182,10 @@ class Scheduler:
         self.steps = 0  # decode steps of the last run
         self.overlapped = False  # whether the last run's decode steps overlapped (engine.overlap)
         self.prefill_steps = 0  # prefill steps of the last run (the initial fill included)
+        self.beside = False  # whether the last run prefilled refills beside the decode steps
+        self._pending: dict[int, _Beside] = {}  # slot -> its newcomer's prefill in flight
+        self._side = None  # the prefill stream (CUDA)
+        self._beside_delay = 0  # tests: polls a finished CPU prefill waits before it is admitted
 
     @property
     def verify_width(self) -> int:
@@ -173,6 +196,22 @@ class Scheduler:
         and the drafter can (the Triton step on a GPU); else one block over every row."""
         f = getattr(self.drafter, "can_observe_row", None)
         return self.runner.can_prefill_rows and f is not None and bool(f())
+
+    def can_prefill_beside(self) -> bool:
+        """True when a refill can run beside the decode steps: newcomers prefill into their own rows
+        (:meth:`_rows_prefill`), the target is dense (a parked row's verify writes only KV slots
+        past its prompt, which the prefill does not touch; recurrent state or a sliding-window ring
+        would be shared), and there is more than one slot."""
+        r = self.runner
+        return self._rows_prefill() and r.model.config.is_dense and r.batch > 1
+
+    def _use_beside(self) -> bool:
+        if not self.prefill_beside:
+            return False
+        if not self.can_prefill_beside():
+            raise SpecpilotError("prefill_beside needs row prefill on the Triton fast path (a dense target, a "
+                                 "drafter that takes one row's context) and more than one slot")
+        return True
 
     def _check(self, requests: list[Request]) -> None:
         if not requests:
@@ -227,7 +266,12 @@ class Scheduler:
             if self._admit(b, i, firsts[b], 0.0, t1 - t0, t1 - t0, requests, out):
                 slot[b] = None
                 freed.append(b)
-        last = self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
+        self.beside = self._use_beside()
+        self._pending.clear()
+        if self.beside:
+            self._launch_beside(freed, t1 - t0, queue, slot, length, requests, out)
+        else:
+            last = self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
         if isinstance(drafter, ARProposer) and self.eos_id is None and self.on_step is None:
             self._loop_ar(queue, slot, length, last, requests, out, t0)
             return out
@@ -236,7 +280,11 @@ class Scheduler:
 
         pipe = OverlapStepper(runner, drafter, self.accept) if self.overlap and can_overlap(drafter) else None
         self.overlapped = pipe is not None
-        while any(s is not None for s in slot):
+        while any(s is not None for s in slot) or self._pending:
+            if self._pending:  # admit the newcomers whose prefill finished beside the last steps
+                last, _ = self._poll(queue, slot, length, last, requests, out, t0)
+                if not any(s is not None for s in slot):
+                    continue
             if pipe is not None:  # the next draft runs while the host does this step's bookkeeping
                 st = pipe.step(last, [0 if i is None else requests[i].max_new_tokens - len(out[i].output_ids)
                                       for i in slot])
@@ -269,7 +317,10 @@ class Scheduler:
             last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
             for b in range(B):
                 length[b] += counts[b]
-            last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
+            if self.beside:
+                self._launch_beside(freed, now, queue, slot, length, requests, out)
+            else:
+                last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
         return out
 
     def _loop_ar(self, queue, slot, length, last, requests, out, t0) -> None:
@@ -284,12 +335,25 @@ class Scheduler:
         for b, i in enumerate(slot):
             if i is not None:
                 left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
-        while any(i is not None for i in slot):
-            counts = [1 if i is not None else 0 for i in slot]
+        counts_dev = None  # 1 per running slot, on the device: a host tensor would be copied every
+        # step, and a copy from pageable memory waits for the device, so the host could not queue
+        # the next step while the device runs this one; rebuilt only when the running slots change
+        while any(i is not None for i in slot) or self._pending:
+            if self._pending:
+                last, admitted = self._poll(queue, slot, length, last, requests, out, t0)
+                for b in admitted:
+                    if slot[b] is not None:
+                        begin[b] = len(hist)
+                        left[b] = requests[slot[b]].max_new_tokens - len(out[slot[b]].output_ids)
+                counts_dev = None if admitted else counts_dev
+                if not any(i is not None for i in slot):
+                    continue
+            if counts_dev is None:
+                counts_dev = torch.tensor([1 if i is not None else 0 for i in slot], dtype=torch.long).to(dev)
             with torch.inference_mode():
                 logits, _ = runner.verify(last[:, None])
                 last = logits[:, 0].argmax(-1)
-                runner.commit(torch.tensor(counts, dtype=torch.long))
+                runner.commit(counts_dev)
             hist.append(last)
             self.steps += 1
             done = []
@@ -314,16 +378,105 @@ class Scheduler:
                 slot[b] = None
                 if self.on_finish is not None:
                     self.on_finish(i)
-            last = self._refill(done, now, queue, slot, length, last, requests, out, t0)
+            if self.beside:
+                self._launch_beside(done, now, queue, slot, length, requests, out)
+            else:
+                last = self._refill(done, now, queue, slot, length, last, requests, out, t0)
+            counts_dev = None
             for b, i in enumerate(slot):
                 if i is not None and b in done:
                     begin[b] = len(hist)
                     left[b] = requests[i].max_new_tokens - len(out[i].output_ids)
-            if len(hist) > 4096 and all(i is None or begin[b] > 0 for b, i in enumerate(slot)):
+            if len(hist) > 4096 and not self._pending and all(i is None or begin[b] > 0 for b, i in enumerate(slot)):
                 cut = min(begin[b] for b, i in enumerate(slot) if i is not None) if any(
                     i is not None for i in slot) else len(hist)
                 hist = hist[cut:]
                 begin = [max(0, x - cut) for x in begin]
+
+    def _launch_beside(self, freed: list[int], now: float, queue: deque, slot: list, length: list[int],
+                       requests: list[Request], out: list[RequestResult]) -> None:
+        """Start the prefill of a queued request in each freed slot, beside the decode steps.
+
+        The slot is parked first: its committed length is set to the newcomer's prompt length, so
+        the decode steps that run meanwhile (which verify every row; a parked row commits nothing)
+        write the row's KV cache and draft cache only at slots >= the prompt's, while the prefill
+        writes the prompt's slots 0 .. P-1 and the drafter's context of them (``observe_row``); the
+        parked row's own logits are garbage and never read. On CUDA the prefill is queued on a
+        second stream (after everything queued so far on the main one) and an event marks its end;
+        :meth:`_poll` admits the request once the event has passed. The prefill makes the same
+        ``prefill_row`` calls (same chunks) as a blocking refill, so a request's tokens do not
+        depend on which of the two served it. ``arrival_s`` = ``now`` (when the slot freed).
+        """
+        runner, dev = self.runner, self.runner.device
+        cuda = dev.type == "cuda"
+        for b in freed:
+            if not queue:
+                return
+            i = queue.popleft()
+            p = requests[i].prompt_ids
+            runner.park_row(b, len(p))
+            length[b] = len(p)
+            side = None
+            if cuda:
+                if self._side is None:
+                    self._side = torch.cuda.Stream(device=dev)
+                side = self._side
+                side.wait_stream(torch.cuda.current_stream(dev))
+            first = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+            with torch.inference_mode(), (torch.cuda.stream(side) if cuda else _nullcontext()):
+                C = self.chunk or len(p)
+                for s0 in range(0, len(p), C):
+                    logits, feats = runner.prefill_row(b, p[s0:s0 + C], s0, set_length=False)
+                    self.drafter.observe_row(b, feats, s0)
+                    self.prefill_steps += 1
+                first.copy_(logits.argmax(-1).reshape(1), non_blocking=cuda)
+                ev = None
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+            self._pending[b] = _Beside(i, ev, first, now, self._beside_delay)
+
+    def _poll(self, queue: deque, slot: list, length: list[int], last: torch.Tensor, requests: list[Request],
+              out: list[RequestResult], t0: float) -> tuple[torch.Tensor, list[int]]:
+        """Admit every pending newcomer whose prefill has finished (waiting for the first one when
+        no request is running, so an empty batch does not spin); a newcomer done at once (a
+        one-token budget, EOS) frees its slot for the next in the queue. Returns the anchors with
+        the admitted rows' first tokens, and the slots admitted."""
+        import time
+
+        dev = self.runner.device
+        running = any(s is not None for s in slot)
+        if not running:  # nothing to decode meanwhile: wait for the earliest launched prefill
+            b0 = min(self._pending, key=lambda b: self._pending[b].arrival)
+            p0 = self._pending[b0]
+            if p0.event is not None:
+                p0.event.synchronize()
+            p0.delay = 0
+        admitted = []
+        for b, p in list(self._pending.items()):
+            if p.event is not None and not p.event.query():
+                continue
+            if p.delay > 0:
+                p.delay -= 1
+                continue
+            admitted.append(b)
+        if not admitted:
+            return last, admitted
+        last = last.clone()
+        now = time.perf_counter() - t0  # no device synchronization: the events have passed
+        again = []
+        for b in admitted:
+            p = self._pending.pop(b)
+            if p.event is not None:
+                torch.cuda.current_stream(dev).wait_event(p.event)
+            tok = int(p.first[0])
+            last[b] = tok
+            slot[b] = p.request
+            if self._admit(b, p.request, tok, p.arrival, now - p.arrival, now, requests, out):
+                slot[b] = None  # done at once (a budget of one token, or EOS): the slot frees again
+                again.append(b)
+        self._launch_beside(again, now, queue, slot, length, requests, out)
+        return last, admitted
 
     def _admit(self, b: int, i: int, first: int, arrival: float, prefill_s: float, first_s: float,
                requests: list[Request], out: list[RequestResult]) -> bool:

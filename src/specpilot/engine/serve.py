@@ -118,10 +118,15 @@ def make_engine_proposer(spec: EngineSpec, target: Transformer, drafter, graphs:
     if replay is not None:
         from .replay import ReplayProposer
 
+        if spec.config.get("second_level"):
+            raise SpecpilotError("the replay drafter models chains and spine + side-branch trees; "
+                                 "second_level is not modeled")
         net = make_proposer(drafter, spec.block_size, {}, graphs, kernels) if drafter is not None else None
-        width = net.verify_width if net is not None else spec.block_size  # the drafter's counting
+        width = net.verify_width if net is not None else spec.block_size  # the drafter's counting (a chain)
         return ReplayProposer(references, replay, target.config.vocab_size, net,
-                              seed=int(spec.config.get("replay_seed", 0)), block_size=width)
+                              seed=int(spec.config.get("replay_seed", 0)), block_size=width,
+                              tree_branch=int(spec.config.get("tree_branch", 0)),
+                              tree_depth=int(spec.config.get("tree_depth", 1)))
     if spec.engine == "lookup":
         return LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
     if drafter is None:
@@ -166,7 +171,8 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
           max_seq: int | None = None, warmup: bool = True, progress: bool = True,
           graphs: bool | None = None, kernels: str | None = None, replay=None,
           references: dict[str, list[int]] | None = None, profile: bool = True,
-          regime: str = "continuous", prefill_chunk: int | None = None) -> list[Record]:
+          regime: str = "continuous", prefill_chunk: int | None = None,
+          prefill_beside: bool = False) -> list[Record]:
     """Serve ``prompts`` (rows with request_id, benchmark, prompt_ids) at closed-loop concurrency c.
 
     ``regime = "continuous"`` (default): :class:`~specpilot.engine.scheduler.Scheduler` keeps c
@@ -184,6 +190,10 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
             the AR engine runs first).
         profile: synchronize around the draft step to time it (``draft_s``); off = one
             synchronization per verify step only.
+        prefill_beside: continuous batching prefills a refill's prompt on a second CUDA stream
+            beside the running requests' steps (needs
+            :meth:`~specpilot.engine.scheduler.Scheduler.can_prefill_beside`); default off: the
+            running requests wait for it.
         prefill_chunk: continuous batching prefills prompts in chunks of this many tokens (fewer
             KV-cache slots, see :class:`~specpilot.engine.scheduler.Scheduler`); None = whole prompts.
         max_seq: KV-cache slots; default = what the longest prompt needs (:func:`kv_slots_needed`;
@@ -231,7 +241,8 @@ def serve(spec: EngineSpec, target: Transformer, drafter: DFlashDrafter | None, 
                              progress, replay, references, profile, opts)
     else:
         rows = _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrency, eos_id, max_seq,
-                                 warmup, progress, replay, references, profile, dict(opts, chunk=prefill_chunk))
+                                 warmup, progress, replay, references, profile,
+                                 dict(opts, chunk=prefill_chunk, beside=prefill_beside))
     records = []
     for p, r in zip(prompts, rows):
         records.append(Record(
@@ -273,7 +284,7 @@ def _serve_continuous(spec, target, drafter, prompts, max_new_tokens, concurrenc
         # prompt goes in chunks no wider, so it never evicts a running row's live entries
         chunk = min(chunk or ring.reserve, ring.reserve)
     sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=eos_id, profile=profile,
-                      prefill_chunk=chunk, overlap=spec.overlap)
+                      prefill_chunk=chunk, overlap=spec.overlap, prefill_beside=opts.get("beside"))
     if warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
     sched.on_finish = lambda i: bar.update(1)
