@@ -197,7 +197,9 @@ class Bench:
         self.buckets = (32,) if args.dry_run else BUCKETS
         self.step_shapes = ((1, 1), (1, 16), (2, 16)) if args.dry_run else STEP_SHAPES
         t = time.time()
-        self.model = build_target(args.shape, device=self.dev, dtype=torch.bfloat16, seed=args.seed)
+        # bf16 on the GPU; fp32 under the CPU interpreter (it has no bf16 constants)
+        self.dt = torch.bfloat16 if self.cuda else torch.float32
+        self.model = build_target(args.shape, device=self.dev, dtype=self.dt, seed=args.seed)
         self.fast = FastTarget(self.model)  # fuses the weights
         c = self.model.config
         self.c = c
@@ -311,9 +313,9 @@ class Bench:
         n_layers = self.c.num_hidden_layers
         for role in ROLES:
             ws, Kd, N = self.make_io(role, Mmax)
-            x = torch.randn(Mmax, Kd, generator=g, device=self.dev, dtype=torch.bfloat16)
-            r = torch.randn(Mmax, N, generator=g, device=self.dev, dtype=torch.bfloat16)
-            out = torch.empty(Mmax, N, dtype=torch.bfloat16, device=self.dev)
+            x = torch.randn(Mmax, Kd, generator=g, device=self.dev, dtype=self.dt)
+            r = torch.randn(Mmax, N, generator=g, device=self.dev, dtype=self.dt)
+            out = torch.empty(Mmax, N, dtype=self.dt, device=self.dev)
             # per-row reference bits: the role's current config on each row alone (M = 1)
             rows = torch.empty(Mmax, N, dtype=torch.bfloat16, device=self.dev)
             bws = self.make_io(role, 1)[0]
