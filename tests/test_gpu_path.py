@@ -739,3 +739,6 @@ def test_tree_verify_in_fast_path_on_cuda():
     spec = generate_speculative(runner, prop, prompts, 40, 8)
     assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
     assert runner.graphs.cache.captures > before  # the tree step was captured, not run eager
+    # the side branches came from the captured Triton draft step too (not the eager network)
+    assert prop.graphs is not None and prop.graphs.fast is not None
+    assert any(k[0] == "draft" and len(k) == 5 for k in prop.graphs.cache.entries), list(prop.graphs.cache.entries)
