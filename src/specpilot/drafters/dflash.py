@@ -86,14 +86,12 @@ class DFlashProposer:
         # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
         self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
         if not self.second_level and not self.confidence and use_graphs(self.use_graphs, first.device):
-            from ..engine.graphs import drafter_graphs, fast_drafter_supported
+            from ..engine.graphs import drafter_graphs
 
             # side branches come out of the captured Triton draft step (plain DFlash); other
             # networks with side branches draft eagerly
-            if self.branch == 0 or fast_drafter_supported(self.drafter):
-                self.graphs = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
-                if self.branch and self.graphs.fast is None:
-                    self.graphs = None
+            g = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
+            self.graphs = g if self.branch == 0 or g.fast is not None else None
         with torch.inference_mode():
             self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 

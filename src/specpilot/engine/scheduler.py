@@ -43,6 +43,7 @@ continuous batching costs a running request).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
@@ -393,6 +394,17 @@ class Scheduler:
                 hist = hist[cut:]
                 begin = [max(0, x - cut) for x in begin]
 
+    def _prefill_row(self, b: int, prompt: list[int], set_length: bool = True) -> torch.Tensor:
+        """A newcomer's prompt into cache row ``b`` alone (:meth:`TargetRunner.prefill_row`, in chunks
+        of ``prefill_chunk``) and its context into the drafter's row; the logits [vocab] at its last
+        token. The one path of every refill, blocking or beside the decode steps."""
+        C = self.chunk or len(prompt)
+        for s0 in range(0, len(prompt), C):
+            logits, feats = self.runner.prefill_row(b, prompt[s0:s0 + C], s0, set_length=set_length)
+            self.drafter.observe_row(b, feats, s0)
+            self.prefill_steps += 1
+        return logits
+
     def _launch_beside(self, freed: list[int], now: float, queue: deque, slot: list, length: list[int],
                        requests: list[Request], out: list[RequestResult]) -> None:
         """Start the prefill of a queued request in each freed slot, beside the decode steps.
@@ -424,11 +436,7 @@ class Scheduler:
                 side.wait_stream(torch.cuda.current_stream(dev))
             first = torch.empty(1, dtype=torch.long, pin_memory=cuda)
             with torch.inference_mode(), (torch.cuda.stream(side) if cuda else _nullcontext()):
-                C = self.chunk or len(p)
-                for s0 in range(0, len(p), C):
-                    logits, feats = runner.prefill_row(b, p[s0:s0 + C], s0, set_length=False)
-                    self.drafter.observe_row(b, feats, s0)
-                    self.prefill_steps += 1
+                logits = self._prefill_row(b, p, set_length=False)
                 first.copy_(logits.argmax(-1).reshape(1), non_blocking=cuda)
                 ev = None
                 if cuda:
@@ -442,8 +450,6 @@ class Scheduler:
         no request is running, so an empty batch does not spin); a newcomer done at once (a
         one-token budget, EOS) frees its slot for the next in the queue. Returns the anchors with
         the admitted rows' first tokens, and the slots admitted."""
-        import time
-
         dev = self.runner.device
         running = any(s is not None for s in slot)
         if not running:  # nothing to decode meanwhile: wait for the earliest launched prefill
@@ -512,12 +518,7 @@ class Scheduler:
                 with torch.inference_mode():
                     last = last.clone()
                     for b, p in prompts.items():
-                        C = self.chunk or len(p)
-                        for s0 in range(0, len(p), C):
-                            logits, feats = runner.prefill_row(b, p[s0:s0 + C], s0)
-                            self.drafter.observe_row(b, feats, s0)
-                            self.prefill_steps += 1
-                        last[b] = logits.argmax(-1)
+                        last[b] = self._prefill_row(b, p).argmax(-1)
                         length[b] = len(p)
                         pos[b] = len(p)
             while any(pos[b] < len(p) for b, p in prompts.items()):  # one prefill step per chunk
