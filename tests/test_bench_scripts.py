@@ -49,6 +49,28 @@ def test_bench_w12_quick_dry_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bench_tree_verify_dry_run(tmp_path):
+    """gpu_bench/bench_tree_verify.py --dry-run: the engine's spine + side-branch trees and chains run
+    through the Triton step under the interpreter, every step is timed against the AR step, and
+    each tree's spine logits are compared with a chain verify of the spine alone."""
+    _run(["gpu_bench/bench_tree_verify.py", "--dry-run", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "tree_verify.json").read_text())
+    assert r["errors"] == [], r["errors"]
+    assert set(r["step_ms"]) >= {"ar", "chain4", "chain8", "chain16", "tree8_s4", "tree16_s8"}
+    assert r["ratio_to_ar"]["ar"] == 1.0 and all(v["ms"] > 0 for v in r["step_ms"].values())
+    t = r["trees"]["tree16_s8"]  # the engine's tree: spine of the block, then branch leaves per position
+    assert t["nodes"] == 16 and t["parents"] == [-1, 0, 1, 2, 3, 4, 5, 6, 0, 0, 1, 1, 2, 2, 3, 3]
+    for name in ("tree8_s4", "tree16_s8"):
+        c = r["checks"][name]
+        # fp32 under the interpreter: numpy's dot may round differently per row count, so near, not bits
+        assert c["tree_logits_finite"] and c["spine_max_abs_diff"] < 1e-4, c
+        assert set(c["per_start"]) == {"48", "59"}, c  # the context, and a block across the 64-key tile
+        assert c["leaves_checked"] == 4 and c["leaf_max_abs_diff"] < 1e-4, c
+    assert (tmp_path / "tree_verify_table.txt").exists()
+
+
+@pytest.mark.slow
 def test_bench_targets_quick_dry_run(tmp_path):
     """gpu_bench/bench_targets.py --quick on the CPU: tiny hybrid and Muse shapes, every phase runs,
     the replay-drafter stock run equals AR, and the state-memory accounting is there."""

@@ -176,5 +176,22 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
     m = build_target("tiny", dtype=torch.bfloat16).cuda()
     assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0)]) == "triton"
-    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "eager"
+    # trees of up to 64 nodes run in the Triton step (its ancestor bits); wider ones eager
+    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
+    wide = {"block_size": 16, "tree_branch": 3, "tree_depth": 16}
+    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
     assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
+
+
+def test_tree_width_bound_follows_the_verify_width():
+    """The bound of a config's tree width that decides Triton (<= 64 nodes) or eager forcing."""
+    from specpilot.engine.serve import EngineSpec
+    from specpilot.forcing import TREE_FAST_NODES, _tree_width_bound
+
+    assert _tree_width_bound({"block_size": 16}) == 0  # a chain
+    for cfg in ({"block_size": 16, "tree_branch": 3, "tree_depth": 15}, {"block_size": 8, "tree_branch": 2},
+                {"block_size": 12, "second_level": 6}, {"block_size": 16, "tree_branch": 3, "tree_depth": 16}):
+        spec = EngineSpec("specpilot", cfg["block_size"], config=cfg)
+        assert _tree_width_bound(cfg) == spec.verify_width
+    assert _tree_width_bound({"block_size": 16, "tree_branch": 3, "tree_depth": 16}) > TREE_FAST_NODES
+    assert _tree_width_bound({"tree_branch": 2}) > TREE_FAST_NODES  # no block size: eager

@@ -174,7 +174,9 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     the target on a CUDA device in bf16 with Triton importable, a dense full-attention target with
     plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
     and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
-    bf16) nor verifies token trees (``tree_branch`` > 0: the runner verifies trees eagerly). Else
+    bf16) nor verifies token trees wider than the Triton step takes (:data:`TREE_FAST_NODES`
+    nodes, bounded from ``block_size``, ``tree_branch``, ``tree_depth`` and ``second_level``: the
+    runner verifies wider trees eagerly). Else
     ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
     recorded in its records: pass ``asked="eager"`` for it.
 
@@ -208,10 +210,27 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
         return "eager"
     for r in candidate:
         cfg = r.engine_config or {}
-        branch = cfg.get("tree_branch") or 0
-        if (cfg.get("weight_format") or "bf16") != "bf16" or not isinstance(branch, int) or branch > 0:
+        if (cfg.get("weight_format") or "bf16") != "bf16" or _tree_width_bound(cfg) > TREE_FAST_NODES:
             return "eager"
     return "triton"
+
+
+TREE_FAST_NODES = 64  # the runner verifies trees of up to this many nodes in the Triton step
+
+
+def _tree_width_bound(cfg: dict) -> int:
+    """An upper bound of the verify width of an engine config's trees (0 for chains): block + 1 +
+    side leaves + second level, as :attr:`~specpilot.engine.serve.EngineSpec.verify_width`; a
+    config whose fields are not integers counts as too wide (so it gets the eager path)."""
+    branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
+    if not isinstance(branch, int) or not isinstance(second, int):
+        return TREE_FAST_NODES + 1
+    if branch <= 0 and second <= 0:
+        return 0
+    bs, depth = cfg.get("block_size"), cfg.get("tree_depth", 1)
+    if not isinstance(bs, int) or not isinstance(depth, int):
+        return TREE_FAST_NODES + 1
+    return bs + 1 + branch * min(depth, bs) + second
 
 
 def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None]

@@ -122,12 +122,26 @@ def spine_tree(anchor: torch.Tensor, spine: torch.Tensor, alternatives: torch.Te
     """
     B, k = spine.shape
     depth, branch = alternatives.shape[1], alternatives.shape[2]
-    par = torch.tensor(spine_tree_parents(k, branch, depth), dtype=torch.long, device=spine.device)
     tokens = torch.cat([anchor[:, None], spine, alternatives.reshape(B, -1)], 1)
     scores = None
     if spine_scores is not None and alt_scores is not None:
         scores = torch.cat([spine_scores.new_zeros(B, 1), spine_scores, alt_scores.reshape(B, -1)], 1)
-    return Proposal(tokens, par[None].expand(B, -1).contiguous(), None, scores)
+    return Proposal(tokens, _static_parents(k, branch, depth, B, spine.device), None, scores)
+
+
+_PARENTS: dict[tuple, torch.Tensor] = {}
+
+
+def _static_parents(k: int, branch: int, depth: int, batch: int, device) -> torch.Tensor:
+    """The parents int64 [batch, width] of a spine tree, one tensor per shape and device, reused by
+    every step: the runner keeps the tree's ancestor mask per parents tensor, so a tensor built anew
+    each step would rebuild the mask every verify (one small launch per node on a GPU)."""
+    key = (k, branch, depth, batch, str(device))
+    par = _PARENTS.get(key)
+    if par is None:
+        row = torch.tensor(spine_tree_parents(k, branch, depth), dtype=torch.long, device=device)
+        par = _PARENTS[key] = row[None].expand(batch, -1).contiguous()
+    return par
 
 
 def side_branches(logits: torch.Tensor, spine: torch.Tensor, depth: int, branch: int) -> torch.Tensor:

@@ -284,6 +284,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
                          TREE: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum.
+    A row's own key (slot start + t) is left out here and folded in last by the combine kernel, so
+    the keys summed in these tiles are exactly the ones a one-token decode at the row's position
+    sums, in the same slots and tiles, also for a tree node (whose own key sits at block slot
+    start + t, not at start + depth as in the decode; its ancestors on the spine sit where the
+    decode has them).
     WINDOWED (chain only): positions are read from slot position mod RING and a row at position
     P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring)."""
     bh = tl.program_id(0)
@@ -330,9 +335,10 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
             j = (offs_s - start).to(tl.int64)
             inblk = (j >= 0) & (j < T)
             bit = (anc[:, None] >> tl.where(inblk, j, 0)[None, :]) & 1
-            vis = ((j < 0)[None, :] | (inblk[None, :] & (bit != 0))) & smask[None, :]
+            notself = j[None, :] != t[:, None].to(tl.int64)
+            vis = ((j < 0)[None, :] | (inblk[None, :] & (bit != 0) & notself)) & smask[None, :]
         else:
-            vis = (offs_s[None, :] <= last[:, None]) & smask[None, :]
+            vis = (offs_s[None, :] < last[:, None]) & smask[None, :]
             if WINDOWED:
                 vis = vis & (offs_s[None, :] > last[:, None] - WIN)
         sc = tl.where(vis, sc, float("-inf"))
@@ -360,26 +366,44 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_chunks, R_pad,
-                         CHUNK: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, q_ptr, kc_ptr, vc_ptr, T, HQ, HKV, G, n_chunks,
+                         R_pad, stride_cb, stride_ch, stride_cs, scale, RING,
+                         CHUNK: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, WINDOWED: tl.constexpr,
+                         INTERP: tl.constexpr):
     """Program (b*Hkv + kv head, tile of RB rows): merge the chunks' partial results into
-    out[b*T + t, h]. Chunks are merged one after the other (element-wise per row), so a row's
-    result does not depend on the tile it sits in."""
+    out[b*T + t, h], then fold in the row's own key (slot start + t; ring slot mod RING when
+    WINDOWED), last. Chunks are merged one after the other (element-wise per row), and the own
+    key's score is the diagonal of a tensor-core product (a fixed reduction order per element), so
+    a row's result does not depend on the tile it sits in."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     b = bh // HKV
     kh = bh % HKV
-    n_valid = (tl.load(start_ptr + b).to(tl.int32) + T + CHUNK - 1) // CHUNK
+    start = tl.load(start_ptr + b).to(tl.int32)
+    n_valid = (start + T + CHUNK - 1) // CHUNK
     r = rt * RB + tl.arange(0, RB)
     rmask = r < G * T
     t = r // G
     h = kh * G + r % G
+    offs_d = tl.arange(0, D)
+    # the own key's score: q_r . k_r on the diagonal of q @ k.T
+    q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    pos = start + t
+    slot = pos % RING if WINDOWED else pos
+    kv_self = b.to(tl.int64) * stride_cb + kh * stride_ch + slot.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
+    k = tl.load(kc_ptr + kv_self, mask=rmask[:, None], other=0.0)
+    if INTERP:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    eye = tl.arange(0, RB)[:, None] == tl.arange(0, RB)[None, :]
+    s_self = tl.sum(tl.where(eye, qk, 0.0), axis=1) * scale  # one non-zero term per row: exact
     base = (bh * n_chunks).to(tl.int64) * R_pad + r
-    mx = tl.full((RB,), float("-inf"), tl.float32)
+    mx = s_self
     for c in range(0, n_valid):
         mx = tl.maximum(mx, tl.load(m_ws + base + c * R_pad, mask=rmask, other=float("-inf")))
     mx = tl.where(rmask, mx, 0.0)  # rows past the block: no -inf - -inf
-    offs_d = tl.arange(0, D)
     lsum = tl.zeros((RB,), dtype=tl.float32)
     acc = tl.zeros((RB, D), dtype=tl.float32)
     for c in range(0, n_valid):
@@ -387,6 +411,11 @@ def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, T, HQ, HKV, G, n_
         w = tl.exp(tl.load(m_ws + ws, mask=rmask, other=float("-inf")) - mx)
         lsum += w * tl.load(l_ws + ws, mask=rmask, other=0.0)
         acc += w[:, None] * tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    p_self = tl.where(rmask, tl.exp(s_self - mx), 0.0)
+    v = tl.load(vc_ptr + kv_self, mask=rmask[:, None], other=0.0).to(tl.float32)
+    lsum += p_self
+    acc += p_self[:, None] * v
+    lsum = tl.where(rmask, lsum, 1.0)
     out = acc / lsum[:, None]
     dst = out_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -442,8 +471,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         WINDOWED=window > 0, INTERP=INTERPRET,
         num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
-        ws.o, ws.m, ws.l, out, start, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
-        CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, num_warps=4)
+        ws.o, ws.m, ws.l, out, start, q, k_cache, v_cache, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale, max(ring, 1),
+        CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, WINDOWED=window > 0, INTERP=INTERPRET, num_warps=4)
     return out
 
 
