@@ -10,6 +10,7 @@ may set ``TRITON_INTERPRET`` before torch and Triton load.
   events on the GPU, the host clock on the CPU) and the wall time of the whole loop;
 - :func:`capture_graph`: a CUDA graph of a function, warmed up on a side stream first;
 - :func:`copy_bandwidth`: device copy bandwidth (bytes read + written / time), the MBU denominator;
+- :func:`graph_time_us`: per-call time of a call cycling over weight copies, inside one CUDA graph;
 - :func:`rel_err`: relative L2 error;
 - :func:`compile_linear`: one call of the Triton linear in a fused variant, so that the compile
   workers fill Triton's on-disk cache before anything is timed (prints what it compiled).
@@ -122,3 +123,34 @@ def compile_linear(K, variant: str, key: str, x, w, out, norm, tag: str = "") ->
         print(f"compiled {variant} {key}{tag} in {time.time() - t:.1f}s", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"FAILED {variant} {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def graph_time_us(call, n_copies: int, min_calls: int = 32, reps: int = 15) -> tuple[float, float, float]:
+    """(median, min, max) microseconds per call of ``call(i)``, ``i`` cycling over ``n_copies``
+    weight copies (enough to exceed the L2 cache), replayed as one CUDA graph of at least
+    ``min_calls`` calls, ``reps`` times, each replay between two CUDA events."""
+    import math
+    import statistics
+
+    import torch
+
+    for i in range(n_copies):
+        call(i)
+    torch.cuda.synchronize()
+    inner = n_copies * max(1, math.ceil(min_calls / n_copies))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(inner):
+            call(j % n_copies)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000.0 / inner)
+    del g
+    return statistics.median(ts), min(ts), max(ts)

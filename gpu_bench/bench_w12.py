@@ -56,6 +56,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "src")]
 
+from _timing import graph_time_us  # noqa: E402  (gpu_bench/ is on sys.path: the script's folder)
+
 SHAPES = {  # name: (N, K)
     "q_proj/o_proj": (4096, 4096),
     "k_proj/v_proj": (1024, 4096),
@@ -145,34 +147,16 @@ def precompile(jobs, workers):
 
 
 def time_graph(call, n_copies, min_calls=32, reps=15):
-    """Median time per call (us) of ``call(i)``, i cycling over copies, replayed in one CUDA graph."""
-    import torch
-
-    for i in range(n_copies):
-        call(i)
+    """Median, min, max time per call (us) of ``call(i)``, i cycling over copies, in one CUDA graph
+    (:func:`_timing.graph_time_us`); on the CPU (dry run) one timed call."""
     if DEV == "cpu":
+        for i in range(n_copies):
+            call(i)
         t0 = time.perf_counter()
         call(0)
         t = (time.perf_counter() - t0) * 1e6
         return t, t, t
-    torch.cuda.synchronize()
-    inner = n_copies * max(1, math.ceil(min_calls / n_copies))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(inner):
-            call(j % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000.0 / inner)
-    del g
-    return statistics.median(ts), min(ts), max(ts)
+    return graph_time_us(call, n_copies, min_calls, reps)
 
 
 def copy_bandwidth():

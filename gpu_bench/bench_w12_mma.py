@@ -41,33 +41,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _timing import log, LOG  # noqa: E402
+from _timing import LOG, graph_time_us, log  # noqa: E402
 
 ROLES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
 def time_graph(call, n_copies, min_calls=32, reps=15):
-    """Median microseconds per call of ``call(i)``, i cycling over the copies, replayed in one graph."""
-    for i in range(n_copies):
-        call(i)
-    torch.cuda.synchronize()
-    inner = n_copies * max(1, math.ceil(min_calls / n_copies))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(inner):
-            call(j % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000.0 / inner)
-    del g
-    return statistics.median(ts)
+    """Median microseconds per call of ``call(i)``, i cycling over the copies, in one CUDA graph."""
+    return graph_time_us(call, n_copies, min_calls, reps)[0]
 
 
 def copy_bandwidth():

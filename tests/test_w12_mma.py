@@ -114,3 +114,22 @@ def test_bad_shapes_are_refused():
         frag_pack(pack(torch.zeros(24, 64, dtype=torch.bfloat16)))
     with pytest.raises(SpecpilotError, match="multiple of 16 and K of 32"):
         frag_pack(pack(torch.zeros(16, 40, dtype=torch.bfloat16)))
+
+
+def test_launch_shapes_and_clear_errors(monkeypatch, tmp_path):
+    """Which launches exist (w12_mma.valid), and the one-line errors for bad input on any machine."""
+    from specpilot.kernels import w12_mma
+
+    assert w12_mma.valid(1, 8, 1, 4, 8, 4096) and w12_mma.valid(16, 1, 2, 2, 4, 4096)
+    assert not w12_mma.valid(16, 1, 2, 4, 8, 4096)  # unroll 8 only for tiles x 8-row tiles <= 2
+    assert not w12_mma.valid(1, 16, 1, 4, 2, 4096)  # splits are cluster sizes <= 8
+    assert not w12_mma.valid(1, 8, 1, 4, 8, 128)  # 8 x 8 chunks of 32 > K / 32 = 4
+    f = frag_pack(pack(torch.zeros(16, 64, dtype=torch.bfloat16)))
+    with pytest.raises(SpecpilotError, match=r"x must be bf16 \[M, 64\]"):
+        w12_mma.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), f)
+    with pytest.raises(SpecpilotError, match="both must be on one GPU"):
+        w12_mma.matmul(torch.zeros(2, 64, dtype=torch.bfloat16), f)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(SpecpilotError, match="'nvcc' not found"):
+        w12_mma.build("90", tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing half-written

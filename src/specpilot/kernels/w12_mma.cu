@@ -66,6 +66,25 @@ __device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
 // Escapes of one output (n, m): the first ESC_PRE of row n are fetched while the main loop streams
 // W (two dependent loads: columns/values, then x at those columns), the rest (rare) at the end.
 constexpr int ESC_PRE = 2;
+constexpr int MAX_SPLIT = 8;  // K slices = blocks of one cluster (the portable cluster size)
+
+// The first ESC_PRE escapes (column, value) of each of a lane's W rows, -1 / 0 where there are fewer.
+template <int TN>
+__device__ __forceinline__ void fetch_escapes(const int (&e_lo)[TN][2], const int (&e_hi)[TN][2],
+                                              const int* __restrict__ ecol, const __nv_bfloat16* __restrict__ eval,
+                                              int (&e_col)[TN][2][ESC_PRE], float (&e_val)[TN][2][ESC_PRE]) {
+#pragma unroll
+  for (int a = 0; a < TN; ++a)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < ESC_PRE; ++q) {
+        const int e = e_lo[a][h] + q;
+        const bool ok = e < e_hi[a][h];
+        e_col[a][h][q] = ok ? __ldg(ecol + e) : -1;
+        e_val[a][h][q] = ok ? __bfloat162float(eval[e]) : 0.f;
+      }
+}
 
 // NT: 8-row tiles of x (M <= 8 * NT); TN: 16-row tiles of W per warp (they share the warp's x
 // fragments); WARPS: warps per block, each its own TN tiles over the same K slice (so they read the
@@ -148,19 +167,8 @@ __global__ void __launch_bounds__(WARPS * 32) w12_mma_kernel(
         for (int t = 0; t < NT; ++t) xv[u][t] = xok[t] ? __ldg(xr[t] + (long long)i * 4) : make_uint4(0, 0, 0, 0);
       }
     }
-    if (fin && it == 0) {  // the escape rows' ranges have arrived by now: fetch columns and values
-#pragma unroll
-      for (int a = 0; a < TN; ++a)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int q = 0; q < ESC_PRE; ++q) {
-            const int e = e_lo[a][h] + q;
-            const bool ok = e < e_hi[a][h];
-            e_col[a][h][q] = ok ? __ldg(ecol + e) : -1;
-            e_val[a][h][q] = ok ? __bfloat162float(eval[e]) : 0.f;
-          }
-    }
+    // the escape rows' ranges have arrived by now: fetch their columns and values
+    if (fin && it == 0) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (ib + u < i1) {
@@ -185,19 +193,8 @@ __global__ void __launch_bounds__(WARPS * 32) w12_mma_kernel(
       }
     }
   }
-  if (fin && it == 0) {  // an empty K slice (cannot happen with split * unroll <= K/32): fetch now
-#pragma unroll
-    for (int a = 0; a < TN; ++a)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int q = 0; q < ESC_PRE; ++q) {
-          const int e = e_lo[a][h] + q;
-          const bool ok = e < e_hi[a][h];
-          e_col[a][h][q] = ok ? __ldg(ecol + e) : -1;
-          e_val[a][h][q] = ok ? __bfloat162float(eval[e]) : 0.f;
-        }
-  }
+  // an empty K slice (cannot happen with split * unroll <= K/32): fetch now
+  if (fin && it == 0) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
 
   // K slices of the cluster, summed in order 0..split-1 by block 0
   if (split > 1) {
@@ -209,16 +206,24 @@ __global__ void __launch_bounds__(WARPS * 32) w12_mma_kernel(
 #pragma unroll
         for (int j = 0; j < 4; ++j) part[warp][(a * NT + t) * 4 + j][lane] = acc[a][t][j];
     cluster.sync();
-    if (fin) {
-      for (int q = 1; q < split; ++q) {
-        const float* rp = cluster.map_shared_rank(&part[warp][0][0], q);
+    if (fin) {  // every remote value requested before the first is added (no round trip per block)
+      const float* rp[MAX_SPLIT];
 #pragma unroll
-        for (int a = 0; a < TN; ++a)
+      for (int q = 1; q < MAX_SPLIT; ++q) rp[q] = cluster.map_shared_rank(&part[warp][0][0], q < split ? q : 0);
 #pragma unroll
-          for (int t = 0; t < NT; ++t)
+      for (int a = 0; a < TN; ++a)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[a][t][j] += rp[((a * NT + t) * 4 + j) * 32 + lane];
-      }
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int idx = ((a * NT + t) * 4 + j) * 32 + lane;
+            float v[MAX_SPLIT];
+#pragma unroll
+            for (int q = 1; q < MAX_SPLIT; ++q) v[q] = q < split ? rp[q][idx] : 0.f;
+#pragma unroll
+            for (int q = 1; q < MAX_SPLIT; ++q)
+              if (q < split) acc[a][t][j] += v[q];  // in order 1..split-1
+          }
     }
     cluster.sync();  // the other blocks' shared memory stays alive until block 0 has read it
     if (!fin) return;
