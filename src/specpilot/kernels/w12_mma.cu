@@ -20,48 +20,16 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "w12_frag.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
 
-template <uint32_t SEL>
-__device__ __forceinline__ uint32_t prmt_sext(uint32_t a) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "n"(SEL));
-  return d;
-}
-
-// One bf16x2 register from a mantissa word (its byte pair picked by SEL, sign replicated into the
-// high byte of each lane) and a code word shifted so the pair's codes sit at bits 7..10 / 23..26.
-template <uint32_t SEL, int SH>
-__device__ __forceinline__ uint32_t dec_pair(uint32_t mw, uint32_t cw) {
-  const uint32_t p = prmt_sext<SEL>(mw);
-  const uint32_t c = SH >= 0 ? (cw << (SH >= 0 ? SH : 0)) : (cw >> (SH < 0 ? -SH : 0));
-  return (p & 0x807F807Fu) | (c & 0x07800780u) | 0x38003800u;
-}
-
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
+using w12frag::dec_pair;
+using w12frag::ld_stream16;
+using w12frag::ld_stream8;
+using w12frag::mma16816;
 
 // Escapes of one output (n, m): the first ESC_PRE of row n are fetched while the main loop streams
 // W (two dependent loads: columns/values, then x at those columns), the rest (rare) at the end.
