@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _timing import LOG, graph_time_us, log  # noqa: E402
+from _timing import LOG, copy_bandwidth, graph_time_us, log  # noqa: E402
 
 ROLES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
@@ -49,26 +48,6 @@ ROLES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down
 def time_graph(call, n_copies, min_calls=32, reps=15):
     """Median microseconds per call of ``call(i)``, i cycling over the copies, in one CUDA graph."""
     return graph_time_us(call, n_copies, min_calls, reps)[0]
-
-
-def copy_bandwidth():
-    """Device copy bandwidth (bytes read + written per second) over a 2 GiB buffer."""
-    a = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 4 * (1 << 30) / statistics.median(ts)
 
 
 def make(n, k, copies, seed):
@@ -296,7 +275,12 @@ def main(argv=None):
     log(f"kernel library built/loaded in {time.time() - t0:.1f}s")
     p = torch.cuda.get_device_properties(0)
     l2 = getattr(p, "L2_cache_size", 60 << 20)
-    bw = copy_bandwidth()
+    from specpilot.engine.graphs import median_ms
+
+    a2g = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    bw = copy_bandwidth(a2g, lambda fn: median_ms(fn, iters=10, warmup=3, flush_l2=False) / 1e3)
+    del a2g
+    torch.cuda.empty_cache()
     log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.2f} TB/s, L2 {l2 >> 20} MB")
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "cuda": torch.version.cuda, "copy_bw": bw, "args": vars(a), "roles": []}

@@ -174,9 +174,9 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     the target on a CUDA device in bf16 with Triton importable, a dense full-attention target with
     plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
     and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
-    bf16) nor verifies token trees wider than the Triton step takes (:data:`TREE_FAST_NODES`
-    nodes, bounded from ``block_size``, ``tree_branch``, ``tree_depth`` and ``second_level``: the
-    runner verifies wider trees eagerly). Else
+    bf16) nor verifies token trees wider than the Triton step takes (``TREE_FAST_NODES`` of
+    :mod:`specpilot.engine.runner`, bounded from ``block_size``, ``tree_branch``, ``tree_depth`` and
+    ``second_level``: the runner verifies wider trees eagerly). Else
     ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
     recorded in its records: pass ``asked="eager"`` for it.
 
@@ -192,6 +192,7 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     import os
 
     from .engine.graphs import fast_path_supported, resolve_kernels, triton_available
+    from .engine.runner import TREE_FAST_NODES
 
     if asked not in TF_PATHS:
         raise SpecpilotError(f"unknown teacher-forced path {asked!r}; use {', '.join(TF_PATHS)}")
@@ -215,13 +216,13 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     return "triton"
 
 
-TREE_FAST_NODES = 64  # the runner verifies trees of up to this many nodes in the Triton step
-
-
 def _tree_width_bound(cfg: dict) -> int:
-    """An upper bound of the verify width of an engine config's trees (0 for chains): block + 1 +
-    side leaves + second level, as :attr:`~specpilot.engine.serve.EngineSpec.verify_width`; a
-    config whose fields are not integers counts as too wide (so it gets the eager path)."""
+    """The verify width bound of an engine config's trees (0 for chains), as the engine sizes it
+    (:func:`~specpilot.engine.serve.verify_width_bound`); a config whose fields are not integers
+    counts as too wide (so it gets the eager path)."""
+    from .engine.runner import TREE_FAST_NODES
+    from .engine.serve import verify_width_bound
+
     branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
     if not isinstance(branch, int) or not isinstance(second, int):
         return TREE_FAST_NODES + 1
@@ -230,7 +231,7 @@ def _tree_width_bound(cfg: dict) -> int:
     bs, depth = cfg.get("block_size"), cfg.get("tree_depth", 1)
     if not isinstance(bs, int) or not isinstance(depth, int):
         return TREE_FAST_NODES + 1
-    return bs + 1 + branch * min(depth, bs) + second
+    return verify_width_bound(bs, cfg)
 
 
 def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None]

@@ -17,6 +17,8 @@ from ..models.layers import chain_ancestors, tree_ancestors
 from ..models.state import check_width
 from ..models.target import Transformer
 
+TREE_FAST_NODES = 64  # trees of up to this many nodes verify in the Triton step (its ancestor bits: one int64)
+
 
 def clock(device: torch.device) -> float:
     """Seconds from a monotonic clock, after synchronizing ``device`` (CUDA) so time is real."""
@@ -276,7 +278,7 @@ class TargetRunner:
             anc, depth = chain_ancestors(B, N, self.device), None
             return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
         # the tree shape is static within a generation: build its mask (or bits) once
-        fast = self.tree_fast and N <= 64  # the ancestor bits of the Triton step hold 64 nodes
+        fast = self.tree_fast and N <= TREE_FAST_NODES
         key = (parents.data_ptr(), tuple(parents.shape), fast)
         if getattr(self, "_tree_key", None) != key:
             if fast:

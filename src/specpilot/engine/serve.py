@@ -21,6 +21,13 @@ from .runner import TargetRunner
 ENGINES = ("ar", "stock", "lookup", "specpilot")
 
 
+def verify_width_bound(block_size: int, config: dict) -> int:
+    """An upper bound of a speculative engine's tokens per verify forward: block + 1 + the tree's
+    side leaves (``tree_branch`` x min(``tree_depth``, block)) + ``second_level``."""
+    depth = min(int(config.get("tree_depth", 1)), block_size)
+    return block_size + 1 + int(config.get("tree_branch", 0)) * depth + int(config.get("second_level", 0))
+
+
 @dataclass
 class EngineSpec:
     """Which loop to run and with what settings.
@@ -47,9 +54,7 @@ class EngineSpec:
         sizing the KV cache; the drafter plug-in's ``verify_width`` is the exact value."""
         if self.engine == "ar":
             return 1
-        depth = min(int(self.config.get("tree_depth", 1)), self.block_size)
-        return self.block_size + 1 + int(self.config.get("tree_branch", 0)) * depth \
-            + int(self.config.get("second_level", 0))
+        return verify_width_bound(self.block_size, self.config)
 
     def __post_init__(self):
         if self.engine not in ENGINES:

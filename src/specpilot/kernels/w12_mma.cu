@@ -36,6 +36,20 @@ using w12frag::mma16816;
 constexpr int ESC_PRE = 2;
 constexpr int MAX_SPLIT = 8;  // K slices = blocks of one cluster (the portable cluster size)
 
+// One k-step of a 16-row W tile: its A fragment decoded from two mantissa words and one code word,
+// multiplied into every 8-row x tile (B fragment: words 2j, 2j+1 of the lane's 16-byte x chunk).
+template <int NT>
+__device__ __forceinline__ void kstep(float (&acc)[NT][4], uint32_t m0, uint32_t m1, uint32_t c,
+                                      const uint4 (&xv)[NT], int j) {
+  const uint32_t a0 = dec_pair<0x9180u, 7>(m0, c);
+  const uint32_t a1 = dec_pair<0xB3A2u, 3>(m0, c);
+  const uint32_t a2 = dec_pair<0x9180u, -1>(m1, c);
+  const uint32_t a3 = dec_pair<0xB3A2u, -5>(m1, c);
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    mma16816(acc[t], a0, a1, a2, a3, j ? xv[t].z : xv[t].x, j ? xv[t].w : xv[t].y);
+}
+
 // The first ESC_PRE escapes (column, value) of each of a lane's W rows, -1 / 0 where there are fewer.
 template <int TN>
 __device__ __forceinline__ void fetch_escapes(const int (&e_lo)[TN][2], const int (&e_hi)[TN][2],
@@ -143,20 +157,10 @@ __global__ void __launch_bounds__(WARPS * 32) w12_mma_kernel(
 #pragma unroll
         for (int a = 0; a < TN; ++a) {
           if (!tok[a]) continue;
-          // k-step 0: mantissa words x (rows g / g+8, k 0-1) and y (k 2-3); codes word x
-          const uint32_t a0 = dec_pair<0x9180u, 7>(mw[u][a].x, cw[u][a].x);
-          const uint32_t a1 = dec_pair<0xB3A2u, 3>(mw[u][a].x, cw[u][a].x);
-          const uint32_t a2 = dec_pair<0x9180u, -1>(mw[u][a].y, cw[u][a].x);
-          const uint32_t a3 = dec_pair<0xB3A2u, -5>(mw[u][a].y, cw[u][a].x);
-#pragma unroll
-          for (int t = 0; t < NT; ++t) mma16816(acc[a][t], a0, a1, a2, a3, xv[u][t].x, xv[u][t].y);
-          // k-step 1: mantissa words z, w; codes word y
-          const uint32_t b0 = dec_pair<0x9180u, 7>(mw[u][a].z, cw[u][a].y);
-          const uint32_t b1 = dec_pair<0xB3A2u, 3>(mw[u][a].z, cw[u][a].y);
-          const uint32_t b2 = dec_pair<0x9180u, -1>(mw[u][a].w, cw[u][a].y);
-          const uint32_t b3 = dec_pair<0xB3A2u, -5>(mw[u][a].w, cw[u][a].y);
-#pragma unroll
-          for (int t = 0; t < NT; ++t) mma16816(acc[a][t], b0, b1, b2, b3, xv[u][t].z, xv[u][t].w);
+          // k-step 0: mantissa words x (rows g / g+8, k 0-1) and y (k 2-3), codes word x, x words x, y;
+          // k-step 1: mantissa words z, w, codes word y, x words z, w
+          kstep<NT>(acc[a], mw[u][a].x, mw[u][a].y, cw[u][a].x, xv[u], 0);
+          kstep<NT>(acc[a], mw[u][a].z, mw[u][a].w, cw[u][a].y, xv[u], 1);
         }
       }
     }

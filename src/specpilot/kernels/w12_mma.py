@@ -165,6 +165,12 @@ def _natural(pairs: torch.Tensor) -> torch.Tensor:
     return v.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(T * 16, KI * 32)
 
 
+def _escape_rows(f: FragW12) -> torch.Tensor:
+    """The row index of each escape, int64 [E] (the CSR ``rowptr`` expanded)."""
+    return torch.repeat_interleave(torch.arange(f.shape[0], device=f.rowptr.device),
+                                   (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
+
+
 def frag_decode_reference(f: FragW12) -> torch.Tensor:
     """Decode a :class:`FragW12` to bf16 ``[N, K]`` exactly as the kernel does (emulated on any
     device), escapes patched in: bit-identical to :func:`specpilot.w12.unpack` of the source."""
@@ -174,9 +180,7 @@ def frag_decode_reference(f: FragW12) -> torch.Tensor:
     out = bits.to(torch.int16).view(torch.bfloat16).clone()
     e = int(f.rowptr[-1])
     if e:
-        rows = torch.repeat_interleave(torch.arange(f.shape[0], device=out.device),
-                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
-        out[rows, f.col[:e].to(torch.int64)] = f.val[:e]
+        out[_escape_rows(f), f.col[:e].to(torch.int64)] = f.val[:e]
     return out
 
 
@@ -190,11 +194,9 @@ def reference_matmul(x: torch.Tensor, f: FragW12) -> torch.Tensor:
     y = (xf @ wr.T) * (2.0 ** (f.base - 112))
     e = int(f.rowptr[-1])
     if e:
-        rows = torch.repeat_interleave(torch.arange(f.shape[0], device=x.device),
-                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
         xe = xf[:, f.col[:e].to(torch.int64)]  # [M, E]
         corr = xe * f.val[:e].float() - xe * (2.0 ** (f.base - 127))
-        y.index_add_(1, rows, corr)
+        y.index_add_(1, _escape_rows(f), corr)
     return y.to(torch.bfloat16)
 
 
