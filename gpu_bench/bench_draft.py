@@ -11,7 +11,11 @@ runs it. Three implementations of the same step, each captured as CUDA graphs
 - ``torch``: the eager network (cuBLAS, SDPA) captured as is;
 - ``triton_linears``: the eager network with its matmuls through the Triton matmul (the path
   before the Triton draft step);
-- ``triton``: :class:`specpilot.engine.graphs.FastDrafter` (the target's Triton layer kernels).
+- ``triton``: :class:`specpilot.engine.graphs.FastDrafter` (the target's Triton layer kernels);
+- ``triton_tuned`` (``--tune-context``, on by default, for batches of <= 32 rows): ``triton`` with
+  the two context-injection matmuls (roles ``ctx_fc``, ``ctx_kv``) on the configs found fastest
+  for their shapes in this run, each candidate first checked against cuBLAS (relative error
+  < 1e-2) and timed alone in a CUDA graph of 20 calls (each call reads more than the L2 holds).
 
 Byte floor: the weights the step reads (5 layers, fc, the LM head, the embedding rows) plus the
 draft cache's K/V, at the copy bandwidth measured in the run. Also reported: how often the
@@ -53,6 +57,82 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / (ms / 1e3)
 
 
+CONTEXT_CANDIDATES = ("bn16-bk512-w4-s3", "bn16-bk256-w4-s4", "bn16-bk1024-w4-s3", "bn32-bk256-w4-s4",
+                      "bn32-bk256-w4-s3", "bn32-bk128-w4-s6", "bn32-bk512-w4-s3", "bn32-bk512-w8-s3",
+                      "bn32-bk1024-w8-s2", "bn64-bk128-w4-s4", "bn64-bk256-w4-s3", "bn64-bk128-w8-s4",
+                      "bn64-bk256-w8-s3", "bn128-bk64-w4-s4", "bn128-bk128-w8-s3")
+
+
+@torch.inference_mode()
+def tune_context(fast, feats: torch.Tensor) -> dict:
+    """The fastest checked config per context-injection role for ``feats``' rows, and every candidate's time.
+
+    ``feats`` [B, T, F]; returns {"ctx_fc": {"best": key, "us": {key: us}}, "ctx_kv": ...}. A candidate
+    whose output differs from cuBLAS's by a relative error >= 1e-2, or that fails to compile, is skipped
+    (its entry says why)."""
+    import _timing as TM
+    from specpilot.engine import triton_step as K
+
+    B, T, Fd = feats.shape
+    M = B * T
+    d = fast.model
+    x_fc = feats.reshape(M, Fd).contiguous()
+    w_kv = fast._context_weights()[0]
+    x_kv = torch.randn(M, w_kv.shape[1], device=feats.device, dtype=feats.dtype)
+    out = {}
+    for role, x, w in (("ctx_fc", x_fc, d.fc.weight.detach()), ("ctx_kv", x_kv, w_kv.detach())):
+        ref = (x.float() @ w.float().t())
+        y = torch.empty(M, w.shape[0], device=x.device, dtype=x.dtype)
+        times = {}
+        for key in CONTEXT_CANDIDATES:
+            cfg = K.LinearConfig.parse(key)
+            try:
+                K.linear(x, w, y, cfg=cfg)
+                err = TM.rel_err(y, ref)
+                if err >= 1e-2:
+                    times[key] = f"rel err {err:.2e}"
+                    continue
+                times[key] = TM.graph_time_us(lambda i, cfg=cfg: K.linear(x, w, y, cfg=cfg), 1, min_calls=20, reps=9)[0]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                times[key] = f"{type(e).__name__}: {str(e)[:120]}"
+        cublas = TM.graph_time_us(lambda i: torch.mm(x, w.t(), out=y), 1, min_calls=20, reps=9)[0]
+        ok = {k: v for k, v in times.items() if isinstance(v, float)}
+        best = min(ok, key=ok.get)
+        out[role] = {"best": best, "us": times, "cublas_us": cublas, "rows": M, "n": w.shape[0], "k": w.shape[1],
+                     "weight_bytes": w.numel() * w.element_size()}
+        print(f"{role} M={M} N={w.shape[0]} K={w.shape[1]}: best {best} {ok[best]:.1f} us (cuBLAS {cublas:.1f} us); "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(ok.items(), key=lambda kv: kv[1])[:5]), flush=True)
+    return out
+
+
+def kernel_profile(fn, n: int = 10) -> dict:
+    """Device time per kernel name [us per call of ``fn``] over ``n`` calls (torch.profiler), their
+    sum, and the wall time per call between CUDA events around the same calls: the difference is
+    what the GPU spends idle or launching (gaps between kernels, graph launch, input copies)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.key_averages():
+        if getattr(ev, "device_type", None) != DeviceType.CUDA:
+            continue
+        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+        kernels[ev.key[:90]] = {"us": dt / n, "launches": ev.count / n}
+    total = sum(v["us"] for v in kernels.values())
+    return {"kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])), "kernel_sum_us": total,
+            "wall_us": e0.elapsed_time(e1) * 1e3 / n}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "draft_out"))
@@ -60,6 +140,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--context", type=int, default=768)
+    ap.add_argument("--no-tune-context", dest="tune_context", action="store_false",
+                    help="skip the context-injection config sweep (impl triton_tuned)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also a per-kernel device-time profile of the triton step (add_context, draft)")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,10 +179,17 @@ def main() -> int:
         cell = {"batch": B, "floor_ms": {"draft": draft_bytes / bw * 1e3, "add_context": ctx_bytes / bw * 1e3,
                                          "step": (draft_bytes + ctx_bytes) / bw * 1e3}, "impl": {}}
         tokens = {}
-        for impl in ("torch", "triton_linears", "triton"):
+        impls = ("torch", "triton_linears", "triton")
+        if args.tune_context and B * args.block <= 32:
+            impls += ("triton_tuned",)
+        for impl in impls:
             dg = DrafterGraphs(drafter, embed, head, "torch" if impl == "torch" else "triton")
             if impl == "triton_linears":
                 dg.fast = None
+            if impl == "triton_tuned":
+                tuned = tune_context(dg.fast, feats)
+                cell["context_tuning"] = tuned
+                dg.fast.set_configs({r: v["best"] for r, v in tuned.items()})
             with torch.inference_mode():
                 drafter.add_context(feats0, torch.zeros(B, dtype=torch.long, device=dev))
 
@@ -115,6 +206,12 @@ def main() -> int:
                 try:
                     t_ctx, t_draft, t_step = median_ms(ctx), median_ms(draft), median_ms(both)
                     tokens[impl] = draft().clone()
+                    if args.profile and impl == "triton":
+                        cell["profile"] = {"add_context": kernel_profile(ctx), "draft": kernel_profile(draft)}
+                        for part, pr in cell["profile"].items():
+                            print(f"B={B} profile {part}: kernels {pr['kernel_sum_us']:.1f} us of {pr['wall_us']:.1f} us; "
+                                  + ", ".join(f"{k[:40]} {v['us']:.1f}x{v['launches']:.0f}"
+                                              for k, v in list(pr["kernels"].items())[:8]), flush=True)
                 except Exception as e:  # noqa: BLE001 - a failing implementation is reported, not fatal
                     cell["impl"][impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     continue

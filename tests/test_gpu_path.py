@@ -792,3 +792,33 @@ def test_tree_verify_in_fast_path_on_cuda():
     # the side branches came from the captured Triton draft step too (not the eager network)
     assert prop.graphs is not None and prop.graphs.fast is not None
     assert any(k[0] == "draft" and len(k) == 5 for k in prop.graphs.cache.entries), list(prop.graphs.cache.entries)
+
+
+def test_fast_drafter_context_roles_have_their_own_tables():
+    """The context injection's two matmuls (ctx_fc, ctx_kv) take their own configs: the packaged
+    drafter table by default (ctx_kv at 16 rows not the target's qkv entry), a given key when
+    configs name them; the target step knows no such role."""
+    pytest.importorskip("triton")
+    from torch import nn
+
+    from specpilot.engine.graphs import DEFAULT_CONFIGS, DRAFTER_CONTEXT_CONFIGS, FastDrafter, FastTarget
+    from specpilot.errors import SpecpilotError
+    from specpilot.models.dflash import DFlashDrafter, DrafterConfig
+    from specpilot.models.qwen3 import Transformer
+    from specpilot.tiny.build import QUICK
+    from specpilot.tiny.targets import tiny_target_config
+
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, vocab_size=64, target_layer_ids=[0, 1], mask_token_id=3)
+    net = DFlashDrafter(cfg)
+    net.setup_cache(1, 32)
+    emb, head = nn.Embedding(64, 32), nn.Linear(32, 64, bias=False)
+    fast = FastDrafter(net, emb.weight, head.weight)
+    assert fast.config_for("ctx_kv", 16).key() == DRAFTER_CONTEXT_CONFIGS["ctx_kv"]["16"] \
+        != DEFAULT_CONFIGS["qkv"]["16"]
+    assert fast.config_for("ctx_fc", 16).key() == DEFAULT_CONFIGS["down"]["16"]
+    fast.set_configs({"ctx_fc": "bn16-bk256-w4-s4"})
+    assert fast.config_for("ctx_fc", 64).key() == "bn16-bk256-w4-s4"
+    target = FastTarget(Transformer(tiny_target_config("dense", QUICK, 64)))
+    with pytest.raises(SpecpilotError, match="'ctx_fc'"):
+        target.set_configs({"ctx_fc": "bn16-bk256-w4-s4"})

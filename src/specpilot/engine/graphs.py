@@ -72,6 +72,14 @@ DEFAULT_CONFIGS = {
     "down": {"16": "bn32-bk512-w4-s3", "32": "bn32-bk256-w4-s4-m32", "64": "bn32-bk256-w4-s4-m64", "128": "bn64-bk64-w4-s6-m64", "256": "bn64-bk128-w4-s3-m128", "384": "bn128-bk64-w8-s5-m128"},
     "lm_head": {"16": "bn64-bk128-w4-s4-p", "32": "bn64-bk128-w4-s4-p-m32", "64": "bn128-bk128-w4-s3-p-m64", "128": "bn128-bk64-w8-s5-p-m128", "256": "bn128-bk64-w8-s4-p-m256", "384": "bn128-bk64-w8-s3-p-m128"},
 }
+# The draft step's context-injection matmuls (FastDrafter.add_context): ctx_fc = the fc projection
+# (K = n_layers x hidden, N = hidden), ctx_kv = every layer's k/v rows (K = hidden, N = 2 L Hkv D).
+# The tables of the target roles of the nearest shape, but for ctx_kv at <= 16 rows (one request's
+# block): bn64-bk128-w4-s4, 22.4 us against 24.9 us for the qkv entry, the fastest of 15 configs
+# checked against cuBLAS (gpu_bench/bench_draft.py, H200, 2026-12-02, draft_h200_2026-12-02_run4.json);
+# for ctx_fc the down entry was the fastest (44.0 us, 91 % of copy bandwidth).
+DRAFTER_CONTEXT_CONFIGS = {"ctx_fc": DEFAULT_CONFIGS["down"],
+                           "ctx_kv": {**DEFAULT_CONFIGS["qkv"], "16": "bn64-bk128-w4-s4"}}
 DEFAULT_ATTN_ROWS = 0  # query rows per attention program: 0 = 16 for decode, 64 for blocks (AttnWorkspace)
 FAST_LINEAR_MAX_M = 64  # above this many rows (prefill) the plain F.linear (cuBLAS) is used
 PREFILL_CUBLAS_MIN_ROWS = 64  # a prefill matmul of this many rows or more runs cuBLAS (FastTarget._pick)
@@ -317,6 +325,9 @@ class FastTarget:
     Raises SpecpilotError for an unknown role or a malformed config.
     """
 
+    roles: tuple[str, ...] = LINEAR_ROLES  # the matmul roles ``configs`` may name
+    default_configs: dict = DEFAULT_CONFIGS
+
     def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None,
                  checked_cublas: bool = True):
         from . import triton_step
@@ -330,7 +341,7 @@ class FastTarget:
         self.selection: dict[str, dict] = {}  # what _select found per shape (for records and benchmarks)
         self._prefilling = False
         self._fuse_weights()
-        self.configs = {role: self._tiers(DEFAULT_CONFIGS[role]) for role in LINEAR_ROLES}
+        self.configs = {role: self._tiers(self.default_configs[role]) for role in self.roles}
         self._ws: dict[tuple, _Workspace] = {}
         self.set_configs(configs or {})
 
@@ -367,8 +378,8 @@ class FastTarget:
                 self.attn_rows = int(c)
                 self._ws.clear()
                 continue
-            if role not in LINEAR_ROLES:
-                raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
+            if role not in self.roles:
+                raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(self.roles)}")
             t = self._tiers(c)
             changed |= self.configs[role] != t
             self.configs[role] = t
@@ -671,7 +682,15 @@ class FastDrafter(FastTarget):
     Drafts may differ from the eager drafter's in low bits (norm rounding); they are proposals,
     checked by the target. Needs :func:`fast_drafter_supported`; the draft cache must hold
     start + block size slots.
+
+    Context injection runs two matmuls of its own roles: ``ctx_fc`` (the fc projection of the
+    target's features, [M, n_layers x hidden] @ [hidden, n_layers x hidden].T) and ``ctx_kv`` (every
+    layer's k/v rows, [M, hidden] @ [2 L Hkv D, hidden].T); their tables are
+    :data:`DRAFTER_CONTEXT_CONFIGS` unless ``configs`` names them.
     """
+
+    roles = LINEAR_ROLES + ("ctx_fc", "ctx_kv")
+    default_configs = {**DEFAULT_CONFIGS, **DRAFTER_CONTEXT_CONFIGS}
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  configs: dict | None = None, attn_rows: int | None = None):
@@ -755,12 +774,12 @@ class FastDrafter(FastTarget):
         ws = self._workspace(B, T, 0)
         ctx, ctxn = self._buf(ws, "ctx", c.hidden_size)[:M], self._buf(ws, "ctxn", c.hidden_size)[:M]
         kv = self._buf(ws, "kv", 2 * L * Hkv * c.head_dim)[:M]
-        self._linear("down", features.reshape(M, Fd).contiguous(), d.fc.weight, ctx, ws)
+        self._linear("ctx_fc", features.reshape(M, Fd).contiguous(), d.fc.weight, ctx, ws)
         self.k.rmsnorm(ctx, d.hidden_norm.weight, ctxn, c.rms_norm_eps)
         # every layer's k and v projections in one matmul, K/V of every layer in one cache write:
         # layer l's head h is head l * Hkv + h of the batch-major cache's layer-0 view
         w, kn = self._context_weights()
-        self._linear("qkv", ctxn, w, kv, ws)
+        self._linear("ctx_kv", ctxn, w, kv, ws)
         rows = rows if rows is not None else slice(None)
         kc, vc = d.ctx_k[0][rows], d.ctx_v[0][rows]
         if kc.shape[0] != B:

@@ -13,6 +13,7 @@ real checkpoint. ``build.json`` is written last and marks a finished build.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import shutil
 import time
@@ -31,7 +32,7 @@ from ..models.loading import save_checkpoint
 from ..models.qwen3 import Transformer
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
-from .train import TeacherCache, greedy_continuations, heldout_loss, train_drafter, train_target
+from .train import TRAIN_PRECISIONS, TeacherCache, greedy_continuations, heldout_loss, resolve_precision, train_drafter, train_target
 
 
 @dataclass
@@ -59,13 +60,19 @@ class TinyRecipe:
     selector_rank: int = 32
     selector_top_k: int = 8
     markov_rank: int = 64
+    train_precision: str = "auto"  # target and drafter training: auto (bf16 autocast where the CPU has native bf16), fp32, bf16
 
 
 FULL = TinyRecipe()
 QUICK = TinyRecipe(vocab=512, hidden=64, layers=5, heads=2, kv_heads=1, intermediate=128, target_steps=150,
                    batch=8, seq_len=128, draft_intermediate=128, draft_block=8, distill_prompts=16,
                    distill_tokens=48, drafter_steps=20, dflash_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
-                   selector_top_k=4, markov_rank=8)
+                   selector_top_k=4, markov_rank=8, train_precision="fp32")
+
+
+def _is_quick(recipe: TinyRecipe) -> bool:
+    """The QUICK recipe, whatever its training precision (it samples fewer training pairs)."""
+    return dataclasses.replace(recipe, train_precision=QUICK.train_precision) == QUICK
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -157,7 +164,7 @@ def build_target_stage(out: Path, data_dir, seed: int, recipe: TinyRecipe, log=p
     pairs = training_pairs(data_dir)
     if not pairs:
         raise SpecpilotError("no training text for the tiny deployment")
-    if recipe is QUICK:
+    if _is_quick(recipe):
         pairs = rng.sample(pairs, 400)
     target_dir = out / "target"
     shutil.rmtree(target_dir, ignore_errors=True)
@@ -172,7 +179,8 @@ def build_target_stage(out: Path, data_dir, seed: int, recipe: TinyRecipe, log=p
     init_weights(target)
     init_family_params(target)
     t0 = time.time()
-    tlosses = train_target(target, stream, recipe.target_steps, recipe.batch, recipe.seq_len, seed=seed, log=log)
+    tlosses = train_target(target, stream, recipe.target_steps, recipe.batch, recipe.seq_len, seed=seed, log=log,
+                           precision=recipe.train_precision)
     t_target = time.time() - t0
 
     test_docs = [_chat(tok, r["turns"][0], row["answer"]) for r, row in
@@ -201,7 +209,7 @@ def reuse_target_stage(out: Path, target_from: Path, data_dir, seed: int, recipe
 
     rng = random.Random(seed)
     pairs = training_pairs(data_dir)
-    if recipe is QUICK:
+    if _is_quick(recipe):
         pairs = rng.sample(pairs, 400)
     rng.shuffle(list(range(len(pairs))))  # the docs shuffle of the training stage
     target_dir = out / "target"
@@ -243,7 +251,8 @@ def build_drafter_stage(kind: str, state: dict, seqs, out: Path, recipe: TinyRec
     block = cfg.block_size
     steps = recipe.dflash_steps if kind == "dflash" else recipe.drafter_steps
     losses = train_drafter(drafter, target, seqs, steps, recipe.drafter_batch, block,
-                           recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"), teacher=teacher)
+                           recipe.anchors, seed=seed, log=lambda m: log(f"[{kind}] {m}"), teacher=teacher,
+                           precision=recipe.train_precision)
     dt = time.time() - t0
     d = out / f"drafter-{kind}"
     shutil.rmtree(d, ignore_errors=True)
@@ -288,6 +297,7 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
         seconds[f"drafter_{kind}"] = per[kind]["seconds"]
     seconds["total"] = time.time() - t_start
     summary = {"seed": seed, "recipe": recipe.__dict__, "target_kind": target_kind, "torch": torch.__version__,
+               "train_precision": resolve_precision(recipe.train_precision),
                **state["summary"], "distill_mix": state["distill_mix"],
                "drafters": per, "seconds": seconds}
     if "dflash" in per:  # the fields earlier builds wrote
@@ -317,6 +327,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny target family: dense Qwen3, hybrid Gated DeltaNet, or Muse-Glimmer-style")
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated drafter kinds to build")
     p.add_argument("--target-from", help="reuse this already built target (same seed and recipe)")
+    p.add_argument("--train-precision", choices=TRAIN_PRECISIONS, default=None,
+                   help="training precision of the target and drafters (default: the recipe's, auto = bf16 "
+                        "autocast where the CPU has native bf16, else fp32)")
 
 
 def run(args) -> int:
@@ -325,7 +338,10 @@ def run(args) -> int:
     from ..prompts import check_data_id
 
     data_dir = check_data_id(args.data_dir, args.data_id)
-    build_tiny(args.out, data_dir, args.seed, QUICK if args.quick else FULL,
+    recipe = QUICK if args.quick else FULL
+    if args.train_precision:
+        recipe = dataclasses.replace(recipe, train_precision=args.train_precision)
+    build_tiny(args.out, data_dir, args.seed, recipe,
                drafters=tuple(k for k in args.drafters.split(",") if k), target_from=args.target_from,
                target_kind=args.target_kind)
     return 0
