@@ -17,6 +17,10 @@ runs it. Three implementations of the same step, each captured as CUDA graphs
   for their shapes in this run, each candidate first checked against cuBLAS (relative error
   < 1e-2) and timed alone in a CUDA graph of 20 calls (each call reads more than the L2 holds).
 
+Then the Triton steps again in ``--rounds`` interleaved rounds (:func:`interleaved_rounds`), per
+call with the GPU idle at issue (host launch included) and back to back (device time in a steady
+stream); ``--profile`` adds the device time per kernel of ``add_context`` and ``draft``.
+
 Byte floor: the weights the step reads (5 layers, fc, the LM head, the embedding rows) plus the
 draft cache's K/V, at the copy bandwidth measured in the run. Also reported: how often the
 Triton draft's tokens equal the eager network's (random weights: low margins, so low bits can
@@ -105,6 +109,45 @@ def tune_context(fast, feats: torch.Tensor) -> dict:
     return out
 
 
+@torch.inference_mode()
+def interleaved_rounds(steps: dict, rounds: int, floor_ms: float, n: int = 30) -> dict:
+    """The draft step (``add_context`` + ``draft``) of each implementation in ``steps`` {impl: fn},
+    timed in ``rounds`` interleaved rounds (impl A, impl B, A, B, ...; drift hits all alike), two ways:
+
+    - ``call_ms``: median of ``n`` calls, each between CUDA events with a synchronize after it (the
+      GPU idle when the call is issued, so the host's launch of the input copies and graphs counts:
+      what a step costs when the engine issues it after the acceptance decision);
+    - ``stream_ms``: ``n`` calls issued back to back between one pair of events, per call (the
+      device time of the step in a steady stream of them).
+
+    Returns {impl: {call_ms: [per round], stream_ms: [...], call_median_ms, stream_median_ms,
+    call_over_floor, stream_over_floor}} with medians over the rounds."""
+    import statistics
+
+    out = {k: {"call_ms": [], "stream_ms": []} for k in steps}
+    for _ in range(rounds):
+        for impl, fn in steps.items():
+            out[impl]["call_ms"].append(median_ms(fn, n, 3))
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(n):
+                fn()
+            e1.record()
+            e1.synchronize()
+            out[impl]["stream_ms"].append(e0.elapsed_time(e1) / n)
+    for impl, r in out.items():
+        for k in ("call", "stream"):
+            r[f"{k}_median_ms"] = statistics.median(r[f"{k}_ms"])
+            r[f"{k}_over_floor"] = r[f"{k}_median_ms"] / floor_ms
+        print(f"rounds {impl:13s} call {r['call_median_ms']:.3f} ms ({r['call_over_floor']:.3f}x floor; "
+              f"{min(r['call_ms']):.3f}-{max(r['call_ms']):.3f}), stream {r['stream_median_ms']:.3f} ms "
+              f"({r['stream_over_floor']:.3f}x; {min(r['stream_ms']):.3f}-{max(r['stream_ms']):.3f})", flush=True)
+    return out
+
+
 def kernel_profile(fn, n: int = 10) -> dict:
     """Device time per kernel name [us per call of ``fn``] over ``n`` calls (torch.profiler), their
     sum, and the wall time per call between CUDA events around the same calls: the difference is
@@ -142,6 +185,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=768)
     ap.add_argument("--no-tune-context", dest="tune_context", action="store_false",
                     help="skip the context-injection config sweep (impl triton_tuned)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="interleaved repeats of the Triton steps' timing (0: none); see interleaved_rounds")
     ap.add_argument("--profile", action="store_true",
                     help="also a per-kernel device-time profile of the triton step (add_context, draft)")
     args = ap.parse_args()
@@ -178,7 +223,7 @@ def main() -> int:
         anchor = torch.randint(0, tc.vocab_size, (B,), device=dev, generator=g)
         cell = {"batch": B, "floor_ms": {"draft": draft_bytes / bw * 1e3, "add_context": ctx_bytes / bw * 1e3,
                                          "step": (draft_bytes + ctx_bytes) / bw * 1e3}, "impl": {}}
-        tokens = {}
+        tokens, steps = {}, {}
         impls = ("torch", "triton_linears", "triton")
         if args.tune_context and B * args.block <= 32:
             impls += ("triton_tuned",)
@@ -206,6 +251,8 @@ def main() -> int:
                 try:
                     t_ctx, t_draft, t_step = median_ms(ctx), median_ms(draft), median_ms(both)
                     tokens[impl] = draft().clone()
+                    if impl.startswith("triton") and impl != "triton_linears":
+                        steps[impl] = both
                     if args.profile and impl == "triton":
                         cell["profile"] = {"add_context": kernel_profile(ctx), "draft": kernel_profile(draft)}
                         for part, pr in cell["profile"].items():
@@ -220,6 +267,8 @@ def main() -> int:
                                   "draft_over_floor": t_draft / cell["floor_ms"]["draft"]}
             print(f"B={B} {impl:15s} add_context {t_ctx:.3f} ms, draft {t_draft:.3f} ms, step {t_step:.3f} ms "
                   f"({t_step / cell['floor_ms']['step']:.2f}x floor {cell['floor_ms']['step']:.3f} ms)", flush=True)
+        if steps and args.rounds:
+            cell["rounds"] = interleaved_rounds(steps, args.rounds, cell["floor_ms"]["step"])
         if "torch" in tokens and "triton" in tokens:
             cell["triton_tokens_equal_eager"] = float((tokens["torch"] == tokens["triton"]).float().mean())
         res["cells"].append(cell)
