@@ -19,7 +19,10 @@ runs it. Three implementations of the same step, each captured as CUDA graphs
 
 Then the Triton steps again in ``--rounds`` interleaved rounds (:func:`interleaved_rounds`), per
 call with the GPU idle at issue (host launch included) and back to back (device time in a steady
-stream); ``--profile`` adds the device time per kernel of ``add_context`` and ``draft``.
+stream); ``--profile`` adds the device time per kernel of ``add_context`` and ``draft`` of ``triton``, after
+every timing of the batch size (once torch.profiler has run in a process, CUPTI stays attached and
+every later call is ~0.2 ms slower; a later batch size's timings are affected too, so profile one
+batch size per process).
 
 Byte floor: the weights the step reads (5 layers, fc, the LM head, the embedding rows) plus the
 draft cache's K/V, at the copy bandwidth measured in the run. Also reported: how often the
@@ -223,7 +226,7 @@ def main() -> int:
         anchor = torch.randint(0, tc.vocab_size, (B,), device=dev, generator=g)
         cell = {"batch": B, "floor_ms": {"draft": draft_bytes / bw * 1e3, "add_context": ctx_bytes / bw * 1e3,
                                          "step": (draft_bytes + ctx_bytes) / bw * 1e3}, "impl": {}}
-        tokens, steps = {}, {}
+        tokens, steps, parts = {}, {}, {}
         impls = ("torch", "triton_linears", "triton")
         if args.tune_context and B * args.block <= 32:
             impls += ("triton_tuned",)
@@ -253,12 +256,8 @@ def main() -> int:
                     tokens[impl] = draft().clone()
                     if impl.startswith("triton") and impl != "triton_linears":
                         steps[impl] = both
-                    if args.profile and impl == "triton":
-                        cell["profile"] = {"add_context": kernel_profile(ctx), "draft": kernel_profile(draft)}
-                        for part, pr in cell["profile"].items():
-                            print(f"B={B} profile {part}: kernels {pr['kernel_sum_us']:.1f} us of {pr['wall_us']:.1f} us; "
-                                  + ", ".join(f"{k[:40]} {v['us']:.1f}x{v['launches']:.0f}"
-                                              for k, v in list(pr["kernels"].items())[:8]), flush=True)
+                    if impl == "triton":
+                        parts = {"add_context": ctx, "draft": draft}
                 except Exception as e:  # noqa: BLE001 - a failing implementation is reported, not fatal
                     cell["impl"][impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     continue
@@ -269,6 +268,13 @@ def main() -> int:
                   f"({t_step / cell['floor_ms']['step']:.2f}x floor {cell['floor_ms']['step']:.3f} ms)", flush=True)
         if steps and args.rounds:
             cell["rounds"] = interleaved_rounds(steps, args.rounds, cell["floor_ms"]["step"])
+        if args.profile and parts:  # last: once torch.profiler has run, every later call is ~0.2 ms slower
+            with torch.inference_mode():
+                cell["profile"] = {k: kernel_profile(fn) for k, fn in parts.items()}
+            for part, pr in cell["profile"].items():
+                print(f"B={B} profile {part}: kernels {pr['kernel_sum_us']:.1f} us of {pr['wall_us']:.1f} us; "
+                      + ", ".join(f"{k[:40]} {v['us']:.1f}x{v['launches']:.0f}"
+                                  for k, v in list(pr["kernels"].items())[:8]), flush=True)
         if "torch" in tokens and "triton" in tokens:
             cell["triton_tokens_equal_eager"] = float((tokens["torch"] == tokens["triton"]).float().mean())
         res["cells"].append(cell)

@@ -48,11 +48,11 @@ def resolve_precision(precision: str) -> str:
     ``fp32``: fp32 throughout. ``bf16``: the forward and backward passes under CPU autocast to
     bfloat16 (``torch.autocast("cpu", torch.bfloat16)``: matmuls in bf16 with fp32 accumulation,
     losses and softmax in fp32; weights, gradients and AdamW state stay fp32). ``auto``: ``bf16``
-    where oneDNN reports native bf16 support (AVX512-BF16 / AMX: the tiny target's 360 steps took
-    295 s against 381 s in fp32 on a 2-core AMD EPYC, held-out loss 3.217 against 3.221), else
-    ``fp32`` (emulated bf16 is slower than fp32). The tiny build uses it for the target only: the drafters' small matmuls
-    trained slower under autocast (DFlash 218 s against 186 s). Raises ValueError naming an
-    unknown precision."""
+    where oneDNN reports native bf16 support (AVX512-BF16 / AMX), else ``fp32`` (emulated bf16 is
+    slower than fp32). Measured on a 2-core AMD EPYC with AVX512-BF16 (2026-12-02): the tiny
+    target's 360 steps took 292 s in bf16 against 381 s in fp32, held-out loss 3.217 against 3.221;
+    see :class:`specpilot.tiny.build.TinyRecipe` for why the build keeps fp32 by default. Raises
+    ValueError naming an unknown precision."""
     if precision not in TRAIN_PRECISIONS:
         raise ValueError(f"train precision must be one of {', '.join(TRAIN_PRECISIONS)}, got {precision!r}")
     if precision != "auto":
