@@ -61,7 +61,7 @@ class TinyRecipe:
     selector_top_k: int = 8
     markov_rank: int = 64
     # the target's training precision: fp32, bf16 (CPU autocast) or auto (bf16 where the CPU has native
-    # bf16). fp32 by default: on a 2-core EPYC bf16 trained the target in 292 s against 381 s with the
+    # bf16). fp32 by default: on a 2-core EPYC bf16 trained the target in 292 s against 383 s with the
     # same held-out loss (3.217 / 3.221), but the drafters distilled from that target read a stock tau
     # geomean of 4.90 against 5.44 on the embedded default (one build each, 2026-12-02). The drafters
     # always train in fp32 (autocast did not make them faster).

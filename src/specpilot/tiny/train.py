@@ -50,7 +50,7 @@ def resolve_precision(precision: str) -> str:
     losses and softmax in fp32; weights, gradients and AdamW state stay fp32). ``auto``: ``bf16``
     where oneDNN reports native bf16 support (AVX512-BF16 / AMX), else ``fp32`` (emulated bf16 is
     slower than fp32). Measured on a 2-core AMD EPYC with AVX512-BF16 (2026-12-02): the tiny
-    target's 360 steps took 292 s in bf16 against 381 s in fp32, held-out loss 3.217 against 3.221;
+    target's 360 steps took 292 s in bf16 against 383 s in fp32, held-out loss 3.217 against 3.221;
     see :class:`specpilot.tiny.build.TinyRecipe` for why the build keeps fp32 by default. Raises
     ValueError naming an unknown precision."""
     if precision not in TRAIN_PRECISIONS:
