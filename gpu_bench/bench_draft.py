@@ -254,7 +254,7 @@ def main() -> int:
                 try:
                     t_ctx, t_draft, t_step = median_ms(ctx), median_ms(draft), median_ms(both)
                     tokens[impl] = draft().clone()
-                    if impl.startswith("triton") and impl != "triton_linears":
+                    if impl in ("triton", "triton_tuned"):
                         steps[impl] = both
                     if impl == "triton":
                         parts = {"add_context": ctx, "draft": draft}

@@ -72,7 +72,7 @@ FULL = TinyRecipe()
 QUICK = TinyRecipe(vocab=512, hidden=64, layers=5, heads=2, kv_heads=1, intermediate=128, target_steps=150,
                    batch=8, seq_len=128, draft_intermediate=128, draft_block=8, distill_prompts=16,
                    distill_tokens=48, drafter_steps=20, dflash_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
-                   selector_top_k=4, markov_rank=8, train_precision="fp32")
+                   selector_top_k=4, markov_rank=8)
 
 
 def _is_quick(recipe: TinyRecipe) -> bool:

@@ -225,8 +225,8 @@ class TeacherCache:
 
 def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[tuple[int, list[int]]],
                   steps: int, batch: int, block_size: int, anchors: int, lr: float = 2e-3,
-                  gamma: float = 4.0, seed: int = 0, log=print, teacher: TeacherCache | None = None,
-                  precision: str = "fp32") -> list[float]:
+                  gamma: float = 4.0, seed: int = 0, log=print, teacher: TeacherCache | None = None
+                  ) -> list[float]:
     """Distil the target's greedy decoding into the drafter with its published objective
     (chosen by ``drafter.kind``: dflash, dflash2, dspark; see the module docstring).
 
@@ -240,8 +240,6 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
         teacher: the target's features (and logits for DSpark) of ``sequences``, computed once
             (:class:`TeacherCache`); built here when None. Must match ``sequences`` and the
             drafter's ``target_layer_ids``.
-        precision: ``auto``, ``fp32`` or ``bf16`` (:func:`resolve_precision`); the teacher's
-            features are computed in fp32 either way.
     Returns:
         per-step losses [nats/token, decay-weighted].
     """
@@ -274,4 +272,4 @@ def train_drafter(drafter: DFlashDrafter, target: Transformer, sequences: list[t
             return _dspark_loss(drafter, feats, tlogits, toks, anc, block_size)
         return _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, kind == "dflash2")
 
-    return _train(drafter, params, steps, lr, batch_loss, "drafter", log, precision)
+    return _train(drafter, params, steps, lr, batch_loss, "drafter", log)
