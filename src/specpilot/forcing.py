@@ -175,8 +175,8 @@ def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto
     plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
     and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
     bf16) nor verifies token trees wider than the Triton step takes (``TREE_FAST_NODES`` of
-    :mod:`specpilot.engine.runner`, bounded from ``block_size``, ``tree_branch``, ``tree_depth`` and
-    ``second_level``: the runner verifies wider trees eagerly). Else
+    :mod:`specpilot.engine.runner`, bounded from ``block_size``, ``tree_branch``, ``tree_depth``,
+    ``second_level`` and ``tree_nodes``: the runner verifies wider trees eagerly). Else
     ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
     recorded in its records: pass ``asked="eager"`` for it.
 
@@ -224,6 +224,11 @@ def _tree_width_bound(cfg: dict) -> int:
     from .engine.serve import verify_width_bound
 
     branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
+    nodes = cfg.get("tree_nodes") or 0
+    if not isinstance(nodes, int) or isinstance(nodes, bool):
+        return TREE_FAST_NODES + 1
+    if nodes > 0:
+        return nodes + 1
     if not isinstance(branch, int) or not isinstance(second, int):
         return TREE_FAST_NODES + 1
     if branch <= 0 and second <= 0:

@@ -26,6 +26,8 @@ class Direction:
         space: parameter -> allowed values (a finite grid the offline policy searches).
         applies: predicate on the deployment context dict (gpu, dtype, concurrency, drafter...).
         description: one line for reports and LLM prompts.
+        excludes: engine-config keys of other mechanisms this one replaces: :meth:`apply` drops
+            them when it switches this mechanism on (two tree builders never meet in one config).
     """
 
     name: str
@@ -33,6 +35,7 @@ class Direction:
     space: dict[str, list[Any]]
     description: str = ""
     applies: Callable[[dict], bool] = field(default=lambda ctx: True)
+    excludes: tuple[str, ...] = ()
 
     def candidates(self) -> list[dict]:
         """Every point of the grid, in a fixed order."""
@@ -45,13 +48,17 @@ class Direction:
                 "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
 
     def apply(self, config: dict, params: dict) -> dict:
-        """A new engine config with ``params`` set (the input is not modified), normalized."""
-        return normalize({**config, **params})
+        """A new engine config with ``params`` set (the input is not modified), normalized; when a
+        parameter that has an "off" value (:data:`DEFAULTS`) is on, the keys of :attr:`excludes` are dropped first."""
+        on = any(k in DEFAULTS and v not in DEFAULTS[k] for k, v in params.items())
+        base = {k: v for k, v in config.items() if not (on and k in self.excludes)}
+        return normalize({**base, **params})
 
 
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
-            "verify_budget": ("off",), "overlap": (False,), "second_level": (0,)}
+            "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
+            "tree_nodes": (0,)}
 
 
 def normalize(config: dict) -> dict:
@@ -82,7 +89,7 @@ register(Direction(
 register(Direction(
     "tree_verify", "acceptance", {"tree_branch": [0, 1, 2, 3], "tree_depth": [1, 2, 3]},
     "tree verification: the drafter's next-best tokens at the first positions as side branches",
-    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup")))
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"), excludes=("tree_nodes",)))
 
 
 def _w12_applies(ctx: dict) -> bool:
@@ -112,7 +119,15 @@ register(Direction(
 
 
 register(Direction(
+    "tree_shape", "acceptance", {"tree_nodes": [0, 15, 31, 63]},
+    "static token tree of N nodes chosen from the drafter's rank profile (Sequoia's positional-acceptance "
+    "tree: the N most probable rank paths; drafters.static_tree); verify width N + 1",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"),
+    excludes=("tree_branch", "tree_depth", "second_level")))
+
+
+register(Direction(
     "two_level", "acceptance", {"second_level": [0, 2, 4, 7]},
     "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
     "pass, so a step can commit more than a block (verify width block + second_level)",
-    applies=lambda ctx: ctx.get("drafter") == "dflash"))
+    applies=lambda ctx: ctx.get("drafter") == "dflash", excludes=("tree_nodes",)))

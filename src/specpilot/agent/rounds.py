@@ -214,7 +214,7 @@ def integrate(args) -> int:
     chosen, result = base, None
     if winners:
         merged = dict(base)
-        for name, w in winners:
+        for name, w in reversed(winners):  # the best winner last: its exclusions (Direction.excludes) hold
             merged = dirs.REGISTRY[name].apply(merged, w["params"])
         res = ev.trial(merged, base, evidence)
         best_single = winners[0][1]

@@ -226,6 +226,9 @@ class ReplayProposer:
             requests share their batch.
         tree_branch, tree_depth: propose the spine + side-branch tree (see the module docstring;
             the network, when it is a DFlash proposer, drafts the same tree for its cost).
+        rank_draws: plant every position by a rank draw (:meth:`_rank_planted`) instead of the
+            first-wrong-position draw: the proposal a static tree
+            (:class:`~specpilot.drafters.static_tree.StaticTreeProposer`) gathers its nodes from.
     Raises:
         SpecpilotError: a block size < 2; side branches with a profile without ``rank_recall``.
     """
@@ -236,7 +239,8 @@ class ReplayProposer:
 
     def __init__(self, references: list[list[int]], profile: AcceptanceProfile, vocab_size: int,
                  network=None, seed: int = 0, row_keys: list[str] | None = None,
-                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1):
+                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1,
+                 rank_draws: bool = False):
         self.refs = [list(r) for r in references]
         self.block_size = int(block_size or getattr(network, "block_size", 0) or profile.block_size)
         if self.block_size < 2:
@@ -244,7 +248,8 @@ class ReplayProposer:
         self.branch, self.depth = int(tree_branch), int(tree_depth)
         if self.branch < 0 or self.depth < 0:
             raise SpecpilotError("replay: tree_branch and tree_depth must be >= 0")
-        if self.branch and profile.recall is None:
+        self.rank_draws = bool(rank_draws)
+        if (self.branch or self.rank_draws) and profile.recall is None:
             raise SpecpilotError(f"replay: side branches need a profile with rank_recall; {profile.name!r} has none")
         self.capture = tuple(getattr(network, "capture", ()))
         self.profile = profile
@@ -337,6 +342,11 @@ class ReplayProposer:
         for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
             d = d + [ref[-1] if ref else 0] * (k - len(d))
+            if self.rank_draws:
+                d, alt = self._rank_planted(d, k, d_, rng)
+                rows.append(d)
+                alts.append(alt)
+                continue
             if self.branch:
                 a, leaf = self.profile.sample_tree(k, self.branch, self.depth, rng)
                 self.leaves.append(leaf)
@@ -367,6 +377,27 @@ class ReplayProposer:
             self._pin.copy_(host)
             host = self._pin
         return chain(last, host.to(self.device, non_blocking=True))
+
+    def _rank_planted(self, d: list[int], k: int, d_: int, rng: random.Random) -> tuple[list[int], list[list[int]]]:
+        """Rank draws for static trees (:mod:`specpilot.drafters.static_tree`): at every draft
+        position j the rank R_j of the reference token among the drafter's candidates is drawn
+        from the profile's rank distribution, independently per position (the model the tree
+        was chosen under); the spine holds the reference token where R_j = 1 and the side leaf of
+        rank R_j (2..branch + 1, first ``d_`` positions) holds it elsewhere, every other candidate
+        being a distinct wrong token. Returns (spine [k], side branches [d_][branch])."""
+        spine, alt = [], []
+        for j in range(1, k + 1):
+            u, rank = rng.random(), None
+            for r in range(1, len(self.profile.recall[min(j, len(self.profile.recall)) - 1]) + 1):
+                if u < self.profile.recall_at(j, r):
+                    rank = r
+                    break
+            ref = d[j - 1]
+            spine.append(ref if rank == 1 else (ref + 1) % self.vocab)
+            if j <= d_:
+                alt.append([ref if rank == s + 2 else (ref + 2 + s) % self.vocab for s in range(self.branch)])
+        self.planted.append(next((j for j, t in enumerate(spine) if t != d[j]), k))
+        return spine, alt
 
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
         """Continuous batching: slot b now serves a new request whose AR output is ``reference``.

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..errors import SpecpilotError
 from ..drafters import make_proposer
 from ..drafters.lookup import LookupProposer
+from ..drafters.static_tree import static_tree_for
 from ..models.dflash import DFlashDrafter
 from ..models.qwen3 import Transformer
 from ..records import Record
@@ -23,7 +24,10 @@ ENGINES = ("ar", "stock", "lookup", "specpilot")
 
 def verify_width_bound(block_size: int, config: dict) -> int:
     """An upper bound of a speculative engine's tokens per verify forward: block + 1 + the tree's
-    side leaves (``tree_branch`` x min(``tree_depth``, block)) + ``second_level``."""
+    side leaves (``tree_branch`` x min(``tree_depth``, block)) + ``second_level``; a static tree
+    (``tree_nodes`` N) verifies N + 1 tokens."""
+    if config.get("tree_nodes"):
+        return max(block_size + 1, int(config["tree_nodes"]) + 1)
     depth = min(int(config.get("tree_depth", 1)), block_size)
     return block_size + 1 + int(config.get("tree_branch", 0)) * depth + int(config.get("second_level", 0))
 
@@ -128,15 +132,21 @@ def make_engine_proposer(spec: EngineSpec, target: Transformer, drafter, graphs:
                                  "second_level is not modeled")
         net = make_proposer(drafter, spec.block_size, {}, graphs, kernels) if drafter is not None else None
         width = net.verify_width if net is not None else spec.block_size  # the drafter's counting (a chain)
-        return ReplayProposer(references, replay, target.config.vocab_size, net,
-                              seed=int(spec.config.get("replay_seed", 0)), block_size=width,
-                              tree_branch=int(spec.config.get("tree_branch", 0)),
-                              tree_depth=int(spec.config.get("tree_depth", 1)))
+        rp = ReplayProposer(references, replay, target.config.vocab_size, net,
+                            seed=int(spec.config.get("replay_seed", 0)), block_size=width,
+                            tree_branch=int(spec.config.get("tree_branch", 0)),
+                            tree_depth=int(spec.config.get("tree_depth", 1)),
+                            rank_draws=bool(spec.config.get("tree_nodes")))
+        return static_tree_for(rp, spec.config, replay) if spec.config.get("tree_nodes") else rp
     if spec.engine == "lookup":
         return LookupProposer(int(spec.config.get("max_ngram", 3)), spec.block_size)
     if drafter is None:
         raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
     proposer = make_proposer(drafter, spec.block_size, spec.config, graphs, kernels)
+    if spec.config.get("tree_nodes"):
+        if spec.config.get("verify_budget", "off") != "off":
+            raise SpecpilotError("tree_nodes (a static tree) cannot be combined with verify_budget")
+        return static_tree_for(proposer, spec.config)
     budget = spec.config.get("verify_budget", "off")
     if budget == "load_aware":
         from .verify_budget import LoadAwareVerify
