@@ -474,6 +474,60 @@ def test_tree_leaves_equal_their_chains_across_tiles_interpreted(tmp_path):
     assert res["leaves"] == 12 and res["spine_equal"] and res["leaf_equal"], res
 
 
+STATIC_TREE_CHECK = r'''
+from specpilot.drafters.static_tree import optimal_tree
+from specpilot.engine.graphs import FastTarget, tree_inputs
+from specpilot.engine.replay import load_profile
+from specpilot.models.config import TargetConfig
+from specpilot.models.layers import chain_ancestors
+from specpilot.models.qwen3 import Transformer
+from specpilot.models.random_checkpoint import fill_random_
+
+cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+m = fill_random_(Transformer(cfg), 3).eval()
+B, S = 1, 224
+m.setup_cache(B, S)
+fast = FastTarget(m)
+g = torch.Generator().manual_seed(0)
+shape = optimal_tree(load_profile("study_stock"), 11, 7)  # best-first order: the spine is not contiguous
+par = torch.tensor([shape.parent_list()])
+W = par.shape[1]
+depth = [0] * W
+for i in range(1, W):
+    depth[i] = depth[int(par[0, i])] + 1
+res = {"nodes": 0, "equal": True, "off_spine": sum(1 for r in shape.ranks if r > 1),
+       "scattered": any(shape.parents[i] != i for i in range(1, len(shape.parents)))}
+chain = torch.tensor([[-1] + list(range(W - 1))])
+with torch.inference_mode():
+    m(torch.randint(0, 128, (B, 200), generator=g), torch.zeros(B, dtype=torch.long), chain_ancestors(B, 200, "cpu"))
+    for st in (124, 60):  # the ancestors' block slots fall in other 64-key tiles / 128-slot chunks
+        start = torch.tensor([st])
+        tok = torch.randint(0, 128, (B, W), generator=g)
+        lt = fast.forward(tok, start, tree=tree_inputs(par))[0].clone()
+        for t in range(W):
+            path, n = [t], t
+            while n > 0:
+                n = int(par[0, n])
+                path.append(n)
+            path = path[::-1]
+            row = torch.cat([tok[:, path], torch.randint(0, 128, (B, W - len(path)), generator=g)], 1)
+            lc = fast.forward(row, start, tree=tree_inputs(chain))[0]  # the same path as a chain, same tiles
+            res["nodes"] += 1
+            res["equal"] &= bool(torch.equal(lt[:, t], lc[:, depth[t]]))
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_static_tree_nodes_equal_their_paths_interpreted(tmp_path):
+    """Every node of a static tree (nodes in best-first order, so ancestors sit at scattered block
+    slots) verified in the Triton step has the bits of its root-to-node path verified as a chain:
+    the attention reads a node's ancestors in the order of their positions, not their slots."""
+    res = _interpreted(tmp_path / "check.py", STATIC_TREE_CHECK)
+    assert res["nodes"] == 24 and res["off_spine"] >= 2 and res["scattered"] and res["equal"], res
+
+
 DRAFT_CHECK = r"""
 from torch import nn
 from specpilot.engine.graphs import FastDrafter, fast_drafter_supported
@@ -705,9 +759,16 @@ def test_tree_bits_pack_ancestors():
 
     bits = tree_bits(chain_ancestors(1, 64, "cpu"))
     assert int(bits[0, 0]) == 1 and int(bits[0, 1]) == 3 and int(bits[0, 63]) == -1  # all 64 bits
-    b, d = tree_inputs(torch.tensor([[-1, 0, 0, 1, 2]]))
+    b, d, p = tree_inputs(torch.tensor([[-1, 0, 0, 1, 2]]))
     assert b.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10101]] and d.tolist() == [[0, 1, 1, 2, 2]]
-    assert d.dtype == torch.int32
+    assert d.dtype == torch.int32 and p.dtype == torch.int32 and p.shape == (1, 5, 64)
+    # ancestors by depth: node 3's are the root (depth 0) and node 1 (depth 1); node 4's 0 and 2
+    assert p[0, :, :2].tolist() == [[0, 0], [0, 0], [0, 0], [0, 1], [0, 2]]
+    _, _, p2 = tree_inputs(torch.tensor([[-1, 0, 1, 0, 3, 2]]))  # nodes out of depth order
+    assert p2[0, 4, :2].tolist() == [0, 3] and p2[0, 5, :3].tolist() == [0, 1, 2]
+    # a spine + side-leaf tree has its ancestors at the slots of their depths: bits and depths only
+    from specpilot.drafters.proposal import spine_tree_parents
+    assert len(tree_inputs(torch.tensor([spine_tree_parents(6, 2, 3)]))) == 2
     with pytest.raises(SpecpilotError, match="at most 64"):
         tree_inputs(torch.full((1, 65), -1))
 

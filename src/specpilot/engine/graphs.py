@@ -583,18 +583,22 @@ class FastTarget:
         self.selection[f"{role}:{M}:{'x'.join(map(str, w.shape))}"] = rec
         return best
 
-    def _layer(self, x, layer, kc, vc, cos, sin, start, T: int, M: int, ws: _Workspace, anc_bits=None, depth=None):
+    def _layer(self, x, layer, kc, vc, cos, sin, start, T: int, M: int, ws: _Workspace, anc_bits=None, depth=None,
+               path=None):
         """One pre-norm attention + SwiGLU layer on the residual stream ``x`` [>= M, hidden] (in place).
 
         Writes the block's K/V to slots start .. start+T-1 of ``kc``/``vc`` (one layer's cache,
-        (B, Hkv, S, D)); ``anc_bits``/``depth``: tree visibility and RoPE depths (None: a chain).
+        (B, Hkv, S, D)); ``anc_bits``/``depth``: tree visibility and RoPE depths (None: a chain);
+        ``path``: a target tree's ancestors by depth (:func:`~specpilot.engine.triton_step.tree_paths`),
+        which the attention reads in position order (then ``anc_bits`` is not used).
         """
         K, a, eps = self.k, layer.self_attn, self.model.config.rms_norm_eps
         self._linear("qkv", x, layer.fused_qkv, ws.qkv, ws, norm=layer.input_layernorm.weight)
         K.qk_rope_cache(ws.qkv[:M], ws.q, kc, vc, a.q_norm.weight if a.q_norm is not None else None,
                         a.k_norm.weight if a.k_norm is not None else None, cos, sin, start, T,
                         a.n_heads, a.n_kv, a.head_dim, eps, depth=depth)
-        K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws, anc_bits=anc_bits)
+        K.attention(ws.q, kc, vc, start, T, a.n_heads, a.n_kv, a.head_dim, ws.attn, ws.attn_ws, anc_bits=anc_bits,
+                    path=path, depth=depth if path is not None else None)
         self._linear("o", ws.attn, a.o_proj.weight, x, ws, residual=x)
         self._linear("gate_up", x, layer.fused_gate_up, ws.h, ws, norm=layer.post_attention_layernorm.weight,
                      swiglu=True)
@@ -606,8 +610,10 @@ class FastTarget:
                 last_only: bool = False, write: bool = False):
         """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
 
-        ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T]) from :func:`tree_inputs` for a
-        token tree (T <= 64): node t attends to the prefix and its ancestors, RoPE at start + depth;
+        ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32
+        [B, T, 64]) from :func:`tree_inputs` for a token tree (T <= 64): node t attends to the
+        prefix and its ancestors read in position order (bit-equal to a decode of its path
+        whatever the tree's node order), RoPE at start + depth;
         its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
         ``rows``: the block is for these cache rows only (B = their count; e.g. one newcomer's
         prompt prefilled beside running requests without touching their rows). ``last_only``:
@@ -635,7 +641,8 @@ class FastTarget:
         with self.prefilling(last_only):
             for i, layer in enumerate(m.model.layers):
                 self._layer(x, layer, m.cache.k[rows, i], m.cache.v[rows, i], m.cos, m.sin, start, T, M, ws,
-                            anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None)
+                            anc_bits=tree[0] if tree else None, depth=tree[1] if tree else None,
+                            path=tree[2] if tree and len(tree) > 2 else None)
                 if i in capture:
                     j = capture.index(i)
                     ws.feats[:, j * H:(j + 1) * H].copy_(x)
@@ -951,7 +958,7 @@ class StepGraphs:
         """
         if self.model.state is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
-        key = (tuple(tokens.shape), tuple(capture), tree is not None, write)
+        key = (tuple(tokens.shape), tuple(capture), 0 if tree is None else len(tree), write)
         token = (self.model.state.data_ptrs(), self.model.cos.data_ptr())
         with torch.inference_mode():
             if write:
@@ -959,7 +966,7 @@ class StepGraphs:
                                       guard=_state_guard(self.model))
             if tree is None:
                 return self.cache.run(key, lambda t, s: self.step(t, s, capture), (tokens, start), token)
-            return self.cache.run(key, lambda t, s, a, d: self.step(t, s, capture, (a, d)),
+            return self.cache.run(key, lambda t, s, *tr: self.step(t, s, capture, tuple(tr)),
                                   (tokens, start, *tree), token)
 
 
@@ -980,19 +987,31 @@ def _state_guard(model: Transformer) -> tuple[Callable, Callable] | None:
     return save, restore
 
 
-def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor bits int64 [B, T], depth int32 [B, T]) of a token tree for :meth:`FastTarget.forward`.
+def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32 [B, T, 64]) of a
+    token tree for :meth:`FastTarget.forward` (the attention reads each node's ancestors in the
+    order of their positions: :func:`~specpilot.engine.triton_step.tree_paths`). A tree whose
+    nodes have their ancestors at the slots of their depths (chains, spine + side-leaf trees)
+    gets the first two only: its ancestor bits sum the keys in the decode's tiles already, at the
+    chain verify's cost (one program per row tile, not per node).
 
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
     (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
     """
     from ..models.layers import tree_ancestors
-    from .triton_step import tree_bits
+    from .triton_step import tree_bits, tree_paths
 
     if parents.shape[1] > 64:
         raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
     anc, depth = tree_ancestors(parents)
-    return tree_bits(anc), depth.to(torch.int32).contiguous()
+    bits, depth = tree_bits(anc), depth.to(torch.int32).contiguous()
+    paths = tree_paths(anc)
+    # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
+    # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
+    on_slots = torch.arange(64, device=parents.device, dtype=torch.int32)[None, None, :] < depth[..., None]
+    if bool((paths == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
+        return bits, depth
+    return bits, depth, paths
 
 
 @torch.no_grad()

@@ -112,6 +112,15 @@ CANDIDATES = (
 )
 
 
+@triton.jit
+def _interp_dot(a, b):
+    """a [M, K] @ b [K, N] in fp32 for the CPU interpreter only: every element summed over k in the
+    same order whatever its row or column (numpy's matmul, behind the interpreter's tl.dot, may
+    sum a row differently by its position in the tile, so bit-exact comparisons of rows at other
+    tile positions would fail for the interpreter's sake alone; on the GPU the MMA order is fixed)."""
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
@@ -280,8 +289,10 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
 @triton.jit(do_not_specialize=["T"])
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, l_ws,
                          T, HQ, HKV, G, stride_cb, stride_ch, stride_cs, n_chunks, R_pad, scale, WIN, RING,
+                         path_ptr, depth_ptr,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
-                         TREE: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr):
+                         TREE: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr,
+                         PATH: tl.constexpr = False):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum.
     A row's own key (slot start + t) is left out here and folded in last by the combine kernel, so
@@ -290,16 +301,27 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     start + t, not at start + depth as in the decode; its ancestors on the spine sit where the
     decode has them).
     WINDOWED (chain only): positions are read from slot position mod RING and a row at position
-    P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring)."""
+    P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring).
+    PATH (token trees of the target): one program per block token t (its G query heads); the keys
+    are read in the order of positions, not of block slots: the virtual slot start + d (d <
+    depth[t]) is the block slot start + path[t, d] of t's ancestor at depth d, so a tree node sums
+    its prefix and its ancestors in exactly the tiles a one-token decode at position start +
+    depth[t] sums them in (whatever the node order of the tree; ``anc_ptr`` unused)."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
     b = bh // HKV
     kh = bh % HKV
     start = tl.load(start_ptr + b).to(tl.int32)
-    r = rt * BR_ + tl.arange(0, BR_)
-    rmask = r < G * T
-    t = r // G
+    if PATH:  # node rt's G rows, in the row tile (and at the tile positions) a chain verify gives them
+        r = ((rt * G) // BR_) * BR_ + tl.arange(0, BR_)
+        rmask = (r >= rt * G) & (r < rt * G + G)
+        t = rt + tl.arange(0, BR_) * 0
+        dep = tl.load(depth_ptr + b * T + rt).to(tl.int32)
+    else:
+        r = rt * BR_ + tl.arange(0, BR_)
+        rmask = r < G * T
+        t = r // G
     h = kh * G + r % G
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
@@ -321,17 +343,25 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     for s0 in range(s_lo, s_hi, BS):
         offs_s = s0 + tl.arange(0, BS)
         smask = offs_s < s_hi
-        if WINDOWED:
+        if PATH:
+            jv = offs_s - start  # the ancestor at depth jv, for 0 <= jv < depth[t]
+            onpath = (jv >= 0) & (jv < dep)
+            pj = tl.load(path_ptr + (b * T + rt).to(tl.int64) * 64 + tl.where(onpath, jv, 0), mask=onpath, other=0)
+            smask = smask & ((jv < 0) | onpath)
+            kv_off = tl.where(jv >= 0, start + pj, offs_s)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        elif WINDOWED:
             kv_off = (offs_s % RING)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         else:
             kv_off = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         k = tl.load(kbase + kv_off, mask=smask[:, None], other=0.0)
         if INTERP:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            sc = _interp_dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
             sc = tl.dot(q, tl.trans(k))
         sc = sc * scale
-        if TREE:
+        if PATH:
+            vis = smask[None, :] & rmask[:, None]
+        elif TREE:
             j = (offs_s - start).to(tl.int64)
             inblk = (j >= 0) & (j < T)
             bit = (anc[:, None] >> tl.where(inblk, j, 0)[None, :]) & 1
@@ -349,7 +379,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
         v = tl.load(vbase + kv_off, mask=smask[:, None], other=0.0)
         if INTERP:
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = _interp_dot(p, v.to(tl.float32))
         else:
             pb = p.to(v.dtype)
             # row sums through the tensor cores, like p @ v: a fixed order per row whatever the
@@ -394,7 +424,7 @@ def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, q_ptr, kc_ptr, vc
     kv_self = b.to(tl.int64) * stride_cb + kh * stride_ch + slot.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
     k = tl.load(kc_ptr + kv_self, mask=rmask[:, None], other=0.0)
     if INTERP:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        qk = _interp_dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         qk = tl.dot(q, tl.trans(k))
     eye = tl.arange(0, RB)[:, None] == tl.arange(0, RB)[None, :]
@@ -453,28 +483,64 @@ class AttnWorkspace:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, T: int,
               n_heads: int, n_kv: int, head_dim: int, out: torch.Tensor, ws: AttnWorkspace,
-              anc_bits: torch.Tensor | None = None, window: int = 0, ring: int = 0) -> torch.Tensor:
+              anc_bits: torch.Tensor | None = None, window: int = 0, ring: int = 0,
+              path: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
     """Block attention: q [B*T, Hq*D] (RoPE applied) against one layer's cache (B, Hkv, S, D).
 
-    Chain (``anc_bits`` None): row t of block b sees cache slots 0 .. start[b] + t (the committed
-    prefix and the block's chain up to itself, whose K/V were just written). Tree: ``anc_bits``
-    int64 [B, T] (T <= 64; :func:`tree_bits`), row t sees the prefix and the block slots j whose bit
-    j is set (itself and its ancestors). Writes ``out`` [B*T, Hq*D].
+    Chain (``anc_bits`` and ``path`` None): row t of block b sees cache slots 0 .. start[b] + t
+    (the committed prefix and the block's chain up to itself, whose K/V were just written). Tree
+    by ancestor bits (``anc_bits`` int64 [B, T], T <= 64; :func:`tree_bits`; the drafter's
+    non-causal block): row t sees the prefix and the block slots j whose bit j is set (itself and
+    its ancestors). Tree by paths (``path`` int32 [B, T, 64] and ``depth`` int32 [B, T] from
+    :func:`tree_paths`; a target's token tree): node t sees the prefix and its ancestors, read in
+    the order of their positions, so its sums are bit-equal to a decode at position start +
+    depth[t] (see ``_attn_partial_kernel``). Writes ``out`` [B*T, Hq*D].
     """
     B = start.shape[0]
     G = n_heads // n_kv
     scale = head_dim ** -0.5
-    _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
+    if path is not None:
+        if depth is None:
+            raise ValueError("tree attention by paths needs the nodes' depths")
+        # one program per node, its G heads in a tile of rows: 16 on the GPU (the decode's tile; a
+        # row's bits do not depend on the tile there), the workspace's under the interpreter (the
+        # tile shape and row positions of a chain verify of the same width, since the
+        # interpreter's matmul may sum other shapes differently)
+        rows = ws.br if INTERPRET else max(16, triton.next_power_of_2(G))
+        if G > rows:
+            raise ValueError(f"tree attention by paths needs the {G} query heads of a KV head in one tile of {rows} rows")
+        grid = (B * n_kv, T, ws.n_chunks)
+    else:
+        grid, rows = (B * n_kv, ws.row_tiles, ws.n_chunks), ws.br
+    _attn_partial_kernel[grid](
         q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale, window,
-        max(ring, 1), CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=anc_bits is not None,
-        WINDOWED=window > 0, INTERP=INTERPRET,
+        max(ring, 1), path if path is not None else start, depth if depth is not None else start,
+        CHUNK=ws.chunk, BS=64, BR_=rows, D=head_dim, TREE=anc_bits is not None and path is None,
+        WINDOWED=window > 0, INTERP=INTERPRET, PATH=path is not None,
         num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, q, k_cache, v_cache, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale, max(ring, 1),
         CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, WINDOWED=window > 0, INTERP=INTERPRET, num_warps=4)
     return out
+
+
+def tree_paths(ancestors: torch.Tensor) -> torch.Tensor:
+    """Per node its ancestors in the order of depth: int32 [B, T, 64] whose entry [b, t, d] is the
+    block index of t's ancestor at depth d (d < depth of t; 0 past it), from an ancestor mask
+    bool [B, T, T] (t itself included, T <= 64; parents before children, so an ancestor's index
+    grows with its depth). Raises ValueError for trees of more than 64 nodes."""
+    B, T, _ = ancestors.shape
+    if T > 64:
+        raise ValueError(f"tree blocks of at most 64 nodes fit the path table, got {T}")
+    eye = torch.eye(T, dtype=torch.bool, device=ancestors.device)
+    anc = ancestors.bool() & ~eye
+    rank = torch.where(anc, anc.long().cumsum(-1) - 1, 64)
+    out = torch.zeros(B, T, 65, dtype=torch.int64, device=ancestors.device)
+    idx = torch.arange(T, device=ancestors.device).expand(B, T, T)
+    out.scatter_(2, rank, idx)
+    return out[..., :64].to(torch.int32).contiguous()
 
 
 def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
