@@ -6,7 +6,8 @@
 On the first ``--n`` gsm8k eval prompts, ``--new`` new tokens, concurrency 1, the deployment's DFlash
 drafter: stock chains of block B (``--block``) and of B + ``--extra`` (the wider chain), a tree
 with side branches adding ``--extra`` nodes (branch 2 at the first extra/2 positions), and
-two-level drafting with ``second_level`` = extra; every engine's outputs are compared with AR token
+two-level drafting with ``second_level`` = extra (and with ``--static-tree`` the optimal static
+tree of the same verify width, :mod:`specpilot.drafters.static_tree`); every engine's outputs are compared with AR token
 for token. tau = committed tokens per verify step (bonus included), over all steps.
 """
 
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--extra", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--static-tree", action="store_true",
+                    help="also the static tree (tree_nodes) of the same verify width, at block B and B + extra")
+    ap.add_argument("--tree-profile", default="tiny_dflash_ranks", help="rank profile the static tree is chosen from")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -52,6 +56,10 @@ def main() -> None:
         f"tree B={B} + {X} side nodes": EngineSpec("specpilot", B, {"tree_branch": 2, "tree_depth": max(1, X // 2)}),
         f"two-level B={B} + {X}": EngineSpec("specpilot", B, {"second_level": X}),
     }
+    if a.static_tree:  # the optimal static tree of the same verify width, drafted at block B and B + X
+        for blk in (B, B + X):
+            engines[f"static tree {B + X - 1} nodes, block {blk}"] = EngineSpec(
+                "specpilot", blk, {"tree_nodes": B + X - 1, "tree_profile": a.tree_profile})
     t0 = time.time()
     ar = serve(EngineSpec("ar"), target, None, rows, a.new, 1, META, progress=False)
     res = {"n_prompts": a.n, "new_tokens": a.new, "block": B, "extra": X, "engines": {}}

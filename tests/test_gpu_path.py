@@ -424,8 +424,8 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
     assert res["row_prefill"] < 1e-5 and res["row_prefill_kv"] < 1e-5 and res["row_prefill_other_rows"], res
 
 
-TREE_LEAF_CHECK = r'''
-from specpilot.drafters.proposal import spine_tree_parents
+# a one-layer random dense target on the Triton step (FastTarget), cache of 224 slots, and a seeded generator
+TREE_TARGET = r'''
 from specpilot.engine.graphs import FastTarget, tree_inputs
 from specpilot.models.config import TargetConfig
 from specpilot.models.layers import chain_ancestors
@@ -439,6 +439,10 @@ B, S = 1, 224
 m.setup_cache(B, S)
 fast = FastTarget(m)
 g = torch.Generator().manual_seed(0)
+'''
+
+TREE_LEAF_CHECK = TREE_TARGET + r'''
+from specpilot.drafters.proposal import spine_tree_parents
 res = {"leaves": 0, "leaf_equal": True, "spine_equal": True}
 k, branch, depth = 6, 2, 3
 par = torch.tensor([spine_tree_parents(k, branch, depth)])
@@ -474,22 +478,9 @@ def test_tree_leaves_equal_their_chains_across_tiles_interpreted(tmp_path):
     assert res["leaves"] == 12 and res["spine_equal"] and res["leaf_equal"], res
 
 
-STATIC_TREE_CHECK = r'''
+STATIC_TREE_CHECK = TREE_TARGET + r'''
 from specpilot.drafters.static_tree import optimal_tree
-from specpilot.engine.graphs import FastTarget, tree_inputs
 from specpilot.engine.replay import load_profile
-from specpilot.models.config import TargetConfig
-from specpilot.models.layers import chain_ancestors
-from specpilot.models.qwen3 import Transformer
-from specpilot.models.random_checkpoint import fill_random_
-
-cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-m = fill_random_(Transformer(cfg), 3).eval()
-B, S = 1, 224
-m.setup_cache(B, S)
-fast = FastTarget(m)
-g = torch.Generator().manual_seed(0)
 shape = optimal_tree(load_profile("study_stock"), 11, 7)  # best-first order: the spine is not contiguous
 par = torch.tensor([shape.parent_list()])
 W = par.shape[1]
