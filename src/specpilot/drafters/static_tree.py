@@ -103,10 +103,6 @@ class TreeShape:
         b = self.branch
         return [0] + [j if r == 1 else 1 + k + (j - 1) * b + (r - 2) for j, r in zip(self.positions, self.ranks)]
 
-    def to_dict(self) -> dict:
-        return {"parents": list(self.parents), "positions": list(self.positions), "ranks": list(self.ranks),
-                "expected_tau": self.expected_tau}
-
 
 def rank_probability(profile, j: int, r: int) -> float:
     """P(the correct token has rank ``r`` among the drafter's candidates at draft position ``j``),
