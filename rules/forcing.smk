@@ -2,6 +2,8 @@
 # of each checked by a teacher-forced target pass over its own output, each record's structure
 # checked, its first tokens' verify steps re-executed with the drafter, and its request set /
 # token counts matched against its references (stock against ar; specpilot against ar and stock).
+# The teacher-forced pass runs the engine cell's matmul tables: the kernel sub-agent's
+# engine_configs (--kernel-agent, as run_engine installs them).
 # --report-only: a failed check is a verdict in the table (forcing FAIL, speedup withheld), not a
 # failed job.
 
@@ -14,6 +16,7 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
             references="results/{gpu}/{deployment}/{benchmark}/ar-c{concurrency}.jsonl",
             prompts="results/prompts/{deployment}/{benchmark}.jsonl",
             build=build_marker,
+            kernel_agent=kernel_agent,
             engine_config=lambda wildcards: (engine_config_path(wildcards.gpu, wildcards.deployment)
                                              if "specpilot" in FORCED_ENGINES else []),
         output:
@@ -42,5 +45,6 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
             "python -m specpilot force --candidate {params.candidates} --reference {input.references}"
             " --target {params.target} --prompts {input.prompts} --tolerance {params.tolerance}"
             " --device {params.device} {params.dtype} --drafter {params.drafter}"
-            " --max-new-tokens {params.max_new_tokens} {params.engine_config} --threads {threads}"
+            " --max-new-tokens {params.max_new_tokens} {params.engine_config}"
+            " --kernel-agent {input.kernel_agent} --threads {threads}"
             " --out {params.outs} --report-only > {log} 2>&1"

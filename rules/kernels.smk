@@ -1,7 +1,10 @@
 # Stage: per-GPU kernels. The manifest names the device and the tuned tables shipped in the
-# package for it; the kernel sub-agent tunes, per deployment, the launch configs of the kernels
-# furthest from the bandwidth limit. Both are inputs of every engine cell and round step, which
-# record what they used (engine_config.kernels); on CPU both record that nothing applies.
+# package for it; the kernel sub-agent tunes, per deployment and on the GPU it runs on, the launch
+# configs of the w12 kernels furthest from the bandwidth limit and the bf16 Triton step's matmul
+# tables (engine_configs: per role and row bucket up to 64 rows, each candidate checked bit-equal
+# to the decode config's rows and against an fp32 reference before it is timed). Both files are
+# inputs of every engine cell, token forcing job and round step, which install them and record what
+# they used (engine_config.kernels); on CPU both record that nothing applies.
 
 
 rule kernels:

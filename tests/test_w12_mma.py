@@ -132,4 +132,6 @@ def test_launch_shapes_and_clear_errors(monkeypatch, tmp_path):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(SpecpilotError, match="'nvcc' not found"):
         w12_mma.build("90", tmp_path)
+    with pytest.raises(SpecpilotError, match="pipe must be 0, 1 or 2, got 3"):
+        w12_mma.build("90", tmp_path, pipe=3)
     assert not list(tmp_path.iterdir())  # nothing half-written

@@ -861,12 +861,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(an engine run with --graphs off or --kernels torch needs eager: its records do not say so)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key}: the matmul configs the engine ran with "
                    "('specpilot run --kernel-configs'), for the Triton teacher-forced pass")
+    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json the engine cell ran with: its "
+                   "engine matmul tables (engine_configs) for the Triton teacher-forced pass and the re-execution "
+                   "(--kernel-configs on top, as in 'specpilot run')")
     p.add_argument("--out", required=True, type=comma_list,
                    help="verdict JSON to write; comma-separated, one per --candidate")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--report-only", action="store_true", help="exit 0 even when violations are found")
+
+
+def forcing_kernel_configs(agent_path: str | None, configs_path: str | None) -> dict | None:
+    """The matmul configs of the Triton teacher-forced pass: those the engine cell installed
+    (``specpilot run``): the kernel sub-agent's ``engine_configs`` of ``agent_path`` merged with
+    DEFAULT_CONFIGS, then the ``--kernel-configs`` file ``configs_path`` on top
+    (:func:`specpilot.kernels_build.engine_tables`). None when neither names a config.
+
+    Raises:
+        SpecpilotError: a missing or corrupt file, malformed engine_configs (named).
+    """
+    from .io import read_json
+    from .kernels_build import agent_engine_configs, engine_tables
+
+    tables = engine_tables(agent_engine_configs(agent_path), dict(read_json(configs_path)) if configs_path else None)
+    return tables or None
 
 
 def run(args) -> int:
@@ -893,11 +912,7 @@ def run(args) -> int:
         drafter = load_drafter(args.drafter, dtype=dtype, device=device) if args.drafter else None
     tol = args.tolerance if args.tolerance is not None else \
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
-    kernel_configs = None
-    if args.kernel_configs:
-        from .io import read_json
-
-        kernel_configs = dict(read_json(args.kernel_configs))
+    kernel_configs = forcing_kernel_configs(args.kernel_agent, args.kernel_configs)
     loaded: dict = {}
 
     def reference_target():
@@ -905,9 +920,9 @@ def run(args) -> int:
         if loaded.get("w12") or "target" not in loaded:
             loaded["target"], loaded["w12"] = load_target(args.target, dtype, device), False
             if kernel_configs is not None and device.type == "cuda":  # as 'specpilot run' installs them
-                from .engine.graphs import step_graphs
+                from .kernels_build import install_engine_configs
 
-                step_graphs(loaded["target"], "triton", kernel_configs)
+                install_engine_configs(loaded["target"], kernel_configs, strict=bool(args.kernel_configs))
         return loaded["target"]
 
     def target_for(config: dict):

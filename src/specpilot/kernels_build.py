@@ -1,10 +1,15 @@
 """``specpilot kernels``: the per-GPU kernel manifest under ``results/{gpu}/kernels/``, and the
-function that puts the per-GPU kernel outputs to use in an engine process.
+functions that put the per-GPU kernel outputs to use in an engine process.
 
 ``manifest.json`` records the device and which tuned kernel tables shipped with the package
 (``specpilot/kernels/tuned/<kind>_<gpu>.json``) apply to it. On CPU it records that no GPU kernels
 apply. The kernel sub-agent (:mod:`specpilot.agent.kernel_agent`) writes its own file beside it
-per deployment; :func:`use_kernel_outputs` reads both.
+per deployment (``kernel-agent.json``: tuned w12 configs, and ``engine_configs``, the entries of
+the bf16 Triton step's matmul tables it found faster on this GPU); :func:`use_kernel_outputs`
+reads both and installs the w12 table, :func:`engine_tables` merges the engine entries with
+``DEFAULT_CONFIGS`` (and an explicit ``--kernel-configs`` file on top) and
+:func:`install_engine_configs` installs them in a target's step graphs, as ``specpilot run``,
+``specpilot force`` and the round steps do.
 
 Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch``, ``cuda``,
 ``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}).
@@ -74,21 +79,136 @@ def base_manifest(gpu: str) -> dict[str, Any]:
     return manifest
 
 
+def check_engine_configs(configs: Any, where: str = "kernel-agent.json") -> dict[str, dict[str, str]]:
+    """Validate the ``engine_configs`` of a kernel-agent.json: ``{role: {max_rows: config key}}``.
+
+    Roles must be the engine's matmul roles (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``),
+    ``max_rows`` integers >= 1 (JSON strings of them), keys strings that
+    :meth:`specpilot.engine.triton_step.LinearConfig.parse` accepts (Triton configs only: the
+    sub-agent never writes ``"cublas"``). Returns a normalized copy (``max_rows`` as ``str(int)``).
+
+    Raises:
+        SpecpilotError: naming ``where`` and the bad role, row count or key.
+    """
+    from .engine.graphs import LINEAR_ROLES
+
+    if configs is None:
+        return {}
+    if not isinstance(configs, dict):
+        raise SpecpilotError(f"{where}: engine_configs must be an object {{role: {{max_rows: key}}}}, "
+                             f"got {type(configs).__name__}")
+    out: dict[str, dict[str, str]] = {}
+    for role, table in configs.items():
+        if role not in LINEAR_ROLES:
+            raise SpecpilotError(f"{where}: engine_configs names unknown matmul role {role!r}; "
+                                 f"roles: {', '.join(LINEAR_ROLES)}")
+        if not isinstance(table, dict):
+            raise SpecpilotError(f"{where}: engine_configs[{role!r}] must be an object {{max_rows: key}}, "
+                                 f"got {table!r}")
+        entries = {}
+        for rows, key in table.items():
+            try:
+                n = int(rows)
+            except (TypeError, ValueError):
+                n = 0
+            if n < 1 or str(rows).strip() != str(n):
+                raise SpecpilotError(f"{where}: engine_configs[{role!r}] has row count {rows!r}; "
+                                     "row counts must be integers >= 1")
+            if not isinstance(key, str):
+                raise SpecpilotError(f"{where}: engine_configs[{role!r}][{rows!r}] = {key!r} is not a config key")
+            from .engine.triton_step import LinearConfig
+
+            try:
+                LinearConfig.parse(key)
+            except ValueError as e:
+                raise SpecpilotError(f"{where}: engine_configs[{role!r}][{rows!r}] = {key!r}: {e}") from None
+            entries[str(n)] = key
+        if entries:
+            out[role] = entries
+    return out
+
+
+def agent_engine_configs(agent_path: str | None) -> dict[str, dict[str, str]]:
+    """The validated ``engine_configs`` of a kernel-agent.json (``{}`` for None, or a file without
+    them, e.g. one written on CPU). Raises SpecpilotError for a missing, corrupt or malformed file."""
+    if not agent_path:
+        return {}
+    agent = read_json(agent_path)
+    if not isinstance(agent, dict):
+        raise SpecpilotError(f"{agent_path} must hold a JSON object")
+    return check_engine_configs(agent.get("engine_configs"), str(agent_path))
+
+
+def engine_tables(engine_configs: dict | None, explicit: dict | None = None) -> dict:
+    """The configs to install in a target's Triton step (:meth:`FastTarget.set_configs`).
+
+    ``engine_configs``: the sub-agent's entries ``{role: {max_rows: key}}``; each role named gets
+    its whole table, ``DEFAULT_CONFIGS[role]`` with those entries replaced (``set_configs`` replaces
+    a role's table as a whole). ``explicit``: a ``--kernel-configs`` file's content ``{role: key or
+    table}`` (or ``attn_rows``), on top: a role it names takes its value as given. Returns ``{}``
+    when neither names anything (nothing to install).
+    """
+    from .engine.graphs import DEFAULT_CONFIGS
+
+    out: dict = {role: {**DEFAULT_CONFIGS[role], **{str(k): v for k, v in entries.items()}}
+                 for role, entries in (engine_configs or {}).items() if entries}
+    out.update(explicit or {})
+    return out
+
+
+def _runs_triton_step(model) -> bool:
+    """Whether ``model`` runs the dense Triton step (FastTarget) under CUDA graphs: on a CUDA device,
+    bf16 weights, Triton importable, plain linears and a power-of-two head_dim."""
+    from .engine.graphs import fast_path_supported, resolve_kernels
+
+    w = model.lm_head.weight
+    if w.device.type != "cuda" or not model.config.is_dense:
+        return False
+    return resolve_kernels("auto", w.device, w.dtype) == "triton" and fast_path_supported(model)
+
+
+def install_engine_configs(model, tables: dict, strict: bool = False) -> bool:
+    """Install matmul ``tables`` (from :func:`engine_tables`) in ``model``'s Triton step graphs
+    (``step_graphs(model, "triton", tables)``: the step the engine's CUDA graphs and the Triton
+    teacher-forced pass run); returns whether it did.
+
+    ``strict`` (an explicit ``--kernel-configs``): install or raise, as ``specpilot run`` always
+    did. Otherwise (the sub-agent's tables) a target that does not run the dense Triton step (the
+    CPU, another weight format such as w12, a hybrid target) is left alone: the tables are for it.
+
+    Raises:
+        SpecpilotError: ``strict`` and the target cannot run the Triton step, or a malformed table.
+    """
+    if not tables:
+        return False
+    if not strict and not _runs_triton_step(model):
+        return False
+    from .engine import graphs
+
+    graphs.step_graphs(model, "triton", tables)
+    return True
+
+
 def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dict[str, Any]:
     """Install the per-GPU kernel outputs in this process; returns what ``engine_config["kernels"]`` records.
 
     ``manifest_path``: ``results/{gpu}/kernels/manifest.json``; ``agent_path``: the kernel
     sub-agent's ``kernel-agent.json`` of the deployment (either may be None: nothing applies). On a
     GPU the packaged w12 table for that GPU, overridden by the sub-agent's winners, becomes the w12
-    kernels' tuned table (:func:`specpilot.kernels.w12_triton.set_tuned`).
+    kernels' tuned table (:func:`specpilot.kernels.w12_triton.set_tuned`). The sub-agent's
+    ``engine_configs`` are validated (:func:`check_engine_configs`) and returned, not installed:
+    they go into a target's step graphs (:func:`engine_tables`, :func:`install_engine_configs`).
 
     Returns:
         ``{"applies": False, "reason": str}``, or ``{"applies": True, "gpu", "w12_tuned": number of
-        tuned shapes installed, "w12_from_agent": how many came from the sub-agent, "agent": its
+        tuned shapes installed, "w12_from_agent": how many came from the sub-agent,
+        "engine_configs": the sub-agent's engine matmul entries {role: {max_rows: key}} (those that
+        differ from DEFAULT_CONFIGS; may be empty), "engine_from_agent": their number, "agent": its
         reason when it did not apply}``.
 
     Raises:
-        SpecpilotError: a file is missing or not JSON, or the two files name different GPUs.
+        SpecpilotError: a file is missing or not JSON, the two files name different GPUs, or the
+            sub-agent's engine_configs are malformed (named).
     """
     if manifest_path is None:
         return {"applies": False, "reason": "no kernel manifest given"}
@@ -97,6 +217,7 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
                                                       "reason": "no kernel sub-agent output given"}
     if agent_path and agent.get("gpu") != m.get("gpu"):
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
+    engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
     if not m.get("applies"):
         return {"applies": False, "reason": m.get("note", "")}
     table: dict[str, dict] = {}
@@ -104,7 +225,8 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     if w12:
         table.update(json.loads((files("specpilot") / "kernels" / "tuned" / w12["table"]).read_text())["configs"])
     table.update(agent.get("configs") or {})
-    out = {"applies": True, "gpu": m["gpu"], "w12_tuned": len(table), "w12_from_agent": len(agent.get("configs") or {})}
+    out = {"applies": True, "gpu": m["gpu"], "w12_tuned": len(table), "w12_from_agent": len(agent.get("configs") or {}),
+           "engine_configs": engine, "engine_from_agent": sum(len(v) for v in engine.values())}
     if not agent.get("applies"):
         out["agent"] = agent.get("reason", "")
     if table:

@@ -1,15 +1,29 @@
-"""Kernel sub-agent: tune launch configs of the kernels furthest from the memory-bandwidth limit.
+"""Kernel sub-agent: tune the launch configs of the engine's kernels for the GPU it runs on.
 
-For each linear shape of the deployment's target (in the 12-bit format, the engine's only
-project-owned GEMM kernel today) and each decode/verify row count M, it times the default config,
-ranks shapes by achieved weight bandwidth / measured copy bandwidth (lowest first), and for the
-``top`` furthest shapes tries every candidate config of
-:func:`specpilot.kernels.w12_triton.candidate_configs`. A config counts only after its output matched
-the bf16 reference (decoded weights, torch matmul) within bf16 accumulation tolerance. Winners are
-the ``configs`` table of ``results/{gpu}/kernels/{deployment}/kernel-agent.json`` (the format of
-:func:`specpilot.kernels.w12_triton.set_tuned`), which the engine cells and the round steps read
-(:func:`specpilot.kernels_build.use_kernel_outputs`); the manifest written by ``specpilot kernels``
-is left untouched so finished steps stay finished. On CPU it records that nothing applies.
+Two sections, written to ``results/{gpu}/kernels/{deployment}/kernel-agent.json``:
+
+- ``configs`` (the 12-bit format's fused decode+matmul, :mod:`specpilot.kernels.w12_triton`): for
+  each linear shape of the deployment's target and each decode/verify row count M, it times the
+  default config, ranks shapes by achieved weight bandwidth / measured copy bandwidth (lowest
+  first), and for the ``top`` furthest shapes tries every candidate config of
+  :func:`specpilot.kernels.w12_triton.candidate_configs`. A config counts only after its output
+  matched the bf16 reference (decoded weights, torch matmul) within bf16 accumulation tolerance.
+  Winners form the table of :func:`specpilot.kernels.w12_triton.set_tuned` (``"M_BUCKET,N,K" ->
+  config``).
+- ``engine_configs`` (the bf16 Triton step's matmul tables, ``DEFAULT_CONFIGS`` of
+  :mod:`specpilot.engine.graphs`): for the target's five matmul roles at its real (fused) shapes
+  and the row buckets of up to 64 rows (16, 32, 64), the default config and the candidates of
+  :func:`specpilot.engine.matmul_tune.candidate_linear_configs`, each checked before it is timed:
+  every output row bit-equal to the same row computed alone by the current decode config (the
+  engine's batch invariance; so the decode config itself changes only for a bit-equal one), and
+  close to an fp32 reference (:func:`specpilot.engine.matmul_tune.tune_engine_configs`). Only the
+  entries that differ from ``DEFAULT_CONFIGS`` are written (``{role: {max_rows: key}}``, possibly
+  empty); their checks and times are ``engine_summary`` / ``engine_trials``.
+
+The engine cells, token forcing and the round steps read the file
+(:func:`specpilot.kernels_build.use_kernel_outputs`, ``--kernel-agent``) and install both; the
+manifest written by ``specpilot kernels`` is left untouched so finished steps stay finished. On
+CPU (or without CUDA / Triton) it records that nothing applies, with both tables empty.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.graphs import LINEAR_ROLES
 from ..io import read_json, write_json
 
 
@@ -34,30 +49,77 @@ def _time(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters / 1e3
 
 
+def _nothing(gpu: str, reason: str) -> dict:
+    return {"gpu": gpu, "applies": False, "configs": {}, "engine_configs": {}, "reason": reason}
+
+
 def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: tuple[int, ...] = (1, 16),
-         top: int = 3, max_configs: int = 16, manifest: dict | None = None) -> dict:
+         top: int = 3, max_configs: int = 16, manifest: dict | None = None, w12: bool = True,
+         engine: bool = True, engine_rows: tuple[int, ...] | None = None, engine_roles: tuple[str, ...] | None = None,
+         max_engine_configs: int = 16, engine_min_gain: float = 0.02) -> dict:
     """Run the sub-agent; writes ``out`` (kernel-agent.json) and returns its content.
 
-    Fields: ``gpu``, ``applies`` (bool), ``reason`` (when it does not apply), ``configs`` (tuned
-    table ``"M_BUCKET,N,K" -> config``; empty when nothing applies), ``ranked`` (shapes by achieved
-    fraction of the copy bandwidth), ``trials``.
+    ``target_dir``: the target checkpoint (only its config.json is read: the kernels are tuned on
+    random weights of its shapes); ``ceilings_path``: ceilings.json (``memory_bandwidth_bytes_per_s``).
+    ``rows``, ``top``, ``max_configs``: the w12 section (row counts timed, shapes tuned, candidates
+    each). ``engine_rows`` / ``engine_roles`` / ``max_engine_configs`` / ``engine_min_gain``: the
+    engine section (default all of :data:`specpilot.engine.matmul_tune.TUNE_ROWS` and the five
+    roles, 16 candidates per bucket, 2 % gain to replace a default; see
+    :func:`specpilot.engine.matmul_tune.tune_engine_configs`). ``w12`` / ``engine``: run that section.
+
+    Fields: ``gpu``, ``applies`` (bool), ``reason`` (when it does not apply), ``configs`` (tuned w12
+    table ``"M_BUCKET,N,K" -> config``; empty when nothing applies), ``ranked`` (w12 shapes by
+    achieved fraction of the copy bandwidth), ``trials``; ``engine_configs`` (``{role: {max_rows:
+    LinearConfig key}}``, only the entries that differ from the engine's DEFAULT_CONFIGS; ``{}`` when
+    nothing applies), ``engine_summary`` and ``engine_trials`` (per bucket and per candidate: checks,
+    device microseconds per call), ``engine_reason`` when the engine section did not run or failed
+    (its tables then stay the defaults: an error there never fails the job, it is recorded).
+
+    Raises:
+        SpecpilotError: the target's config.json or ceilings.json is missing or malformed (on a GPU).
     """
     if gpu == "cpu" or not torch.cuda.is_available():
-        res = {"gpu": gpu, "applies": False, "configs": {}, "reason": "no GPU kernels apply on cpu"
-               if gpu == "cpu" else "CUDA not available on this node"}
+        res = _nothing(gpu, "no GPU kernels apply on cpu" if gpu == "cpu" else "CUDA not available on this node")
         write_json(out, res)
         return res
     try:
         from ..kernels import w12_triton as kern
     except ImportError as e:
-        res = {"gpu": gpu, "applies": False, "configs": {}, "reason": f"Triton kernels unavailable: {e}"}
+        res = _nothing(gpu, f"Triton kernels unavailable: {e}")
         write_json(out, res)
         return res
     from ..models.config import TargetConfig, read_config
-    from ..w12 import pack
 
     cfg = TargetConfig.from_hf_dict(read_config(target_dir))
     bw = read_json(ceilings_path)["memory_bandwidth_bytes_per_s"]
+    table, trials, measured = (_tune_w12(kern, cfg, bw, rows, top, max_configs) if w12 else ({}, [], []))
+    res = {"gpu": gpu, "applies": True, "kernel": "w12 fused decode+matmul", "ranked": measured,
+           "configs": table, "trials": trials, "engine_configs": {}}
+    if not engine:
+        res["engine_reason"] = "engine section not run"
+    elif not cfg.is_dense:
+        res["engine_reason"] = "the engine's matmul tables are tuned for dense targets (the FastTarget step) only"
+    else:
+        from ..engine.matmul_tune import TUNE_ROWS, tune_engine_configs
+
+        try:
+            res.update(tune_engine_configs(cfg, "cuda", tuple(engine_rows or TUNE_ROWS),
+                                           tuple(engine_roles) if engine_roles else LINEAR_ROLES,
+                                           max_configs=max_engine_configs, min_gain=engine_min_gain, bandwidth=bw))
+        except Exception as e:  # noqa: BLE001 - the defaults stay; the reason is recorded (and logged)
+            import traceback
+
+            traceback.print_exc()
+            res["engine_configs"] = {}
+            res["engine_reason"] = f"engine tuning failed: {type(e).__name__}: {str(e)[:300]}"
+    write_json(out, res)
+    return res
+
+
+def _tune_w12(kern, cfg, bw: float, rows: tuple[int, ...], top: int, max_configs: int) -> tuple[dict, list, list]:
+    """The w12 section of :func:`tune`: (tuned table, trials, shapes ranked by bandwidth fraction)."""
+    from ..w12 import pack
+
     h, i, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \
         cfg.num_key_value_heads * cfg.head_dim
     shapes = sorted({(qd, h), (kvd, h), (h, qd), (i, h), (h, i)})
@@ -101,7 +163,4 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         if best is not None:
             table[f"{kern.m_bucket(m)},{n},{k}"] = dataclasses.asdict(best[0])
             r["tuned_seconds"] = best[1]
-    res = {"gpu": gpu, "applies": True, "kernel": "w12 fused decode+matmul", "ranked": measured,
-           "configs": table, "trials": trials}
-    write_json(out, res)
-    return res
+    return table, trials, measured

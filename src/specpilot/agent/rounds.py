@@ -57,7 +57,7 @@ def _ctx(args, dtype: str) -> dict:
 def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
     """The loaded deployment + calibration prompts; ``references``: read ``--references-ar/-stock``."""
     from ..deployment import load_deployment
-    from ..kernels_build import use_kernel_outputs
+    from ..kernels_build import engine_tables, install_engine_configs, use_kernel_outputs
     from ..engine.serve import pick_device, pick_dtype, read_prompts
 
     if args.threads:
@@ -67,6 +67,11 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
     dep = load_deployment(args.target, args.drafter, device=device, dtype=dtype)
     prompts = read_prompts(args.prompts)
     kernels = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
+    # the sub-agent's engine matmul tables in the target's Triton step, as the engine cells run it
+    # (the gate's teacher-forced pass copies them from the step graphs)
+    tables = engine_tables(kernels.get("engine_configs"))
+    if install_engine_configs(dep.target, tables):
+        kernels["engine_tables"] = tables
     meta = {"deployment": args.deployment, "target": args.target_name or args.target,
             "drafter": args.drafter_name, "gpu": args.gpu}
     from ..models.loading import load_target
@@ -273,8 +278,11 @@ def kernels(args) -> int:
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
     res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest)
+    engine = sum(len(v) for v in res.get("engine_configs", {}).values())
+    why = f" ({res['engine_reason']})" if res.get("engine_reason") else ""
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
-                                                  else f"{len(res['configs'])} shapes tuned"))
+                                                  else f"{len(res['configs'])} w12 shapes tuned, {engine} engine "
+                                                       f"matmul entries differ from the defaults{why}"))
     return 0
 
 

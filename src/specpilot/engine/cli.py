@@ -73,12 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs for decode/verify/draft steps (auto: on for CUDA devices)")
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="step kernels under CUDA graphs (auto: triton with bf16 weights)")
-    p.add_argument("--kernel-configs", help="JSON file {role: config key} of tuned matmul blocks "
-                   "(from gpu_bench/bench_engine.py)")
+    p.add_argument("--kernel-configs", help="JSON file {role: config key or {max_rows: key}} of tuned matmul blocks "
+                   "(from gpu_bench/bench_engine.py); on top of the kernel sub-agent's engine_configs")
     p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json: the packaged tuned tables "
                    "that apply to this GPU (recorded in engine_config['kernels'])")
-    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json: its tuned w12 configs are "
-                   "installed (recorded in engine_config['kernels'])")
+    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json: its tuned w12 configs and "
+                   "engine matmul tables (engine_configs) are installed (recorded in engine_config['kernels'])")
     p.add_argument("--no-profile", action="store_true",
                    help="do not synchronize around the draft step (draft_s stays 0; one sync per verify step)")
     p.add_argument("--replay-profile", help="system benchmarks on random weights: replay drafter with this "
@@ -110,6 +110,26 @@ def _block(block, drafter: str | None) -> int:
         return int(block)
     except ValueError:
         raise SpecpilotError(f"--block-size must be an integer or 'auto', got {block!r}") from None
+
+
+def install_kernel_configs(targets: list, kernel_outputs: dict, explicit: dict | None) -> dict:
+    """Install the engine matmul tables in each target's Triton step: the kernel sub-agent's
+    ``engine_configs`` (from :func:`~specpilot.kernels_build.use_kernel_outputs`) merged with
+    DEFAULT_CONFIGS, then ``explicit`` (a ``--kernel-configs`` file's content) on top
+    (:func:`~specpilot.kernels_build.engine_tables`). With ``explicit`` every target must run the
+    Triton step (raises SpecpilotError otherwise, as ``--kernel-configs`` always did); the
+    sub-agent's tables alone go only to targets that run it (:func:`~specpilot.kernels_build.install_engine_configs`).
+
+    Returns the tables installed (``{}`` when none), also recorded as ``kernel_outputs["engine_tables"]``
+    (what ``engine_config["kernels"]`` of the records shows)."""
+    from ..kernels_build import engine_tables, install_engine_configs
+
+    tables = engine_tables(kernel_outputs.get("engine_configs"), explicit)
+    installed = [install_engine_configs(t, tables, strict=explicit is not None) for t in targets]
+    if tables and any(installed):
+        kernel_outputs["engine_tables"] = tables
+        return tables
+    return {}
 
 
 def interleaved_order(engines: list[str], k: int) -> list[str]:
@@ -170,11 +190,8 @@ def run(args) -> int:
 
     by_name = dict(zip(engines, specs))
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
-    if args.kernel_configs:
-        from .graphs import step_graphs
-
-        for dep in deps.values():
-            step_graphs(dep.target, "triton", dict(read_json(args.kernel_configs)))
+    install_kernel_configs([dep.target for dep in deps.values()], kernel_outputs,
+                           dict(read_json(args.kernel_configs)) if args.kernel_configs else None)
     tokenizer = None
     if args.multi_turn:
         from transformers import AutoTokenizer

@@ -46,4 +46,28 @@ __device__ __forceinline__ uint2 ld_stream8(const uint2* p) {
   return v;
 }
 
+// Asynchronous global -> shared copies (sm_80+), one commit group per call of cp_async_commit.
+__device__ __forceinline__ void cp_async16(void* smem, const void* g) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(g));
+}
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* g) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(g));
+}
+
+// 16 bytes, of which the first `n` (0 or 16) are read from `g`, the rest zero-filled.
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* g, int n) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 }  // namespace w12frag

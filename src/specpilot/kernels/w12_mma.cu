@@ -24,6 +24,16 @@
 
 namespace cg = cooperative_groups;
 
+// W12_PIPE 0 (default): each group of `unroll` chunks is loaded, then computed. 1: the loads of the
+// next group are in flight (a second register buffer) during the math of this one; 2: cp.async
+// copies through a ring of 2 x unroll chunk slots per warp in shared memory. On an H200 (2026-12-03,
+// gpu_bench/w12_variants_h200_2026-12-03/) both 1 and 2 were slower than 0 at every M (36-layer step
+// at M = 1 / 4 / 16: 0.948 / 0.900 / 0.635x and 0.944 / 0.894 / 0.697x bf16, against 1.078 / 1.030 /
+// 0.818x for 0); they are kept, selectable at build time, as measured alternatives.
+#ifndef W12_PIPE
+#define W12_PIPE 0
+#endif
+
 namespace {
 
 using w12frag::dec_pair;
@@ -66,6 +76,50 @@ __device__ __forceinline__ void fetch_escapes(const int (&e_lo)[TN][2], const in
         e_col[a][h][q] = ok ? __ldg(ecol + e) : -1;
         e_val[a][h][q] = ok ? __bfloat162float(eval[e]) : 0.f;
       }
+}
+
+// The loads of U chunks starting at chunk ib (those below i1): each live W tile's mantissa and code
+// words, and each x tile's 16-byte B-fragment word.
+template <int NT, int TN, int U>
+__device__ __forceinline__ void load_group(int ib, int i1, const bool (&tok)[TN], const uint4* const (&fmt)[TN],
+                                           const uint2* const (&fct)[TN], const bool (&xok)[NT],
+                                           const uint4* const (&xr)[NT], uint4 (&mw)[U][TN], uint2 (&cw)[U][TN],
+                                           uint4 (&xv)[U][NT]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = ib + u;
+    if (i < i1) {
+#pragma unroll
+      for (int a = 0; a < TN; ++a) {
+        if (tok[a]) {
+          mw[u][a] = ld_stream16(fmt[a] + (long long)i * 32);
+          cw[u][a] = ld_stream8(fct[a] + (long long)i * 32);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) xv[u][t] = xok[t] ? __ldg(xr[t] + (long long)i * 4) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The math of the U chunks loaded by load_group(ib, ...), in chunk order (the reduction order).
+template <int NT, int TN, int U>
+__device__ __forceinline__ void math_group(int ib, int i1, const bool (&tok)[TN], const uint4 (&mw)[U][TN],
+                                           const uint2 (&cw)[U][TN], const uint4 (&xv)[U][NT],
+                                           float (&acc)[TN][NT][4]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (ib + u < i1) {
+#pragma unroll
+      for (int a = 0; a < TN; ++a) {
+        if (!tok[a]) continue;
+        // k-step 0: mantissa words x (rows g / g+8, k 0-1) and y (k 2-3), codes word x, x words x, y;
+        // k-step 1: mantissa words z, w, codes word y, x words z, w
+        kstep<NT>(acc[a], mw[u][a].x, mw[u][a].y, cw[u][a].x, xv[u], 0);
+        kstep<NT>(acc[a], mw[u][a].z, mw[u][a].w, cw[u][a].y, xv[u], 1);
+      }
+    }
+  }
 }
 
 // NT: 8-row tiles of x (M <= 8 * NT); TN: 16-row tiles of W per warp (they share the warp's x
@@ -129,44 +183,84 @@ __global__ void __launch_bounds__(WARPS * 32) w12_mma_kernel(
       }
   }
 
-  int it = 0;
-  for (int ib = i0; ib < i1; ib += U, ++it) {
+#if W12_PIPE == 1
+  // Software pipeline over groups of U chunks, two register buffers: the loads of group g + 1 are
+  // issued before the math of group g, so a warp always has one group's bytes in flight.
+  uint4 mwA[U][TN], mwB[U][TN];
+  uint2 cwA[U][TN], cwB[U][TN];
+  uint4 xvA[U][NT], xvB[U][NT];
+  load_group<NT, TN, U>(i0, i1, tok, fmt, fct, xok, xr, mwA, cwA, xvA);
+  bool first = true;
+  for (int ib = i0; ib < i1; ib += 2 * U) {
+    load_group<NT, TN, U>(ib + U, i1, tok, fmt, fct, xok, xr, mwB, cwB, xvB);
+    if (fin && first) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+    first = false;
+    math_group<NT, TN, U>(ib, i1, tok, mwA, cwA, xvA, acc);
+    load_group<NT, TN, U>(ib + 2 * U, i1, tok, fmt, fct, xok, xr, mwA, cwA, xvA);
+    math_group<NT, TN, U>(ib + U, i1, tok, mwB, cwB, xvB, acc);
+  }
+  if (fin && first) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+#elif W12_PIPE == 2
+  // Asynchronous copies through shared memory: each lane copies its own W words and x word of
+  // chunk i + R - 1 (cp.async, R = 2U chunk slots per warp) while it computes chunk i, so R - 1
+  // chunks per lane are in flight with only one chunk's registers. A lane reads back only the bytes
+  // it copied itself, so no barrier is needed (cp.async.wait_group orders them for that lane).
+  constexpr int R = 2 * U;
+  constexpr int SLOT = TN * 768 + NT * 512;  // bytes per chunk slot: mantissa, codes, x words
+  extern __shared__ __align__(16) unsigned char w12_dsm[];
+  unsigned char* ring = w12_dsm + (size_t)warp * R * SLOT;
+  auto issue = [&](int i) {
+    if (i < i1) {
+      unsigned char* sl = ring + (i % R) * SLOT;
+#pragma unroll
+      for (int a = 0; a < TN; ++a) {
+        if (tok[a]) {
+          w12frag::cp_async16(sl + a * 512 + lane * 16, fmt[a] + (long long)i * 32);
+          w12frag::cp_async8(sl + TN * 512 + a * 256 + lane * 8, fct[a] + (long long)i * 32);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        w12frag::cp_async16_zfill(sl + TN * 768 + t * 512 + lane * 16, xr[t] + (long long)i * 4, xok[t] ? 16 : 0);
+    }
+    w12frag::cp_async_commit();  // one group per chunk, empty past the slice (uniform counting)
+  };
+#pragma unroll
+  for (int d = 0; d < R - 1; ++d) issue(i0 + d);
+  if (fin) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+  for (int i = i0; i < i1; ++i) {
+    w12frag::cp_async_wait<R - 2>();  // chunk i's group is complete
+    const unsigned char* sl = ring + (i % R) * SLOT;
+    uint4 mw[1][TN];
+    uint2 cw[1][TN];
+    uint4 xv[1][NT];
+#pragma unroll
+    for (int a = 0; a < TN; ++a) {
+      mw[0][a] = *reinterpret_cast<const uint4*>(sl + a * 512 + lane * 16);
+      cw[0][a] = *reinterpret_cast<const uint2*>(sl + TN * 512 + a * 256 + lane * 8);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) xv[0][t] = *reinterpret_cast<const uint4*>(sl + TN * 768 + t * 512 + lane * 16);
+    issue(i + R - 1);  // into the slot of chunk i - 1, read back by this lane one iteration ago
+    math_group<NT, TN, 1>(i, i1, tok, mw, cw, xv, acc);
+  }
+  w12frag::cp_async_wait<0>();
+#else
+  // loads of U chunks, then their math (the variant measured on 2026-12-02)
+  bool first = true;
+  for (int ib = i0; ib < i1; ib += U) {
     uint4 mw[U][TN];
     uint2 cw[U][TN];
     uint4 xv[U][NT];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = ib + u;
-      if (i < i1) {
-#pragma unroll
-        for (int a = 0; a < TN; ++a) {
-          if (tok[a]) {
-            mw[u][a] = ld_stream16(fmt[a] + (long long)i * 32);
-            cw[u][a] = ld_stream8(fct[a] + (long long)i * 32);
-          }
-        }
-#pragma unroll
-        for (int t = 0; t < NT; ++t) xv[u][t] = xok[t] ? __ldg(xr[t] + (long long)i * 4) : make_uint4(0, 0, 0, 0);
-      }
-    }
+    load_group<NT, TN, U>(ib, i1, tok, fmt, fct, xok, xr, mw, cw, xv);
     // the escape rows' ranges have arrived by now: fetch their columns and values
-    if (fin && it == 0) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (ib + u < i1) {
-#pragma unroll
-        for (int a = 0; a < TN; ++a) {
-          if (!tok[a]) continue;
-          // k-step 0: mantissa words x (rows g / g+8, k 0-1) and y (k 2-3), codes word x, x words x, y;
-          // k-step 1: mantissa words z, w, codes word y, x words z, w
-          kstep<NT>(acc[a], mw[u][a].x, mw[u][a].y, cw[u][a].x, xv[u], 0);
-          kstep<NT>(acc[a], mw[u][a].z, mw[u][a].w, cw[u][a].y, xv[u], 1);
-        }
-      }
-    }
+    if (fin && first) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+    first = false;
+    math_group<NT, TN, U>(ib, i1, tok, mw, cw, xv, acc);
   }
   // an empty K slice (cannot happen with split * unroll <= K/32): fetch now
-  if (fin && it == 0) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+  if (fin && first) fetch_escapes<TN>(e_lo, e_hi, ecol, eval, e_col, e_val);
+#endif
 
   // K slices of the cluster, summed in order 0..split-1 by block 0
   if (split > 1) {
@@ -243,7 +337,17 @@ void launch(const Args& a, cudaStream_t st) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((a.tiles + WARPS * TN - 1) / (WARPS * TN), a.split, 1);
   cfg.blockDim = dim3(WARPS * 32, 1, 1);
+#if W12_PIPE == 2
+  const int smem = WARPS * 2 * U * (TN * 768 + NT * 512);
+  static bool attr_set = false;  // once per instantiation (above 48 KB needs the opt-in)
+  if (!attr_set) {
+    cudaFuncSetAttribute(w12_mma_kernel<NT, TN, WARPS, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    attr_set = true;
+  }
+  cfg.dynamicSmemBytes = smem;
+#else
   cfg.dynamicSmemBytes = 0;
+#endif
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -215,11 +215,14 @@ def library_name(arch: str) -> str:
     return f"libw12mma_sm{arch}.so"
 
 
-def build(arch: str, out_dir: str | os.PathLike, nvcc: str = "nvcc") -> Path:
+def build(arch: str, out_dir: str | os.PathLike, nvcc: str = "nvcc", pipe: int | None = None) -> Path:
     """Compile ``w12_mma.cu`` with nvcc into ``out_dir/libw12mma_sm{arch}.so`` (atomically).
 
     A plain shared library (static CUDA runtime, no PyTorch ABI), so it needs no PyTorch headers
-    and runs under any PyTorch of the same CUDA driver. About two minutes on one core.
+    and runs under any PyTorch of the same CUDA driver. About one minute on one core.
+    ``pipe`` selects the main loop (``-DW12_PIPE``, see the .cu file: 0 loads then math per group
+    of chunks, the default, 1 register double buffering, 2 cp.async through shared memory); a
+    non-default one is built as ``libw12mma_sm{arch}_pipe{pipe}.so``.
 
     Raises:
         SpecpilotError: nvcc missing or the compile failing (its output included).
@@ -227,13 +230,18 @@ def build(arch: str, out_dir: str | os.PathLike, nvcc: str = "nvcc") -> Path:
     import shutil
     import subprocess
 
+    if pipe not in (None, 0, 1, 2):
+        raise SpecpilotError(f"w12 mma: pipe must be 0, 1 or 2, got {pipe!r}")
     if shutil.which(nvcc) is None:
         raise SpecpilotError(f"w12 mma: {nvcc!r} not found: the CUDA compiler is needed to build {SOURCE.name}")
-    out = Path(out_dir) / library_name(arch)
+    name = library_name(arch) if pipe is None else library_name(arch).replace(".so", f"_pipe{pipe}.so")
+    out = Path(out_dir) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
     cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo",
            "-Xcompiler", "-fPIC", "-shared", "-o", str(tmp), str(SOURCE)]
+    if pipe is not None:
+        cmd.insert(1, f"-DW12_PIPE={pipe}")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
