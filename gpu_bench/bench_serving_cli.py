@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-8b", help="random-checkpoint shape (tiny: a CPU check of the script)")
     ap.add_argument("--tag", default="", help="suffix of the records folder (several runs on one checkpoint)")
     ap.add_argument("--kernel-configs", help="JSON {role: config} passed to 'specpilot run'")
+    ap.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json passed to 'specpilot run'")
+    ap.add_argument("--kernel-agent", help="kernel-agent.json passed to 'specpilot run' and 'specpilot force'")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=JSON: also run stock with this engine config (a mechanism alone), e.g. "
                          "overlap='{\"overlap\": true}'; NAME@16,24=JSON: at those concurrencies only; repeatable")
@@ -134,8 +136,10 @@ def main() -> int:
                                            "prompt_ids": [rng.randrange(1000 if args.shape == "tiny" else 151000) for _ in range(args.prompt_len)]}) + "\n"
                                for i in range(args.requests)))
     extra = ["--kernel-configs", args.kernel_configs] if args.kernel_configs else []
+    extra += ["--kernel-agent", args.kernel_agent] if args.kernel_agent else []
+    run_extra = ["--kernels-manifest", args.kernels_manifest] if args.kernels_manifest else []
     common = ["--target", str(tgt), "--prompts", str(prompts), "--max-new-tokens", str(args.new), "--gpu", "h200",
-              "--regime", args.regime, *extra]
+              "--regime", args.regime, *extra, *run_extra]
     # the teacher-forced pass runs the engine's kernels (the Triton step) on the GPU: same configs
     force_common = ["--target", str(tgt), "--prompts", str(prompts), "--device", "cuda" if args.shape != "tiny" else "cpu",
                     *extra]

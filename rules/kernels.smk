@@ -1,8 +1,12 @@
-# Stage: per-GPU kernels. The manifest names the device and the tuned tables shipped in the
+# Stage: per-GPU kernels. On a GPU the rule builds the w12 tensor-core library with nvcc for the
+# device's architecture (beside the manifest), checks every K split of it before anything uses it,
+# and the manifest names the device, the library and its checks, and the tuned tables shipped in the
 # package for it; the kernel sub-agent tunes, per deployment and on the GPU it runs on, the launch
 # configs of the w12 kernels furthest from the bandwidth limit and the bf16 Triton step's matmul
 # tables (engine_configs: per role and row bucket up to 64 rows, each candidate checked bit-equal
-# to the decode config's rows and against an fp32 reference before it is timed). Both files are
+# to the decode config's rows and against an fp32 reference before it is timed), and which matmul
+# roles the fast path runs with that w12 library (w12_choice: one K split per role at every M, so
+# rows stay independent of M; chosen where it beats bf16 over the verify width). Both files are
 # inputs of every engine cell, token forcing job and round step, which install them and record what
 # they used (engine_config.kernels); on CPU both record that nothing applies.
 

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import SpecpilotError
-from .io import comma_list, one_out_each, write_json
+from .io import comma_list, one_out_each, read_json, write_json
 from .records import Record, read_records
 
 REPLAY_TOKENS = 8  # leading new tokens whose verify steps are re-executed per request (spot re-execution)
@@ -913,6 +913,11 @@ def run(args) -> int:
     tol = args.tolerance if args.tolerance is not None else \
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
     kernel_configs = forcing_kernel_configs(args.kernel_agent, args.kernel_configs)
+    w12_choice = {}
+    if args.kernel_agent:
+        from .kernels_build import agent_w12_choice
+
+        w12_choice = {r: rc.to_dict() for r, rc in agent_w12_choice(read_json(args.kernel_agent), args.kernel_agent).items()}
     loaded: dict = {}
 
     def reference_target():
@@ -936,6 +941,14 @@ def run(args) -> int:
                 raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
             apply_w12(loaded["target"])
             loaded["w12"] = True
+            if w12_choice and device.type == "cuda":  # the fast path's w12 roles, as the engine cell ran them
+                from .kernels_build import install_w12
+
+                install_w12(loaded["target"], {"w12_choice": w12_choice})
+                if kernel_configs is not None:
+                    from .kernels_build import install_engine_configs
+
+                    install_engine_configs(loaded["target"], kernel_configs)
         return loaded["target"]
 
     failed = False

@@ -12,7 +12,12 @@ reads both and installs the w12 table, :func:`engine_tables` merges the engine e
 ``specpilot force`` and the round steps do.
 
 Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch``, ``cuda``,
-``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}).
+``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}), and
+on a GPU ``w12_mma`` (:func:`build_w12_mma`: the w12 tensor-core library nvcc built beside the
+manifest for this GPU's architecture and the checks of each K split, or why it was not built).
+The sub-agent's ``w12_choice`` (which matmul roles the fast path runs in w12,
+:mod:`specpilot.engine.w12_fast`) is validated here and installed by :func:`install_w12` in a target
+loaded with ``weight_format: w12``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -218,15 +224,18 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     if agent_path and agent.get("gpu") != m.get("gpu"):
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
     engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
+    w12_choice = {r: rc.to_dict() for r, rc in agent_w12_choice(agent, str(agent_path)).items()}
     if not m.get("applies"):
         return {"applies": False, "reason": m.get("note", "")}
+    use_w12_library(m, manifest_path)
     table: dict[str, dict] = {}
     w12 = m.get("kernels", {}).get("w12")
     if w12:
         table.update(json.loads((files("specpilot") / "kernels" / "tuned" / w12["table"]).read_text())["configs"])
     table.update(agent.get("configs") or {})
     out = {"applies": True, "gpu": m["gpu"], "w12_tuned": len(table), "w12_from_agent": len(agent.get("configs") or {}),
-           "engine_configs": engine, "engine_from_agent": sum(len(v) for v in engine.values())}
+           "engine_configs": engine, "engine_from_agent": sum(len(v) for v in engine.values()),
+           "w12_choice": w12_choice}
     if not agent.get("applies"):
         out["agent"] = agent.get("reason", "")
     if table:
@@ -238,9 +247,105 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     return out
 
 
+def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
+    """Build the w12 tensor-core library (:mod:`specpilot.kernels.w12_mma`) for this GPU into
+    ``out_dir`` and check it before anything uses it; returns the manifest's ``w12_mma`` entry.
+
+    Checks (:func:`specpilot.engine.w12_fast.check_split`, every K split) on a 1024 x 2048 random
+    bf16 matrix with planted escapes: NaN-poisoned output, every launch shape and two runs
+    bit-equal, rows bit-equal whatever the batch (M = 1, 3, 16, 64), error against the kernel's own
+    fp32 reference and against the true product next to cuBLAS bf16's. A split that fails is
+    recorded and never chosen (``splits_ok``).
+
+    Returns ``{"built": True, "library": file name (beside the manifest), "arch", "seconds",
+    "checks": {split: report}, "splits_ok": [...], "ok": bool}`` or ``{"built": False, "reason"}``
+    (no nvcc, a compile or load failure: the engine then runs w12 through its Triton kernels).
+    """
+    import shutil
+    import time
+
+    import torch
+
+    from .kernels import w12_mma
+
+    if shutil.which(nvcc) is None:
+        return {"built": False, "reason": f"{nvcc!r} not on PATH: the w12 tensor-core library is not built"}
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    t0 = time.time()
+    try:
+        path = w12_mma.build(arch, out_dir, nvcc=nvcc)
+        import os
+
+        os.environ[w12_mma.ENV_LIB] = str(Path(path).resolve())
+        w12_mma.load()
+    except SpecpilotError as e:
+        return {"built": False, "reason": str(e)[:2000]}
+    secs = time.time() - t0
+    from .engine.w12_fast import check_split, plant_escapes
+    from .w12 import pack
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    plant_escapes(w)
+    f = w12_mma.frag_pack(pack(w))
+    checks = {str(s): check_split(f, w, s) for s in w12_mma.SPLITS}
+    ok = [int(s) for s, c in checks.items() if c["ok"]]
+    return {"built": True, "library": Path(path).name, "arch": arch, "seconds": round(secs, 1),
+            "checks": checks, "splits_ok": ok, "ok": bool(ok)}
+
+
+def use_w12_library(manifest: dict | None, manifest_path: str | os.PathLike | None = None) -> str | None:
+    """Point :func:`specpilot.kernels.w12_mma.load` at the library the ``kernels`` rule built and
+    checked (``manifest["w12_mma"]``, a file beside ``manifest_path``); returns its path, or None
+    when the manifest has none (``load`` then builds one into its cache on first use)."""
+    entry = (manifest or {}).get("w12_mma") or {}
+    if not entry.get("built") or not entry.get("ok"):
+        return None
+    from .kernels import w12_mma
+
+    folder = Path(manifest_path).parent if manifest_path else Path(".")
+    path = folder / entry["library"]
+    if not path.is_file():
+        raise SpecpilotError(f"{manifest_path}: its w12 library {path} is missing (rerun the kernels rule)")
+    os.environ[w12_mma.ENV_LIB] = str(path.resolve())
+    return str(path)
+
+
+def agent_w12_choice(agent: dict, where: str) -> dict:
+    """The validated ``w12_choice`` of a kernel-agent.json's content (``{}`` when absent), as
+    ``{role: W12Role}`` (:func:`specpilot.engine.w12_fast.parse_choice`)."""
+    if not agent.get("w12_choice"):
+        return {}
+    from .engine.w12_fast import parse_choice
+
+    return parse_choice(agent["w12_choice"], f"{where}: w12_choice")
+
+
+def install_w12(target, kernel_outputs: dict) -> dict | None:
+    """Install ``kernel_outputs["w12_choice"]`` (from :func:`use_kernel_outputs`) in a target loaded
+    with ``weight_format: w12`` (:func:`specpilot.engine.w12_fast.install_w12_choice`); records
+    ``kernel_outputs["w12_fast"] = {role: split}`` when it applied. Returns that, or None."""
+    choice = kernel_outputs.get("w12_choice")
+    if not choice:
+        return None
+    from .engine.w12_fast import install_w12_choice, parse_choice
+
+    rec = install_w12_choice(target, parse_choice(choice, "w12_choice"))
+    if rec:
+        kernel_outputs["w12_fast"] = rec
+    return rec
+
+
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     manifest = base_manifest(args.gpu)
+    if manifest.get("applies"):
+        manifest["w12_mma"] = build_w12_mma(out_dir)
+        w = manifest["w12_mma"]
+        manifest["note"] += ("; w12 tensor-core library built for sm" + w["arch"] + ", splits passing checks: "
+                             + str(w["splits_ok"]) if w.get("built") else "; w12 tensor-core library not built: "
+                             + w["reason"][:200])
     write_json(out_dir / MANIFEST, manifest)
     print(f"{args.gpu}: {manifest['note']} -> {out_dir / MANIFEST}")
     return 0

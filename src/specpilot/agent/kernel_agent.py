@@ -56,7 +56,8 @@ def _nothing(gpu: str, reason: str) -> dict:
 def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: tuple[int, ...] = (1, 16),
          top: int = 3, max_configs: int = 16, manifest: dict | None = None, w12: bool = True,
          engine: bool = True, engine_rows: tuple[int, ...] | None = None, engine_roles: tuple[str, ...] | None = None,
-         max_engine_configs: int = 16, engine_min_gain: float = 0.02) -> dict:
+         max_engine_configs: int = 16, engine_min_gain: float = 0.02, w12_fast: bool = True,
+         w12_widths: tuple[int, ...] = (16,), manifest_path: str | None = None) -> dict:
     """Run the sub-agent; writes ``out`` (kernel-agent.json) and returns its content.
 
     ``target_dir``: the target checkpoint (only its config.json is read: the kernels are tuned on
@@ -74,6 +75,11 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     nothing applies), ``engine_summary`` and ``engine_trials`` (per bucket and per candidate: checks,
     device microseconds per call), ``engine_reason`` when the engine section did not run or failed
     (its tables then stay the defaults: an error there never fails the job, it is recorded).
+    ``w12_choice`` (section ``w12_fast``, dense targets, when the manifest's w12 tensor-core library
+    was built and checked or nvcc can build it): per matmul role, whether the engine's fast path
+    runs it with the 12-bit kernel over ``w12_widths`` (rows per verify matmul; default 16, one
+    request at block 16), with ``w12_choice_summary``, ``w12_choice_checks``, ``w12_choice_trials``
+    (:func:`specpilot.engine.w12_fast.tune_w12_choice`), or ``w12_choice_reason``.
 
     Raises:
         SpecpilotError: the target's config.json or ceilings.json is missing or malformed (on a GPU).
@@ -112,6 +118,24 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
             traceback.print_exc()
             res["engine_configs"] = {}
             res["engine_reason"] = f"engine tuning failed: {type(e).__name__}: {str(e)[:300]}"
+    res["w12_choice"] = {}
+    if not w12_fast:
+        res["w12_choice_reason"] = "w12 fast-path section not run"
+    elif not cfg.is_dense:
+        res["w12_choice_reason"] = "the w12 fast path covers dense targets (the FastTarget step) only"
+    else:
+        try:
+            from ..engine.w12_fast import tune_w12_choice
+            from ..kernels_build import use_w12_library
+
+            use_w12_library(manifest, manifest_path)
+            res.update(tune_w12_choice(cfg, tuple(w12_widths)))
+        except Exception as e:  # noqa: BLE001 - bf16 stays; the reason is recorded (and logged)
+            import traceback
+
+            traceback.print_exc()
+            res["w12_choice"] = {}
+            res["w12_choice_reason"] = f"w12 choice tuning failed: {type(e).__name__}: {str(e)[:300]}"
     write_json(out, res)
     return res
 

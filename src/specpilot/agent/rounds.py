@@ -277,12 +277,13 @@ def kernels(args) -> int:
     manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
-    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest)
+    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest)
     engine = sum(len(v) for v in res.get("engine_configs", {}).values())
     why = f" ({res['engine_reason']})" if res.get("engine_reason") else ""
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
                                                   else f"{len(res['configs'])} w12 shapes tuned, {engine} engine "
-                                                       f"matmul entries differ from the defaults{why}"))
+                                                       f"matmul entries differ from the defaults{why}, w12 fast-path "
+                                                       f"roles {sorted(res.get('w12_choice', {})) or 'none'}"))
     return 0
 
 

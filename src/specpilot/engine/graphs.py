@@ -327,6 +327,7 @@ class FastTarget:
 
     roles: tuple[str, ...] = LINEAR_ROLES  # the matmul roles ``configs`` may name
     default_configs: dict = DEFAULT_CONFIGS
+    w12_roles: dict = {}  # role -> W12Role: roles run by the w12 kernel (use_w12; none by default)
 
     def __init__(self, model: Transformer, configs: dict | None = None, attn_rows: int | None = None,
                  checked_cublas: bool = True):
@@ -436,6 +437,8 @@ class FastTarget:
                                              max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             ws.rows = rows
+            if self.w12_roles and keep:  # the w12 matmul's output before SwiGLU / the residual add
+                ws.w12y = torch.zeros(M * max(nq + 2 * nkv, 2 * c.intermediate_size, c.hidden_size), **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
             if keep:
@@ -455,6 +458,12 @@ class FastTarget:
         n = min(x.shape[0], ws.rows) if getattr(ws, "rows", 0) else x.shape[0]
         room = min(x.shape[0], out.shape[0])
         xr, outr = x[:n], out[:n]
+        rc = self.w12_roles.get(role) if not self._prefilling else None
+        if rc is not None:
+            f = self._w12.get(w.data_ptr())
+            if f is not None:
+                return self._w12_apply(rc, f, xr, outr, ws, norm, outr if residual is not None else None, swiglu,
+                                       self.model.config.rms_norm_eps)
         cfg = self._pick(role, xr, w, norm, residual, swiglu, room)
         if isinstance(cfg, PaddedCublas):
             xr, outr = x[:cfg.rows], out[:cfg.rows]
@@ -482,6 +491,60 @@ class FastTarget:
             gu = torch.mm(x, w.t(), out=ws.gu[:M])
             return self.k.silu_mul(gu, out)
         return torch.mm(x, w.t(), out=out)
+
+    def use_w12(self, choice: dict) -> None:
+        """Run the roles of ``choice`` (``{role: W12Role}``, :mod:`specpilot.engine.w12_fast`) with the
+        12-bit tensor-core kernel at every decode / verify M (one K split per role, so a row's bits
+        do not depend on M); prefill matmuls and the other roles stay bf16. Packs each chosen
+        role's weight of every layer into the fragment layout (lossless) once; CUDA only.
+
+        Raises:
+            SpecpilotError: a role outside the w12 roles, or a weight the layout cannot hold."""
+        from ..kernels.w12_mma import frag_pack
+        from ..w12 import pack
+        from .w12_fast import ROLES, role_weights
+
+        bad = [r for r in choice if r not in ROLES]
+        if bad:
+            raise SpecpilotError(f"w12 roles must be among {ROLES}, got {bad}")
+        from ..kernels.w12_mma import valid
+
+        for role, w in role_weights(self.model.model.layers[0]).items():
+            rc = choice.get(role)
+            for max_rows, (tn, warps, unroll) in (rc.tiers if rc is not None else ()):
+                for m in {min(max_rows, 64), 64 if max_rows == rc.tiers[-1][0] else min(max_rows, 64)}:
+                    if not valid(m, rc.split, tn, warps, unroll, w.shape[1]):
+                        raise SpecpilotError(f"w12 role {role}: no kernel for split {rc.split}, tiles {tn}, warps "
+                                             f"{warps}, unroll {unroll} at {m} rows (K = {w.shape[1]}); see w12_mma.valid")
+        self._w12 = {}
+        for layer in self.model.model.layers:
+            for role, w in role_weights(layer).items():
+                if role in choice:
+                    self._w12[w.data_ptr()] = frag_pack(pack(w.detach()))
+        self.w12_roles = dict(choice)
+        self._ws.clear()
+
+    def _w12_apply(self, rc, f, x, out, ws, norm=None, residual=None, swiglu=False, eps: float = 1e-6):
+        """``out = epilogue(norm(x) @ W.T)`` with W in w12 (``f``, a FragW12) through launch family
+        ``rc`` (W12Role): the RMSNorm and SwiGLU kernels of the bf16 cuBLAS variant, the w12
+        tensor-core matmul into ``ws.w12y``, then SwiGLU or ``out += y`` (``residual`` is ``out``)."""
+        from ..kernels import w12_mma
+
+        M = x.shape[0]
+        if norm is not None:
+            x = self.k.rmsnorm(x, norm, ws.xn[:M], eps)
+        launch = rc.launch(M)
+        if residual is None and not swiglu:
+            return w12_mma.matmul(x, f, rc.split, *launch, out=out)
+        need = M * f.shape[0]
+        buf = getattr(ws, "w12y", None)  # flat: the kernel writes rows of exactly N columns
+        if buf is None or buf.numel() < need:
+            buf = ws.w12y = torch.empty(need, dtype=x.dtype, device=x.device)
+        y = buf[:need].view(M, f.shape[0])
+        w12_mma.matmul(x, f, rc.split, *launch, out=y)
+        if swiglu:
+            return self.k.silu_mul(y, out)
+        return out.add_(y)
 
     @contextlib.contextmanager
     def prefilling(self, on: bool = True):
