@@ -232,3 +232,17 @@ def test_w12_fast_step_on_cuda(tmp_path):
     blk = fast.forward(tok, start)[0].clone()
     one = torch.cat([fast.forward(tok[:, i:i + 1], start + i)[0].clone() for i in range(16)], 1)
     assert torch.equal(blk, one)
+
+
+def test_install_w12_needs_the_engine_config_to_ask(monkeypatch):
+    """The sub-agent's w12 roles go into a w12 target only with ``w12_fast: true`` (off by default:
+    they change logits by bf16 ulps, which token forcing flags)."""
+    from specpilot import kernels_build
+
+    got = []
+    monkeypatch.setattr(w12_fast, "install_w12_choice", lambda target, choice: got.append(choice) or {"down": 1})
+    outs = {"w12_choice": {"down": CHOICE["down"]}}
+    assert kernels_build.install_w12(object(), outs, {"weight_format": "w12"}) is None and not got
+    assert kernels_build.install_w12(object(), outs) is None and not got
+    assert kernels_build.install_w12(object(), outs, {"weight_format": "w12", "w12_fast": True}) == {"down": 1}
+    assert got == [w12_fast.parse_choice({"down": CHOICE["down"]})] and outs["w12_fast"] == {"down": 1}

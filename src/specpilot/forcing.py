@@ -941,10 +941,10 @@ def run(args) -> int:
                 raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
             apply_w12(loaded["target"])
             loaded["w12"] = True
-            if w12_choice and device.type == "cuda":  # the fast path's w12 roles, as the engine cell ran them
+            if w12_choice and config.get("w12_fast") and device.type == "cuda":  # as the engine cell ran them
                 from .kernels_build import install_w12
 
-                install_w12(loaded["target"], {"w12_choice": w12_choice})
+                install_w12(loaded["target"], {"w12_choice": w12_choice}, config)
                 if kernel_configs is not None:
                     from .kernels_build import install_engine_configs
 

@@ -83,7 +83,6 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    if references else None)
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
     ctx["kernels"] = kernels
-    ev.kernel_outputs = kernels
     return ev, ctx
 
 

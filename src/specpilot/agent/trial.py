@@ -48,7 +48,6 @@ class Evaluator:
         self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
         self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
         self._w12_target = None
-        self.kernel_outputs: dict = {}  # use_kernel_outputs' result: its w12_choice goes to the w12 copy
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         if references is None:
             self.ar = self.best_of("ar", {})
@@ -77,11 +76,6 @@ class Evaluator:
                 raise SpecpilotError("weight_format w12 needs a way to reload the target (reload_target)")
             self._w12_target = self.reload_target()
             apply_w12(self._w12_target)
-            if self.kernel_outputs.get("w12_choice"):  # the fast path's w12 roles, as the engine cells run them
-                from ..kernels_build import engine_tables, install_engine_configs, install_w12
-
-                if install_w12(self._w12_target, self.kernel_outputs):
-                    install_engine_configs(self._w12_target, engine_tables(self.kernel_outputs.get("engine_configs")))
         return self._w12_target
 
     def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:

@@ -190,10 +190,11 @@ def run(args) -> int:
 
     by_name = dict(zip(engines, specs))
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
-    if "w12" in deps and kernel_outputs.get("w12_choice") and device.type == "cuda":
+    w12_specs = [sp for sp in specs if sp.config.get("weight_format") == "w12" and sp.config.get("w12_fast")]
+    if w12_specs and kernel_outputs.get("w12_choice") and device.type == "cuda":
         from ..kernels_build import install_w12  # w12 roles in the fast path, before its matmul tables
 
-        install_w12(deps["w12"].target, kernel_outputs)
+        install_w12(deps["w12"].target, kernel_outputs, w12_specs[0].config)
     install_kernel_configs([dep.target for dep in deps.values()], kernel_outputs,
                            dict(read_json(args.kernel_configs)) if args.kernel_configs else None)
     tokenizer = None
