@@ -325,9 +325,9 @@ def agent_w12_choice(agent: dict, where: str) -> dict:
 def install_w12(target, kernel_outputs: dict, config: dict | None = None) -> dict | None:
     """Install ``kernel_outputs["w12_choice"]`` (from :func:`use_kernel_outputs`) in a target loaded
     with ``weight_format: w12`` (:func:`specpilot.engine.w12_fast.install_w12_choice`) when the
-    engine ``config`` asks for it (``w12_fast: true``; off by default: on the H200 the w12 roles
-    move bf16 logits by 1-2 ulps, which token forcing at the bf16 tolerance flags, BENCHMARKS.md
-    2026-12-03); records ``kernel_outputs["w12_fast"] = {role: split}`` when it applied. Returns
+    engine ``config`` asks for it (``w12_fast: true``; off by default: on the H200, on random
+    weights, these roles flipped more near-tied tokens under token forcing than the eager w12
+    engine did, 123 against 49 violations in 4,096 tokens, BENCHMARKS.md 2026-12-03); records ``kernel_outputs["w12_fast"] = {role: split}`` when it applied. Returns
     that, or None."""
     choice = kernel_outputs.get("w12_choice")
     if not choice or not (config or {}).get("w12_fast"):
