@@ -917,7 +917,7 @@ def run(args) -> int:
     if args.kernel_agent:
         from .kernels_build import agent_w12_choice
 
-        w12_choice = {r: rc.to_dict() for r, rc in agent_w12_choice(read_json(args.kernel_agent), args.kernel_agent).items()}
+        w12_choice = agent_w12_choice(read_json(args.kernel_agent), args.kernel_agent)
     loaded: dict = {}
 
     def reference_target():

@@ -224,7 +224,7 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     if agent_path and agent.get("gpu") != m.get("gpu"):
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
     engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
-    w12_choice = {r: rc.to_dict() for r, rc in agent_w12_choice(agent, str(agent_path)).items()}
+    w12_choice = agent_w12_choice(agent, str(agent_path))
     if not m.get("applies"):
         return {"applies": False, "reason": m.get("note", "")}
     use_w12_library(m, manifest_path)
@@ -254,8 +254,9 @@ def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
     Checks (:func:`specpilot.engine.w12_fast.check_split`, every K split) on a 1024 x 2048 random
     bf16 matrix with planted escapes: NaN-poisoned output, every launch shape and two runs
     bit-equal, rows bit-equal whatever the batch (M = 1, 3, 16, 64), error against the kernel's own
-    fp32 reference and against the true product next to cuBLAS bf16's. A split that fails is
-    recorded and never chosen (``splits_ok``).
+    fp32 reference and against the true product next to cuBLAS bf16's. The splits that pass are
+    ``splits_ok``; the sub-agent checks each split again on each role's own weights before it
+    times it (:func:`specpilot.engine.w12_fast.tune_w12_choice`).
 
     Returns ``{"built": True, "library": file name (beside the manifest), "arch", "seconds",
     "checks": {split: report}, "splits_ok": [...], "ok": bool}`` or ``{"built": False, "reason"}``
@@ -275,8 +276,6 @@ def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
     t0 = time.time()
     try:
         path = w12_mma.build(arch, out_dir, nvcc=nvcc)
-        import os
-
         os.environ[w12_mma.ENV_LIB] = str(Path(path).resolve())
         w12_mma.load()
     except SpecpilotError as e:
@@ -313,13 +312,16 @@ def use_w12_library(manifest: dict | None, manifest_path: str | os.PathLike | No
 
 
 def agent_w12_choice(agent: dict, where: str) -> dict:
-    """The validated ``w12_choice`` of a kernel-agent.json's content (``{}`` when absent), as
-    ``{role: W12Role}`` (:func:`specpilot.engine.w12_fast.parse_choice`)."""
+    """The validated ``w12_choice`` of a kernel-agent.json's content (``{}`` when absent), in its
+    JSON form normalized (:func:`specpilot.engine.w12_fast.parse_choice`, then ``W12Role.to_dict``).
+
+    Raises:
+        SpecpilotError: a malformed choice, naming ``where``."""
     if not agent.get("w12_choice"):
         return {}
     from .engine.w12_fast import parse_choice
 
-    return parse_choice(agent["w12_choice"], f"{where}: w12_choice")
+    return {r: rc.to_dict() for r, rc in parse_choice(agent["w12_choice"], f"{where}: w12_choice").items()}
 
 
 def install_w12(target, kernel_outputs: dict, config: dict | None = None) -> dict | None:

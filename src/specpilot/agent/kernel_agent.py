@@ -108,36 +108,38 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     else:
         from ..engine.matmul_tune import TUNE_ROWS, tune_engine_configs
 
-        try:
-            res.update(tune_engine_configs(cfg, "cuda", tuple(engine_rows or TUNE_ROWS),
-                                           tuple(engine_roles) if engine_roles else LINEAR_ROLES,
-                                           max_configs=max_engine_configs, min_gain=engine_min_gain, bandwidth=bw))
-        except Exception as e:  # noqa: BLE001 - the defaults stay; the reason is recorded (and logged)
-            import traceback
-
-            traceback.print_exc()
-            res["engine_configs"] = {}
-            res["engine_reason"] = f"engine tuning failed: {type(e).__name__}: {str(e)[:300]}"
+        _section(res, "engine_configs", "engine_reason", "engine tuning", lambda: tune_engine_configs(
+            cfg, "cuda", tuple(engine_rows or TUNE_ROWS), tuple(engine_roles) if engine_roles else LINEAR_ROLES,
+            max_configs=max_engine_configs, min_gain=engine_min_gain, bandwidth=bw))
     res["w12_choice"] = {}
     if not w12_fast:
         res["w12_choice_reason"] = "w12 fast-path section not run"
     elif not cfg.is_dense:
         res["w12_choice_reason"] = "the w12 fast path covers dense targets (the FastTarget step) only"
     else:
-        try:
-            from ..engine.w12_fast import tune_w12_choice
-            from ..kernels_build import use_w12_library
+        from ..engine.w12_fast import tune_w12_choice
+        from ..kernels_build import use_w12_library
 
+        def w12_section():
             use_w12_library(manifest, manifest_path)
-            res.update(tune_w12_choice(cfg, tuple(w12_widths)))
-        except Exception as e:  # noqa: BLE001 - bf16 stays; the reason is recorded (and logged)
-            import traceback
+            return tune_w12_choice(cfg, tuple(w12_widths))
 
-            traceback.print_exc()
-            res["w12_choice"] = {}
-            res["w12_choice_reason"] = f"w12 choice tuning failed: {type(e).__name__}: {str(e)[:300]}"
+        _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning", w12_section)
     write_json(out, res)
     return res
+
+
+def _section(res: dict, table: str, reason: str, what: str, run) -> None:
+    """Run one tuning section (``run() -> fields``) into ``res``. An error never fails the job: it is
+    logged, ``res[table]`` stays ``{}`` (the engine keeps its defaults) and ``res[reason]`` says why."""
+    try:
+        res.update(run())
+    except Exception as e:  # noqa: BLE001 - see above
+        import traceback
+
+        traceback.print_exc()
+        res[table] = {}
+        res[reason] = f"{what} failed: {type(e).__name__}: {str(e)[:300]}"
 
 
 def _tune_w12(kern, cfg, bw: float, rows: tuple[int, ...], top: int, max_configs: int) -> tuple[dict, list, list]:

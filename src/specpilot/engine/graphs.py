@@ -462,8 +462,7 @@ class FastTarget:
         if rc is not None:
             f = self._w12.get(w.data_ptr())
             if f is not None:
-                return self._w12_apply(rc, f, xr, outr, ws, norm, outr if residual is not None else None, swiglu,
-                                       self.model.config.rms_norm_eps)
+                return self._w12_apply(rc, f, xr, outr, ws, norm, outr if residual is not None else None, swiglu)
         cfg = self._pick(role, xr, w, norm, residual, swiglu, room)
         if isinstance(cfg, PaddedCublas):
             xr, outr = x[:cfg.rows], out[:cfg.rows]
@@ -511,11 +510,13 @@ class FastTarget:
 
         for role, w in role_weights(self.model.model.layers[0]).items():
             rc = choice.get(role)
-            for max_rows, (tn, warps, unroll) in (rc.tiers if rc is not None else ()):
-                for m in {min(max_rows, 64), 64 if max_rows == rc.tiers[-1][0] else min(max_rows, 64)}:
-                    if not valid(m, rc.split, tn, warps, unroll, w.shape[1]):
-                        raise SpecpilotError(f"w12 role {role}: no kernel for split {rc.split}, tiles {tn}, warps "
-                                             f"{warps}, unroll {unroll} at {m} rows (K = {w.shape[1]}); see w12_mma.valid")
+            # each launch at its bucket's rows (valid there: valid at fewer), the last also at 64
+            # (it runs every 64-row chunk beyond the table)
+            checks = [(min(r, 64), c) for r, c in rc.tiers] + [(64, rc.tiers[-1][1])] if rc is not None else []
+            for m, (tn, warps, unroll) in checks:
+                if not valid(m, rc.split, tn, warps, unroll, w.shape[1]):
+                    raise SpecpilotError(f"w12 role {role}: no kernel for split {rc.split}, tiles {tn}, warps "
+                                         f"{warps}, unroll {unroll} at {m} rows (K = {w.shape[1]}); see w12_mma.valid")
         self._w12 = {}
         for layer in self.model.model.layers:
             for role, w in role_weights(layer).items():
@@ -524,7 +525,7 @@ class FastTarget:
         self.w12_roles = dict(choice)
         self._ws.clear()
 
-    def _w12_apply(self, rc, f, x, out, ws, norm=None, residual=None, swiglu=False, eps: float = 1e-6):
+    def _w12_apply(self, rc, f, x, out, ws, norm=None, residual=None, swiglu=False):
         """``out = epilogue(norm(x) @ W.T)`` with W in w12 (``f``, a FragW12) through launch family
         ``rc`` (W12Role): the RMSNorm and SwiGLU kernels of the bf16 cuBLAS variant, the w12
         tensor-core matmul into ``ws.w12y``, then SwiGLU or ``out += y`` (``residual`` is ``out``)."""
@@ -532,7 +533,7 @@ class FastTarget:
 
         M = x.shape[0]
         if norm is not None:
-            x = self.k.rmsnorm(x, norm, ws.xn[:M], eps)
+            x = self.k.rmsnorm(x, norm, ws.xn[:M], self.model.config.rms_norm_eps)
         launch = rc.launch(M)
         if residual is None and not swiglu:
             return w12_mma.matmul(x, f, rc.split, *launch, out=out)

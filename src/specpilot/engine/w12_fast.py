@@ -138,18 +138,23 @@ def install_w12_choice(model, choice: dict[str, W12Role]) -> dict | None:
     and M it runs in bf16, the prefill) and the fragment-ordered w12 copies of the chosen roles.
 
     Raises:
-        SpecpilotError: the w12 kernel library cannot be built or loaded.
+        SpecpilotError: the w12 kernel library cannot be built or loaded, or the converted target
+            still does not run the Triton step.
     """
     if not choice:
         return None
     from ..kernels_build import _runs_triton_step
+    from .graphs import resolve_kernels
 
     w = model.lm_head.weight
-    if w.device.type != "cuda" or not model.config.is_dense:
-        return None
+    hd = model.config.head_dim
+    if (w.device.type != "cuda" or not model.config.is_dense or hd & (hd - 1)
+            or not set(model.config.layer_types) <= {"full_attention"}
+            or resolve_kernels("auto", w.device, torch.bfloat16) != "triton"):
+        return None  # checked before the conversion: a target the step cannot run stays in w12
     to_plain_linears(model)
     if not _runs_triton_step(model):
-        return None
+        raise SpecpilotError("w12 fast path: the target converted to plain linears still does not run the Triton step")
     from ..kernels import w12_mma
     from . import graphs
 
@@ -262,6 +267,7 @@ def tune_w12_choice(cfg, widths: tuple[int, ...] = (16,), device: str | torch.de
     """
     from ..kernels.w12_mma import SPLITS, frag_pack
     from ..w12 import pack
+    from .graphs import CUBLAS, PaddedCublas
     from .matmul_tune import _one_layer_target, graph_us, role_layout
 
     device = torch.device(device)
@@ -279,7 +285,6 @@ def tune_w12_choice(cfg, widths: tuple[int, ...] = (16,), device: str | torch.de
     model, fast = _one_layer_target(cfg, device, torch.bfloat16, seed)
     layer = model.model.layers[0]
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    eps = model.config.rms_norm_eps
     norms = {"qkv": layer.input_layernorm.weight, "gate_up": layer.post_attention_layernorm.weight}
     widths = tuple(sorted(set(int(m) for m in widths)))
     tiers_m = sorted({_bucket(m) for m in widths} | {64})  # 64: the launch of chunks beyond
@@ -308,7 +313,7 @@ def tune_w12_choice(cfg, widths: tuple[int, ...] = (16,), device: str | torch.de
         for m in widths:
             x = xs[:m]
             cfg_m = fast._pick(role, x, w0, norm, outs[0][:m] if has_res else None, swiglu, room=m)
-            cfg_m = "cublas" if type(cfg_m).__name__ == "PaddedCublas" else cfg_m
+            cfg_m = CUBLAS if isinstance(cfg_m, PaddedCublas) else cfg_m
             bf16_us[m] = timer([lambda i=i, x=x, m=m, c=cfg_m: fast._apply(
                 c, x, ws_[i], outs[i][:m], scratch, norm, outs[i][:m] if has_res else None, swiglu)
                 for i in range(copies)])
@@ -324,7 +329,7 @@ def tune_w12_choice(cfg, widths: tuple[int, ...] = (16,), device: str | torch.de
                     for m in ms_b:
                         x = xs[:m]
                         per[m] = timer([lambda i=i, x=x, m=m, rc=rc: fast._w12_apply(
-                            rc, fs[i], x, outs[i][:m], scratch, norm, outs[i][:m] if has_res else None, swiglu, eps)
+                            rc, fs[i], x, outs[i][:m], scratch, norm, outs[i][:m] if has_res else None, swiglu)
                             for i in range(copies)])
                         res["w12_choice_trials"].append({"role": role, "split": s, "M": m,
                                                          "launch": "t{}-w{}-u{}".format(*c), "us": per[m]})
