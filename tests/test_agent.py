@@ -17,7 +17,7 @@ from specpilot.errors import SpecpilotError
 from specpilot.agent.costmodel import analyze, report_text, step_floors
 from specpilot.agent.policies import LLMPolicy, OfflinePolicy, make_policy
 from specpilot.agent.trial import Evaluator
-from specpilot.engine.generate import ACCEPT_RULES, accept_greedy
+from specpilot.engine.verify import ACCEPT_RULES, accept_greedy
 from specpilot.models.config import TargetConfig
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import Record

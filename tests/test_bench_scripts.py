@@ -103,7 +103,7 @@ def test_profile_serving_cpu_run(tmp_path):
 def test_drafter_ranks_writes_a_tree_profile(tmp_path, quick_deployment, data_dir):
     """gpu_bench/drafter_ranks.py on the quick deployment: the speculative loop equals AR, and the
     profile it writes loads as a replay profile whose rank recall agrees with its own counts."""
-    from specpilot.engine.replay import expected_tau, load_profile
+    from specpilot.drafters.replay import expected_tau, load_profile
 
     out = tmp_path / "ranks.json"
     _run(["gpu_bench/drafter_ranks.py", "--deployment", str(quick_deployment), "--drafter", "dflash2", "--n", "2",

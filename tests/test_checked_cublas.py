@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def _fast():
-    from specpilot.engine.graphs import FastTarget
+    from specpilot.fastpath.dense import FastTarget
     from specpilot.models.config import TargetConfig
     from specpilot.models.qwen3 import Transformer
     from specpilot.models.random_checkpoint import fill_random_
@@ -105,7 +105,7 @@ def test_no_exact_option_falls_back_to_the_decode_config():
 
 
 def test_pick_routes_prefill_decode_and_capture(monkeypatch):
-    from specpilot.engine import graphs
+    from specpilot.fastpath import tables as graphs
 
     fast = _fast()
     kern = Kernels(ms={fast.config_for("qkv", 80).key(): 2.0, "cublas": 1.0})
@@ -147,7 +147,7 @@ class PaddedKernels(Kernels):
 
 
 def test_padded_cublas_is_chosen_where_only_more_rows_are_exact():
-    from specpilot.engine.graphs import PaddedCublas
+    from specpilot.fastpath.tables import PaddedCublas
 
     fast = _fast()
     table = fast.config_for("o", 80).key()
@@ -163,7 +163,7 @@ def test_padded_cublas_is_chosen_where_only_more_rows_are_exact():
 
 
 def test_linear_runs_the_step_rows_and_padded_cublas_over_the_slack(monkeypatch):
-    from specpilot.engine.graphs import CUBLAS_PAD_ROWS, PaddedCublas
+    from specpilot.fastpath.tables import CUBLAS_PAD_ROWS, PaddedCublas
 
     fast = _fast()
     kern = PaddedKernels(80, differs={"cublas-exact-rows"})

@@ -133,7 +133,7 @@ def test_reference_checkpoint_loads_and_drafts_the_same(case, target, tmp_path):
 
 
 def test_our_checkpoint_loads_in_the_reference(target, tmp_path):
-    from specpilot.drafters.dflash2 import DFlash2Drafter
+    from specpilot.models.dflash2 import DFlash2Drafter
     from specpilot.models.loading import drafter_config
 
     hf, tdir, ids, hs = target
@@ -154,8 +154,8 @@ def test_our_checkpoint_loads_in_the_reference(target, tmp_path):
 
 def test_reference_generate_matches_our_engine(target, tmp_path):
     """``dflash_generate`` (batch 1, greedy) and our engine give the same tokens with the same drafter."""
-    from specpilot.drafters import make_proposer
-    from specpilot.engine.generate import generate
+    from specpilot.engine.proposers import make_proposer
+    from specpilot.engine.loop import generate
     from specpilot.engine.runner import TargetRunner
 
     hf, tdir, ids, hs = target

@@ -9,11 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specpilot.drafters import make_proposer
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
+from specpilot.engine.proposers import make_proposer
 from specpilot.drafters.proposal import Proposal, chain, side_branches, spine_tree, spine_tree_parents
-from specpilot.engine.generate import accept_tree, generate, generate_ar
+from specpilot.engine.verify import accept_tree
+from specpilot.engine.loop import generate, generate_ar
 from specpilot.engine.runner import TargetRunner
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.errors import SpecpilotError
 from specpilot.forcing import check
 from specpilot.models.loading import drafter_config, load_drafter, load_target
@@ -88,7 +92,7 @@ def test_unsupported_drafter_configs_give_one_clear_error(quick_deployment):
         drafter_config({**cfg, "layer_types": ["linear_attention"] * cfg["num_hidden_layers"]})
     d2 = json.loads((quick_deployment / "drafter-dflash2" / "config.json").read_text())
     d2["dflash_config"].pop("selector_rank")
-    from specpilot.drafters.dflash2 import DFlash2Drafter
+    from specpilot.models.dflash2 import DFlash2Drafter
 
     with pytest.raises(SpecpilotError, match="selector_rank"):
         DFlash2Drafter(drafter_config(d2))
@@ -97,7 +101,7 @@ def test_unsupported_drafter_configs_give_one_clear_error(quick_deployment):
 @torch.no_grad()
 def test_identity_dflash2_drafts_like_dflash(quick_deployment, quick_prompts):
     """Identity convolutions + zero successor codebook make DFlash2 exactly DFlash (SpecForge docs)."""
-    from specpilot.drafters.dflash2 import DFlash2Drafter
+    from specpilot.models.dflash2 import DFlash2Drafter
 
     target = load_target(quick_deployment / "target")
     v1 = load_drafter(quick_deployment / "drafter-dflash")
@@ -165,12 +169,11 @@ def test_stock_and_tree_equal_ar_for_every_drafter(quick_deployment, quick_promp
     net = load_drafter(quick_deployment / f"drafter-{kind}")
     prompts = quick_prompts[::2]
     block = 5
-    ar = serve(EngineSpec("ar"), target, None, prompts, 32, 1, META, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 32, 1, META, ServeOptions(progress=False))
     for conc in (1, 3):
         meta = dict(META, drafter=kind)  # the records name the drafter: forcing knows its block counting
-        chain_recs = serve(EngineSpec("stock", block), target, net, prompts, 32, conc, meta, progress=False)
-        tree = serve(EngineSpec("specpilot", block, {"tree_branch": 2, "tree_depth": 2}), target, net, prompts, 32,
-                     conc, meta, progress=False)
+        chain_recs = serve(EngineSpec("stock", block), Deployment.of(target, net), prompts, 32, conc, meta, ServeOptions(progress=False))
+        tree = serve(EngineSpec("specpilot", block, {"tree_branch": 2, "tree_depth": 2}), Deployment.of(target, net), prompts, 32, conc, meta, ServeOptions(progress=False))
         width = block + (1 if kind == "dspark" else 0)
         for a, c, t in zip(ar, chain_recs, tree):
             assert c.output_ids == a.output_ids and t.output_ids == a.output_ids
@@ -189,10 +192,9 @@ def test_two_level_drafting_equals_ar(quick_deployment, quick_prompts):
     net = load_drafter(quick_deployment / "drafter-dflash")
     prompts = quick_prompts[::2]
     block, L = 5, 3
-    ar = serve(EngineSpec("ar"), target, None, prompts, 32, 1, META, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 32, 1, META, ServeOptions(progress=False))
     for conc in (1, 3):
-        recs = serve(EngineSpec("specpilot", block, {"second_level": L}), target, net, prompts, 32, conc,
-                     dict(META, drafter="dflash"), progress=False)
+        recs = serve(EngineSpec("specpilot", block, {"second_level": L}), Deployment.of(target, net), prompts, 32, conc, dict(META, drafter="dflash"), ServeOptions(progress=False))
         assert [r.output_ids for r in recs] == [a.output_ids for a in ar]
         assert max(max(r.committed_per_step) for r in recs) <= block + L
     prop = make_proposer(net, block, {"second_level": L})

@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.drafters.dflash import DFlashProposer
 from specpilot.drafters.lookup import LookupProposer
-from specpilot.engine.generate import accept_greedy, generate, generate_ar
+from specpilot.engine.verify import accept_greedy
+from specpilot.engine.loop import generate, generate_ar
 from specpilot.engine.runner import TargetRunner
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.errors import SpecpilotError
 from specpilot.forcing import check
 from specpilot.models.layers import chain_ancestors
@@ -106,9 +110,9 @@ def test_stock_equals_ar_token_for_token(quick_deployment, quick_prompts, block_
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
-    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 40, concurrency, meta, progress=False)
-    st = serve(EngineSpec("stock", block_size), target, drafter, quick_prompts, 40, concurrency, meta, progress=False)
-    lk = serve(EngineSpec("lookup", block_size), target, None, quick_prompts, 40, concurrency, meta, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), quick_prompts, 40, concurrency, meta, ServeOptions(progress=False))
+    st = serve(EngineSpec("stock", block_size), Deployment.of(target, drafter), quick_prompts, 40, concurrency, meta, ServeOptions(progress=False))
+    lk = serve(EngineSpec("lookup", block_size), Deployment.of(target, None), quick_prompts, 40, concurrency, meta, ServeOptions(progress=False))
     for a, s, l in zip(ar, st, lk):
         assert a.request_id == s.request_id == l.request_id
         assert s.output_ids == a.output_ids
@@ -235,10 +239,9 @@ def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
-    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 40, 2, meta, progress=False)
-    chain = serve(EngineSpec("stock", 6), target, drafter, quick_prompts, 40, 2, meta, progress=False)
-    tree = serve(EngineSpec("specpilot", 6, {"tree_branch": 2, "tree_depth": 2}), target, drafter, quick_prompts,
-                 40, 2, meta, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
+    chain = serve(EngineSpec("stock", 6), Deployment.of(target, drafter), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
+    tree = serve(EngineSpec("specpilot", 6, {"tree_branch": 2, "tree_depth": 2}), Deployment.of(target, drafter), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
     assert [t.output_ids for t in tree] == [a.output_ids for a in ar]
     assert all(sum(t.committed_per_step) == 39 for t in tree)
     steps_tree = sum(t.verify_steps for t in tree)
@@ -260,8 +263,7 @@ def test_multi_turn_chaining_equal_across_engines(quick_deployment, data_dir, tm
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
     out = {}
     for eng, d in (("ar", None), ("stock", drafter)):
-        out[eng] = serve_turns(lambda rows, e=eng, d=d: serve(EngineSpec(e, 4), target, d, rows, 16, 1, meta,
-                                                             progress=False), prompts, tok)
+        out[eng] = serve_turns(lambda rows, e=eng, d=d: serve(EngineSpec(e, 4), Deployment.of(target, d), rows, 16, 1, meta, ServeOptions(progress=False)), prompts, tok)
     ids = [r.request_id for r in out["ar"]]
     assert ids == [p["request_id"] for p in prompts] + [f"{p['request_id']}/turn2" for p in prompts]
     for a, s in zip(out["ar"], out["stock"]):

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specpilot import kernels_build  # noqa: E402
-from specpilot.engine.graphs import DEFAULT_CONFIGS, LINEAR_ROLES  # noqa: E402
+from specpilot.fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES  # noqa: E402
 from specpilot.errors import SpecpilotError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +44,8 @@ def _files(tmp_path, engine_configs, gpu="h200", applies=True):
 @needs_triton
 @pytest.mark.parametrize("role", LINEAR_ROLES)
 def test_candidates_are_the_defaults_family(role):
-    from specpilot.engine.matmul_tune import candidate_linear_configs, fits
-    from specpilot.engine.triton_step import LinearConfig
+    from specpilot.tuning.matmul import candidate_linear_configs, fits
+    from specpilot.fastpath.tables import LinearConfig
 
     for rows, bucket, bm in ((1, "16", 16), (16, "16", 16), (17, "32", 32), (32, "32", 32), (33, "64", 64),
                              (64, "64", 64)):
@@ -63,7 +63,7 @@ def test_candidates_are_the_defaults_family(role):
 
 @needs_triton
 def test_candidates_keep_the_role_conventions_and_refuse_bad_input():
-    from specpilot.engine.matmul_tune import candidate_linear_configs
+    from specpilot.tuning.matmul import candidate_linear_configs
 
     assert all(k.endswith("-p") for k in candidate_linear_configs("qkv", 16))  # prenorm, 16-row tiles
     assert all("-p" not in k and k.endswith("-m64") for k in candidate_linear_configs("down", 64))
@@ -75,7 +75,7 @@ def test_candidates_keep_the_role_conventions_and_refuse_bad_input():
 
 
 def test_role_shapes_follow_the_fused_layout():
-    from specpilot.engine.matmul_tune import role_shapes
+    from specpilot.tuning.matmul import role_shapes
     from specpilot.models.random_checkpoint import target_config
 
     s = role_shapes(target_config("qwen3-8b"))
@@ -87,7 +87,7 @@ def test_role_shapes_follow_the_fused_layout():
 
 
 def test_pick_config_only_takes_a_checked_confirmed_winner():
-    from specpilot.engine.matmul_tune import pick_config
+    from specpilot.tuning.matmul import pick_config
 
     d, a, b = "bn32-bk256-w4-s4", "bn64-bk128-w4-s4", "bn16-bk512-w4-s3"
     trials = [{"config": d, "passed": True, "us": 10.0}, {"config": a, "passed": True, "us": 8.0},
@@ -153,39 +153,54 @@ def test_engine_tables_merge_defaults_then_explicit():
     assert DEFAULT_CONFIGS["o"]["32"] != k32  # the defaults themselves are untouched
 
 
-def test_cli_installs_agent_tables_where_the_triton_step_runs(monkeypatch):
-    from specpilot.engine import cli, graphs
+class _FakeStep:
+    """A Triton step stand-in recording the tables installed in it."""
 
-    calls = []
-    monkeypatch.setattr(graphs, "step_graphs",
-                        lambda model, kernels, configs: calls.append((model.name, kernels, configs)))
-    monkeypatch.setattr(kernels_build, "_runs_triton_step", lambda model: model.fast)
-    bf16, w12 = types.SimpleNamespace(name="bf16", fast=True), types.SimpleNamespace(name="w12", fast=False)
+    def __init__(self):
+        self.installed = []
+
+    def set_configs(self, tables):
+        self.installed.append(tables)
+        return True
+
+
+def _backend(path):
+    from specpilot.engine.backend import Backend
+
+    step = types.SimpleNamespace(fast=_FakeStep() if path.startswith("triton") else None,
+                                 cache=types.SimpleNamespace(entries={"captured": 1}))
+    return Backend(types.SimpleNamespace(), path, "test", True, "auto", step)
+
+
+def test_agent_tables_go_where_the_dense_triton_step_runs():
+    dense, family, torch_graphs = _backend("triton-dense"), _backend("triton-family"), _backend("torch-graphs")
     k = "bn64-bk128-w4-s4-m32"
-    outputs = {"applies": True, "engine_configs": {"o": {"32": k}}}
-    tables = cli.install_kernel_configs([bf16, w12], outputs, None)
-    assert tables == {"o": {**DEFAULT_CONFIGS["o"], "32": k}} and outputs["engine_tables"] == tables
-    assert calls == [("bf16", "triton", tables)]  # the w12 target's step is not the Triton one: left alone
-    calls.clear()
-    explicit = {"down": "bn16-bk512-w4-s3"}
-    tables = cli.install_kernel_configs([bf16, w12], outputs, explicit)  # explicit: every target, as before
-    assert tables["down"] == "bn16-bk512-w4-s3" and tables["o"]["32"] == k
-    assert [c[0] for c in calls] == ["bf16", "w12"]
-    calls.clear()
-    nothing = {"applies": False, "reason": "cpu"}
-    assert cli.install_kernel_configs([bf16], nothing, None) == {} and not calls and "engine_tables" not in nothing
+    tables = kernels_build.engine_tables({"o": {"32": k}})
+    assert tables == {"o": {**DEFAULT_CONFIGS["o"], "32": k}}
+    assert dense.install_tables(tables) is True and dense.fast.installed == [tables] and dense.tables == tables
+    assert dense.step_graphs.cache.entries == {}  # recaptured with the new tables
+    assert family.install_tables(tables) is False and family.fast.installed == []  # tuned for the dense step
+    assert torch_graphs.install_tables(tables) is False
+    explicit = {"down": "bn16-bk512-w4-s3"}  # an explicit --kernel-configs: every Triton step, as before
+    assert family.install_tables(explicit, strict=True) is True and family.fast.installed == [explicit]
+    with pytest.raises(SpecpilotError, match="need the Triton step"):
+        torch_graphs.install_tables(explicit, strict=True)
+    assert dense.install_tables({}) is False
 
 
 def test_agent_tables_leave_a_cpu_target_alone():
+    from specpilot.engine.backend import choose_backend
     from specpilot.models.config import TargetConfig
     from specpilot.models.qwen3 import Transformer
 
     m = Transformer(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    b = choose_backend(m)
+    assert b.path == "eager" and b.step_graphs is None
     tables = kernels_build.engine_tables({"o": {"32": "bn64-bk128-w4-s4-m32"}})
-    assert kernels_build.install_engine_configs(m, tables) is False and "_step_graphs" not in m.__dict__
-    with pytest.raises(SpecpilotError, match="CUDA"):  # an explicit --kernel-configs still insists
-        kernels_build.install_engine_configs(m, tables, strict=True)
+    assert b.install_tables(tables) is False
+    with pytest.raises(SpecpilotError, match="Triton step"):  # an explicit --kernel-configs still insists
+        b.install_tables(tables, strict=True)
 
 
 @needs_triton
@@ -234,13 +249,13 @@ def test_force_rule_passes_the_kernel_agent():
 @needs_triton
 def test_cli_run_records_the_tables_it_installed(quick_deployment, quick_prompts, tmp_path, monkeypatch):
     """`specpilot run --kernels-manifest --kernel-agent`: the sub-agent's tables go to the target's
-    step graphs (step_graphs faked: this is the CPU) and the records show them."""
-    from specpilot.engine import cli, graphs
+    backend (its install faked: this is the CPU) and the records show them."""
+    from specpilot.engine import cli
+    from specpilot.engine.backend import Backend
     from specpilot.records import read_records
 
     calls = []
-    monkeypatch.setattr(graphs, "step_graphs", lambda model, kernels, configs: calls.append(configs))
-    monkeypatch.setattr(kernels_build, "_runs_triton_step", lambda model: True)
+    monkeypatch.setattr(Backend, "install_tables", lambda self, tables, strict=False: calls.append(tables) or True)
     k = "bn64-bk128-w4-s4-m32"
     manifest, agent = _files(tmp_path, {"o": {"32": k}})
     prompts = tmp_path / "p.jsonl"
@@ -261,8 +276,8 @@ def test_cli_run_records_the_tables_it_installed(quick_deployment, quick_prompts
 # --- the tuning itself, under the CPU interpreter --------------------------------------------
 
 TUNE_CHECK = r'''
-from specpilot.engine import matmul_tune as mt
-from specpilot.engine.graphs import DEFAULT_CONFIGS
+from specpilot.tuning import matmul as mt
+from specpilot.fastpath.tables import DEFAULT_CONFIGS
 from specpilot.models.config import TargetConfig
 
 cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -1,6 +1,6 @@
 """The fast path of the hybrid (Gated DeltaNet + gated attention) and Muse-Glimmer-style (sliding
 window over a wrapping ring + global NoPE + sandwich norms + softcap) targets, under Triton's CPU
-interpreter: :class:`~specpilot.engine.fast_family.FastFamilyTarget` driven through the runner
+interpreter: :class:`~specpilot.fastpath.family.FastFamilyTarget` driven through the runner
 (row prefill, chain verify + commit replay of the accepted tokens, decode) against the eager
 forward on a copy of the same model, fp32: logits and the committed states agree at every step,
 and greedy speculative decoding with scripted drafts (some rows accepting nothing, some
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CHECK = r'''
 import copy, random
+from specpilot.engine.backend import choose_backend
 from specpilot.engine.runner import TargetRunner
 from specpilot.models.config import TargetConfig
 from specpilot.models.target import Transformer
@@ -41,12 +42,12 @@ for kind, cfg in (("hybrid", hybrid()), ("muse", muse())):
     for control in ((False, True) if kind == "hybrid" else (False,)):
         eager = build(cfg)
         fastm = copy.deepcopy(eager)
-        re = TargetRunner(eager, 2, S, graphs=False)
+        re = TargetRunner(eager, 2, S)
         rf = fast_runner(fastm, 2, S)
         eager.setup_cache(2, S, verify_width=WIDTH)  # rings of window + WIDTH slots: they wrap
         fastm.setup_cache(2, S, verify_width=WIDTH)
         if control:
-            rf.graphs.fast.commit_recurrent = lambda counts: None
+            rf.steps.fast.commit_recurrent = lambda counts: None
         le, _, _ = re.prefill(prompts)
         lf, _, _ = rf.prefill(prompts)
         err, st = [rel(lf, le)], []
@@ -84,7 +85,7 @@ for kind, cfg in (("hybrid", hybrid()), ("muse", muse())):
     out[f"{kind}_verify_vs_decode"] = float((ver - dec).abs().max())
 
 # greedy speculative decoding with scripted drafts through the fast runner == greedy AR
-from specpilot.engine.generate import accept_greedy
+from specpilot.engine.verify import accept_greedy
 for kind, cfg in (("hybrid", hybrid()), ("muse", muse())):
     m = build(cfg)
     r = fast_runner(m, 2, S)
@@ -148,22 +149,22 @@ def test_family_fast_path_on_cuda(shape):
     parity with it is the interpreted test above)."""
     import torch
 
-    from specpilot.engine.generate import generate_ar, generate_speculative
-    from specpilot.engine.proposers import DFlashProposer
+    from specpilot.engine.loop import generate, generate_ar
+    from specpilot.drafters.dflash import DFlashProposer
     from specpilot.engine.runner import TargetRunner
     from specpilot.models.random_checkpoint import build_drafter, build_target
 
     target = build_target(shape, device="cuda", dtype=torch.bfloat16, seed=3)
     drafter = build_drafter(shape, device="cuda", dtype=torch.bfloat16, seed=3)
     prompts = [list(range(3, 90)), list(range(100, 130))]
-    fast = TargetRunner(target, 2, 256, kernels="triton")
-    assert fast.graphs is not None and type(fast.graphs.fast).__name__ == "FastFamilyTarget"
+    fast = TargetRunner(target, 2, 256, backend=choose_backend(target, None, "triton"))
+    assert fast.steps is not None and type(fast.steps.fast).__name__ == "FastFamilyTarget"
     ar = generate_ar(fast, prompts, 48)
     cap = tuple(drafter.config.target_layer_ids)
-    spec = generate_speculative(TargetRunner(target, 2, 256, cap, kernels="triton"),
-                                DFlashProposer(drafter, kernels="triton"), prompts, 48, 8)
+    spec = generate(TargetRunner(target, 2, 256, cap, backend=choose_backend(target, None, "triton")),
+                    DFlashProposer(drafter, block_size=8), prompts, 48)
     same = [a.output_ids == b.output_ids for a, b in zip(spec, ar)]
-    r = TargetRunner(target, 2, 256, kernels="triton")
+    r = TargetRunner(target, 2, 256, backend=choose_backend(target, None, "triton"))
     ids = torch.tensor([p[:24] for p in (list(range(200, 300)), list(range(400, 500)))], device="cuda")
     r.prefill([list(range(5, 60)), list(range(7, 40))])
     dec = torch.stack([r.decode(ids[:, t]).clone() for t in range(24)], 1)

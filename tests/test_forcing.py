@@ -17,9 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specpilot.engine.generate import ACCEPT_RULES, accept_greedy
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
+from specpilot.engine.verify import ACCEPT_RULES, accept_greedy
 from specpilot.engine.runner import TargetRunner
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.forcing import check
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import Record, read_records, write_records
@@ -35,8 +38,8 @@ def cell(quick_deployment, quick_prompts, tmp_path_factory):
     assert len(rows) == 2
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
-    ar = serve(EngineSpec("ar"), target, None, rows, N, 1, META, progress=False, warmup=False)
-    stock = serve(EngineSpec("stock", BLOCK), target, drafter, rows, N, 1, META, progress=False, warmup=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), rows, N, 1, META, ServeOptions(progress=False, warmup=False))
+    stock = serve(EngineSpec("stock", BLOCK), Deployment.of(target, drafter), rows, N, 1, META, ServeOptions(progress=False, warmup=False))
     assert [a.output_ids for a in ar] == [s.output_ids for s in stock]
     root = tmp_path_factory.mktemp("forcing")
     d = root / "results" / "cpu" / "quick" / "gsm8k"
@@ -124,8 +127,7 @@ def test_one_job_forces_stock_then_specpilot_against_ar_and_stock(cell):
     verdict per candidate; a specpilot that dropped a request fails there, stock still passes."""
     from specpilot.cli import main
 
-    spec = serve(EngineSpec("specpilot", BLOCK, {"tree_branch": 2, "tree_depth": 2}), cell.target, cell.drafter,
-                 cell.rows, N, 1, META, progress=False, warmup=False)
+    spec = serve(EngineSpec("specpilot", BLOCK, {"tree_branch": 2, "tree_depth": 2}), Deployment.of(cell.target, cell.drafter), cell.rows, N, 1, META, ServeOptions(progress=False, warmup=False))
     d = cell.dir
     write_records(d / "stock-c1.jsonl", cell.stock)
     base = ["--reference", str(d / "ar-c1.jsonl"), "--target", str(cell.deployment / "target"),
@@ -189,8 +191,7 @@ def test_cheat_a_unverified_draft_tokens(cell, monkeypatch):
     from specpilot.forcing import force
 
     monkeypatch.setitem(ACCEPT_RULES, "one_unverified", one_unverified)
-    cand = serve(EngineSpec("stock", BLOCK, {"accept": "one_unverified"}), cell.target, cell.drafter, cell.rows,
-                 N, 1, META, progress=False, warmup=False)
+    cand = serve(EngineSpec("stock", BLOCK, {"accept": "one_unverified"}), Deployment.of(cell.target, cell.drafter), cell.rows, N, 1, META, ServeOptions(progress=False, warmup=False))
     verdict = force(cand, {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, replay_for(cell))
     assert not verdict["passed"]
     tokens = by_check(verdict, "token")
@@ -303,7 +304,7 @@ def sensitive(cell):
             if w.dim() == 2:
                 w.mul_(10.0)
     rows = [dict(r, prompt_ids=[i % target.config.vocab_size for i in r["prompt_ids"]]) for r in cell.rows]
-    ar = serve(EngineSpec("ar"), target, None, rows, N, 1, META, progress=False, warmup=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), rows, N, 1, META, ServeOptions(progress=False, warmup=False))
     return SimpleNamespace(target=target, rows=rows, ar=ar, prompts={r["request_id"]: r["prompt_ids"] for r in rows})
 
 
@@ -315,13 +316,12 @@ def test_cheat_d_stale_kv_cache(cell, sensitive, monkeypatch):
         return commit(self, torch.where(counts > 0, torch.full_like(counts, self._pending), counts), path_slots)
 
     s = sensitive
-    honest = serve(EngineSpec("lookup", BLOCK), s.target, None, s.rows, N, 1, META, progress=False, warmup=False)
+    honest = serve(EngineSpec("lookup", BLOCK), Deployment.of(s.target, None), s.rows, N, 1, META, ServeOptions(progress=False, warmup=False))
     assert check(honest, s.ar, s.prompts, s.target, tolerance=1e-3)["passed"]  # the control: no cheat, no violation
     longest = max(len(r["prompt_ids"]) for r in s.rows)
     with monkeypatch.context() as m:
         m.setattr(TargetRunner, "commit", no_rollback)
-        cand = serve(EngineSpec("lookup", BLOCK), s.target, None, s.rows, N, 1, META,
-                     progress=False, warmup=False, max_seq=longest + N * BLOCK + 16)
+        cand = serve(EngineSpec("lookup", BLOCK), Deployment.of(s.target, None), s.rows, N, 1, META, ServeOptions(progress=False, warmup=False, max_seq=longest + N * BLOCK + 16))
     verdict = check(cand, s.ar, s.prompts, s.target, tolerance=1e-3)
     assert not verdict["passed"]
     tokens = by_check(verdict, "token")

@@ -3,7 +3,7 @@
 The interpreted check runs a tiny target's Triton step under ``TRITON_INTERPRET=1`` in a
 subprocess: an "engine" (the static AR regime of the fast path: ``TargetRunner.prefill`` row by row
 through the Triton step, then one-token decode steps through
-:class:`~specpilot.engine.graphs.FastTarget`, as the CUDA-graph path replays them; a runner whose
+:class:`~specpilot.fastpath.dense.FastTarget`, as the CUDA-graph path replays them; a runner whose
 step graphs run uncaptured) produces the outputs, and the teacher-forced pass through the same kernels
 (:func:`specpilot.forcing.teacher_forced_engine`, wider chunks) must give margin exactly 0 at every
 token, the engine's own margin (bit for bit) at a planted second-best token, and a violation at a
@@ -185,8 +185,8 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
 def test_tree_width_bound_follows_the_verify_width():
     """The bound of a config's tree width that decides Triton (<= 64 nodes) or eager forcing."""
-    from specpilot.engine.runner import TREE_FAST_NODES
-    from specpilot.engine.serve import EngineSpec
+    from specpilot.fastpath.tables import TREE_FAST_NODES
+    from specpilot.engine.config import EngineSpec
     from specpilot.forcing import _tree_width_bound
 
     assert _tree_width_bound({"block_size": 16}) == 0  # a chain

@@ -14,11 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.engine.generate import generate, generate_ar, generate_speculative
-from specpilot.engine.proposers import DFlashProposer
-from specpilot.engine.replay import AcceptanceProfile, ReplayProposer, calibrate, expected_tau, load_profile
-from specpilot.engine.runner import TargetRunner, use_graphs
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.backend import choose_backend
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
+from specpilot.engine.loop import generate, generate_ar
+from specpilot.drafters.dflash import DFlashProposer
+from specpilot.drafters.replay import AcceptanceProfile, ReplayProposer, calibrate, expected_tau, load_profile
+from specpilot.engine.runner import TargetRunner
+from specpilot.engine.backend import use_graphs
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.errors import SpecpilotError
 from specpilot.models.layers import chain_ancestors
 from specpilot.models.loading import load_drafter, load_target
@@ -138,8 +143,8 @@ def test_replay_equals_ar_and_hits_its_tau(tiny_pair):
     ar = [r.output_ids for r in generate_ar(runner, prompts, n_new)]
     prof = load_profile("study_stock")
     cap = tuple(drafter.config.target_layer_ids)
-    prop = ReplayProposer(ar, prof, 1024, DFlashProposer(drafter), seed=3)
-    rows = generate_speculative(TargetRunner(target, 2, 20 + n_new + 32, cap), prop, prompts, n_new, block)
+    prop = ReplayProposer(ar, prof, 1024, DFlashProposer(drafter), seed=3, block_size=block)
+    rows = generate(TargetRunner(target, 2, 20 + n_new + 32, cap), prop, prompts, n_new)
     for r, a in zip(rows, ar):
         assert r.output_ids == a  # the target decided every token
         assert sum(r.committed_per_step) == n_new - 1
@@ -155,7 +160,7 @@ def test_replay_equals_ar_and_hits_its_tau(tiny_pair):
 def test_packaged_profiles_load_and_measured_tree_profiles_match_their_drafters():
     """Every packaged profile loads (rank recall consistent); the measured tiny-drafter profiles
     predict their own drafter's tree tau within 6 % (gpu_bench/drafter_ranks.py --tree)."""
-    from specpilot.engine.replay import expected_tau_tree, profile_names
+    from specpilot.drafters.replay import expected_tau_tree, profile_names
 
     names = profile_names()
     assert {"study_stock", "tiny_dflash_ranks", "tiny_dflash2_ranks", "tiny_dspark_ranks"} <= set(names)
@@ -172,7 +177,7 @@ def test_packaged_profiles_load_and_measured_tree_profiles_match_their_drafters(
 
 
 def test_replay_tree_profile_and_sampling():
-    from specpilot.engine.replay import expected_tau_tree, geometric_recall
+    from specpilot.drafters.replay import expected_tau_tree, geometric_recall
 
     prof = load_profile("study_stock")
     assert prof.recall is not None and [r[0] for r in prof.recall] == prof.rates
@@ -202,7 +207,7 @@ def test_replay_tree_profile_and_sampling():
 def test_replay_tree_equals_ar_and_hits_its_tau(tiny_pair):
     """The replay drafter proposing the spine + side-branch tree: the target decides every token,
     and tau follows expected_tau_tree (the side leaves add what the rank profile says)."""
-    from specpilot.engine.replay import expected_tau_tree
+    from specpilot.drafters.replay import expected_tau_tree
 
     target, drafter = tiny_pair
     prompts = [torch.randint(0, 1024, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
@@ -234,20 +239,18 @@ def test_serve_with_replay_marks_records_synthetic(tiny_pair):
     prompts = [{"request_id": f"gsm8k/{i:04d}", "benchmark": "gsm8k",
                 "prompt_ids": torch.randint(0, 1024, (12,)).tolist()} for i in range(3)]
     meta = {"deployment": "random-tiny", "target": "t", "drafter": "replay:dflash", "gpu": "cpu"}
-    ar = serve(EngineSpec("ar"), target, None, prompts, 24, 2, meta, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 24, 2, meta, ServeOptions(progress=False))
     prof = load_profile("dflash_qwen3_8b_gsm8k")
     refs = {r.request_id: r.output_ids for r in ar}
-    st = serve(EngineSpec("stock", 8, {"replay_profile": prof.name}), target, drafter, prompts, 24, 2, meta,
-               progress=False, replay=prof, references=refs)
+    st = serve(EngineSpec("stock", 8, {"replay_profile": prof.name}), Deployment.of(target, drafter), prompts, 24, 2, meta, ServeOptions(progress=False, replay=prof, references=refs))
     for a, s in zip(ar, st):
         assert s.output_ids == a.output_ids and s.synthetic and not a.synthetic
         assert s.engine_config["replay_profile"] == "dflash_qwen3_8b_gsm8k"
     # without references the AR engine runs first, with the same outputs
-    st2 = serve(EngineSpec("stock", 8), target, drafter, prompts, 24, 2, meta, progress=False, replay=prof)
+    st2 = serve(EngineSpec("stock", 8), Deployment.of(target, drafter), prompts, 24, 2, meta, ServeOptions(progress=False, replay=prof))
     assert [s.output_ids for s in st2] == [a.output_ids for a in ar]
     with pytest.raises(SpecpilotError, match="lack request"):
-        serve(EngineSpec("stock", 8), target, drafter, prompts, 24, 2, meta, progress=False, replay=prof,
-              references={})
+        serve(EngineSpec("stock", 8), Deployment.of(target, drafter), prompts, 24, 2, meta, ServeOptions(progress=False, replay=prof, references={}))
 
 
 def test_cli_replay_run(tmp_path, tiny_pair):
@@ -278,9 +281,9 @@ def test_graphs_are_cuda_only(tiny_pair):
     target, _ = tiny_pair
     assert use_graphs(None, torch.device("cpu")) is False
     with pytest.raises(SpecpilotError, match="CUDA"):
-        TargetRunner(target, 1, 32, graphs=True)
+        TargetRunner(target, 1, 32, backend=choose_backend(target, True))
     r = TargetRunner(target, 1, 32)
-    assert r.graphs is None
+    assert r.steps is None and r.backend.path == "eager"
 
 
 def test_cache_is_reused_for_the_same_shape(tiny_pair):
@@ -311,7 +314,7 @@ def test_room_check_without_per_step_sync(tiny_pair):
 # ---------------------------------------------------------------------------------------------
 
 INTERP_CHECK = r'''
-from specpilot.engine.graphs import FastTarget
+from specpilot.fastpath.dense import FastTarget
 from specpilot.models.config import TargetConfig
 from specpilot.models.layers import chain_ancestors
 from specpilot.models.qwen3 import Transformer
@@ -363,7 +366,7 @@ with torch.inference_mode():
     l1t = fast.forward(tok20[:, :1], start)[0]
     res["tiled_row0_vs_m2"] = (lt[:, 0] - l1t[:, 0]).abs().max().item()
     # token trees in the fast path (ancestor bits, RoPE at start + depth) vs the eager tree forward
-    from specpilot.engine.graphs import compact_path_, tree_inputs
+    from specpilot.engine.verify import compact_path_, tree_inputs
     from specpilot.models.layers import tree_ancestors
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 5], [-1, 0, 1, 0, 3, 3, 4]])
     anc, depth = tree_ancestors(parents)
@@ -426,7 +429,8 @@ def test_triton_step_matches_eager_forward_interpreted(tmp_path):
 
 # a one-layer random dense target on the Triton step (FastTarget), cache of 224 slots, and a seeded generator
 TREE_TARGET = r'''
-from specpilot.engine.graphs import FastTarget, tree_inputs
+from specpilot.fastpath.dense import FastTarget
+from specpilot.engine.verify import tree_inputs
 from specpilot.models.config import TargetConfig
 from specpilot.models.layers import chain_ancestors
 from specpilot.models.qwen3 import Transformer
@@ -480,7 +484,7 @@ def test_tree_leaves_equal_their_chains_across_tiles_interpreted(tmp_path):
 
 STATIC_TREE_CHECK = TREE_TARGET + r'''
 from specpilot.drafters.static_tree import optimal_tree
-from specpilot.engine.replay import load_profile
+from specpilot.drafters.replay import load_profile
 shape = optimal_tree(load_profile("study_stock"), 11, 7)  # best-first order: the spine is not contiguous
 par = torch.tensor([shape.parent_list()])
 W = par.shape[1]
@@ -521,7 +525,8 @@ def test_static_tree_nodes_equal_their_paths_interpreted(tmp_path):
 
 DRAFT_CHECK = r"""
 from torch import nn
-from specpilot.engine.graphs import FastDrafter, fast_drafter_supported
+from specpilot.fastpath.drafter import FastDrafter
+from specpilot.fastpath.support import drafter_support
 from specpilot.models.dflash import DFlashDrafter, DrafterConfig
 from specpilot.models.random_checkpoint import fill_random_
 
@@ -537,7 +542,7 @@ for d in (fast_net, ref):
     d.setup_cache(B, S)
 fast = FastDrafter(fast_net, emb.weight, head.weight)
 g = torch.Generator().manual_seed(0)
-res = {"supported": fast_drafter_supported(fast_net)}
+res = {"supported": drafter_support(fast_net) is None}
 with torch.inference_mode():
     feats = torch.randn(B, 140, 2 * H, generator=g)
     zero = torch.zeros(B, dtype=torch.long)
@@ -598,7 +603,7 @@ def test_triton_draft_step_matches_eager_drafter_interpreted(tmp_path):
 
 
 PREFILL_CHECK = r"""
-from specpilot.engine.generate import generate_ar
+from specpilot.engine.loop import generate_ar
 from specpilot.engine.scheduler import Request, Scheduler, slots_needed
 from specpilot.models.config import TargetConfig
 from specpilot.models.qwen3 import Transformer
@@ -695,7 +700,7 @@ with torch.inference_mode():
     res["eager_first_logits_equal"] = [bool(torch.equal(a, b)) for a, b in zip(eager_lg, ref_lg)]
     # the speculative loop (replay drafter, budgets of N tokens) with refills beside, with and
     # without overlap scheduling: outputs equal AR's, every request's K/V came from its own prefill
-    from specpilot.engine.replay import AcceptanceProfile, ReplayProposer
+    from specpilot.drafters.replay import AcceptanceProfile, ReplayProposer
     for ov in (False, True):
         for delay in (0, 3):
             runner = fast_runner(m, 3, slots_needed(reqs, 4, True))
@@ -731,22 +736,22 @@ def test_prefill_is_the_same_first_or_as_refill_interpreted(tmp_path):
 
 def test_fast_drafter_refuses_other_networks():
     """DFlash2 (convolutions) and causal/sliding drafters stay on the eager network."""
-    from specpilot.engine.graphs import fast_drafter_supported
+    from specpilot.fastpath.support import drafter_support
     from specpilot.models.dflash import DFlashDrafter, DrafterConfig
 
     base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, vocab_size=64, target_layer_ids=[0, 1], mask_token_id=3)
-    assert fast_drafter_supported(DFlashDrafter(DrafterConfig(**base)))
-    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(**base, is_causal=True)))
-    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(
-        **base, layer_types=["sliding_attention", "full_attention"], sliding_window=8)))
-    assert not fast_drafter_supported(DFlashDrafter(DrafterConfig(**dict(base, head_dim=24))))
+    assert drafter_support(DFlashDrafter(DrafterConfig(**base))) is None
+    assert drafter_support(DFlashDrafter(DrafterConfig(**base, is_causal=True))) is not None
+    assert drafter_support(DFlashDrafter(DrafterConfig(
+        **base, layer_types=["sliding_attention", "full_attention"], sliding_window=8))) is not None
+    assert drafter_support(DFlashDrafter(DrafterConfig(**dict(base, head_dim=24)))) is not None
 
 
 def test_tree_bits_pack_ancestors():
     pytest.importorskip("triton")  # triton_step imports it; README: without Triton these tests skip
-    from specpilot.engine.graphs import tree_inputs
-    from specpilot.engine.triton_step import tree_bits
+    from specpilot.engine.verify import tree_inputs
+    from specpilot.engine.verify import tree_bits
 
     bits = tree_bits(chain_ancestors(1, 64, "cpu"))
     assert int(bits[0, 0]) == 1 and int(bits[0, 1]) == 3 and int(bits[0, 63]) == -1  # all 64 bits
@@ -766,8 +771,8 @@ def test_tree_bits_pack_ancestors():
 
 def test_row_tiles_and_config_tables():
     pytest.importorskip("triton")
-    from specpilot.engine import triton_step as K
-    from specpilot.engine.graphs import FastTarget
+    from specpilot.kernels import step as K
+    from specpilot.fastpath.dense import FastTarget
 
     assert [K.row_tile(m, 128) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 384)] == \
         [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
@@ -792,7 +797,7 @@ def test_row_tiles_and_config_tables():
 
 
 def test_decode_configs_merge_into_tables():
-    from specpilot.engine.graphs import with_decode_configs
+    from specpilot.fastpath.tables import with_decode_configs
 
     tables = {"qkv": {"16": "bn32-bk128-w4-s6-p", "64": "bn64-bk128-w4-s4-p-m64"},
               "o": {"16": "bn32-bk256-w4-s4", "384": "bn128-bk64-w8-s5-m128"}}
@@ -815,13 +820,13 @@ def test_graph_path_equals_eager_on_cuda(kernels):
     target = build_target("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
     drafter = build_drafter("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
     prompts = [list(range(3, 40)), list(range(50, 70))]
-    eager = generate_ar(TargetRunner(target, 2, 128, graphs=False), prompts, 32)
-    graph = generate_ar(TargetRunner(target, 2, 128, kernels=kernels), prompts, 32)
+    eager = generate_ar(TargetRunner(target, 2, 128, backend=choose_backend(target, False)), prompts, 32)
+    graph = generate_ar(TargetRunner(target, 2, 128, backend=choose_backend(target, None, kernels)), prompts, 32)
     if kernels == "torch":
         assert [r.output_ids for r in graph] == [r.output_ids for r in eager]
     cap = tuple(drafter.config.target_layer_ids)
-    spec = generate_speculative(TargetRunner(target, 2, 128, cap, kernels=kernels),
-                                DFlashProposer(drafter, kernels=kernels), prompts, 32, 8)
+    spec = generate(TargetRunner(target, 2, 128, cap, backend=choose_backend(target, None, kernels)),
+                    DFlashProposer(drafter, block_size=8), prompts, 32)
     assert [r.output_ids for r in spec] == [r.output_ids for r in graph]
 
 
@@ -832,15 +837,15 @@ def test_tree_verify_in_fast_path_on_cuda():
     target = build_target("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
     drafter = build_drafter("tiny", device="cuda", dtype=torch.bfloat16, seed=2)
     prompts = [list(range(3, 40)), list(range(50, 70))]
-    ar = generate_ar(TargetRunner(target, 2, 192, kernels="triton"), prompts, 40)
+    ar = generate_ar(TargetRunner(target, 2, 192, backend=choose_backend(target, None, "triton")), prompts, 40)
     cap = tuple(drafter.config.target_layer_ids)
-    runner = TargetRunner(target, 2, 192, cap, kernels="triton")
+    runner = TargetRunner(target, 2, 192, cap, backend=choose_backend(target, None, "triton"))
     assert runner.tree_fast
-    before = runner.graphs.cache.captures
-    prop = DFlashProposer(drafter, kernels="triton", block_size=8, tree_branch=2, tree_depth=2)
-    spec = generate_speculative(runner, prop, prompts, 40, 8)
+    before = runner.steps.cache.captures
+    prop = DFlashProposer(drafter, block_size=8, tree_branch=2, tree_depth=2)
+    spec = generate(runner, prop, prompts, 40)
     assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
-    assert runner.graphs.cache.captures > before  # the tree step was captured, not run eager
+    assert runner.steps.cache.captures > before  # the tree step was captured, not run eager
     # the side branches came from the captured Triton draft step too (not the eager network)
     assert prop.graphs is not None and prop.graphs.fast is not None
     assert any(k[0] == "draft" and len(k) == 5 for k in prop.graphs.cache.entries), list(prop.graphs.cache.entries)
@@ -853,7 +858,11 @@ def test_fast_drafter_context_roles_have_their_own_tables():
     pytest.importorskip("triton")
     from torch import nn
 
-    from specpilot.engine.graphs import DEFAULT_CONFIGS, DRAFTER_CONTEXT_CONFIGS, FastDrafter, FastTarget
+    from specpilot.fastpath.tables import DEFAULT_CONFIGS, DRAFTER_CONTEXT_CONFIGS
+
+    from specpilot.fastpath.drafter import FastDrafter
+
+    from specpilot.fastpath.dense import FastTarget
     from specpilot.errors import SpecpilotError
     from specpilot.models.dflash import DFlashDrafter, DrafterConfig
     from specpilot.models.qwen3 import Transformer

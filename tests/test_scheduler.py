@@ -11,13 +11,16 @@ import sys
 import pytest
 import torch
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.aggregate import build_table, throughput
-from specpilot.drafters import make_proposer
+from specpilot.engine.proposers import make_proposer
 from specpilot.drafters.lookup import LookupProposer
-from specpilot.engine.generate import generate_ar
+from specpilot.engine.loop import generate_ar
 from specpilot.engine.runner import TargetRunner
 from specpilot.engine.scheduler import Request, Scheduler, slots_needed
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.errors import SpecpilotError
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import read_records
@@ -133,9 +136,8 @@ def test_serve_records_and_throughput_column(pair, quick_prompts):
     target, drafter = pair
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
     prompts = quick_prompts[:7]
-    recs = {e: serve(EngineSpec(e, 4), target, drafter if e == "stock" else None, prompts, 12, 3, meta,
-                     progress=False) for e in ("ar", "stock")}
-    static = serve(EngineSpec("ar"), target, None, prompts, 12, 3, meta, progress=False, regime="static")
+    recs = {e: serve(EngineSpec(e, 4), Deployment.of(target, drafter if e == "stock" else None), prompts, 12, 3, meta, ServeOptions(progress=False)) for e in ("ar", "stock")}
+    static = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 12, 3, meta, ServeOptions(progress=False, regime="static"))
     assert [r.output_ids for r in recs["stock"]] == [r.output_ids for r in recs["ar"]] == \
         [r.output_ids for r in static]
     for r in recs["stock"]:
@@ -186,7 +188,7 @@ def test_cli_concurrency_3(quick_deployment, quick_prompts, tmp_path):
 
 
 def test_plan_lengths_takes_the_global_best_prefix():
-    from specpilot.engine.verify_budget import plan_lengths
+    from specpilot.drafters.verify_budget import plan_lengths
 
     surv = torch.tensor([[1.0, 0.9, 0.8, 0.1], [1.0, 0.2, 0.1, 0.05]])
     # admission order (0,1) (0,2) (1,1) (0,3) (1,2) (1,3); rates 2.0, 2.64, 3.08, 3.25, 1.33, ...
@@ -206,17 +208,15 @@ def test_load_aware_verify_length_keeps_outputs(pair, quick_prompts):
     target, drafter = pair
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
     prompts = quick_prompts[:5]
-    ar = serve(EngineSpec("ar"), target, None, prompts, 12, 3, meta, progress=False)
-    la = serve(EngineSpec("specpilot", 6, {"verify_budget": "load_aware"}), target, drafter, prompts, 12, 3, meta,
-               progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 12, 3, meta, ServeOptions(progress=False))
+    la = serve(EngineSpec("specpilot", 6, {"verify_budget": "load_aware"}), Deployment.of(target, drafter), prompts, 12, 3, meta, ServeOptions(progress=False))
     assert [r.output_ids for r in la] == [r.output_ids for r in ar]
     assert all(max(r.committed_per_step) <= 6 for r in la)
     d = REGISTRY["verify_budget"]
     assert d.apply({}, {"verify_budget": "off"}) == {} and d.cost_term == "verify"
     assert d.applies({"drafter": "dflash", "concurrency": 16}) and not d.applies({"drafter": "dflash"})
     with pytest.raises(SpecpilotError, match="verify_budget"):
-        serve(EngineSpec("specpilot", 6, {"verify_budget": "wide"}), target, drafter, prompts, 4, 3, meta,
-              progress=False)
+        serve(EngineSpec("specpilot", 6, {"verify_budget": "wide"}), Deployment.of(target, drafter), prompts, 4, 3, meta, ServeOptions(progress=False))
 
 
 def test_cost_model_batched_terms():
@@ -268,8 +268,8 @@ def test_overlap_scheduling_keeps_outputs_and_acceptance(pair, workload, regime)
     reads the acceptance) gives AR's tokens and the same acceptance as the plain loop, with slot
     refills (a refilled slot's anchor is its new first token, not the stale bonus), ragged budgets
     and EOS. The replay drafter without a network overlaps on the CPU too."""
-    from specpilot.engine.generate import generate
-    from specpilot.engine.replay import ReplayProposer, load_profile
+    from specpilot.engine.loop import generate
+    from specpilot.drafters.replay import ReplayProposer, load_profile
 
     target, _ = pair
     reqs, eos, ref = workload
@@ -336,7 +336,7 @@ class _CountingNetwork:
 def test_overlap_drafts_once_per_step(pair, workload):
     """Overlap launches each step's draft once, ahead (one more than the steps in all: the last
     step's look-ahead), not an extra draft per step."""
-    from specpilot.engine.replay import ReplayProposer, load_profile
+    from specpilot.drafters.replay import ReplayProposer, load_profile
 
     target, _ = pair
     reqs, eos, ref = workload

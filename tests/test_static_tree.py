@@ -9,9 +9,11 @@ import random
 import pytest
 import torch
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.drafters.static_tree import (StaticTreeProposer, TreeShape, expected_tau_shape, optimal_tree,
                                             rank_probability)
-from specpilot.engine.replay import AcceptanceProfile, ReplayProposer, load_profile, expected_tau
+from specpilot.drafters.replay import AcceptanceProfile, ReplayProposer, load_profile, expected_tau
 from specpilot.errors import SpecpilotError
 
 
@@ -94,21 +96,20 @@ def test_static_tree_replay_commits_what_the_shape_expects():
 
 
 def test_static_tree_engine_equals_ar_and_beats_the_chain(quick_deployment, quick_prompts):
-    from specpilot.engine.serve import EngineSpec, serve
+    from specpilot.engine.config import EngineSpec
+    from specpilot.engine.serve import serve
     from specpilot.models.loading import load_drafter, load_target
 
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
-    ar = serve(EngineSpec("ar"), target, None, quick_prompts, 40, 2, meta, progress=False)
-    chain = serve(EngineSpec("stock", 6), target, drafter, quick_prompts, 40, 2, meta, progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
+    chain = serve(EngineSpec("stock", 6), Deployment.of(target, drafter), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
     cfg = {"tree_nodes": 12, "tree_profile": "tiny_dflash_ranks"}
-    tree = serve(EngineSpec("specpilot", 6, cfg), target, drafter, quick_prompts, 40, 2, meta, progress=False)
+    tree = serve(EngineSpec("specpilot", 6, cfg), Deployment.of(target, drafter), quick_prompts, 40, 2, meta, ServeOptions(progress=False))
     assert [t.output_ids for t in tree] == [a.output_ids for a in ar]
     assert sum(t.verify_steps for t in tree) <= sum(c.verify_steps for c in chain)
     with pytest.raises(SpecpilotError, match="tree_nodes"):
-        serve(EngineSpec("specpilot", 6, {"tree_nodes": 12, "tree_branch": 2}), target, drafter,
-              quick_prompts[:1], 8, 1, meta, progress=False)
+        serve(EngineSpec("specpilot", 6, {"tree_nodes": 12, "tree_branch": 2}), Deployment.of(target, drafter), quick_prompts[:1], 8, 1, meta, ServeOptions(progress=False))
     with pytest.raises(SpecpilotError, match="positive integer"):
-        serve(EngineSpec("specpilot", 6, {"tree_nodes": "12"}), target, drafter, quick_prompts[:1], 8, 1, meta,
-              progress=False)
+        serve(EngineSpec("specpilot", 6, {"tree_nodes": "12"}), Deployment.of(target, drafter), quick_prompts[:1], 8, 1, meta, ServeOptions(progress=False))

@@ -14,6 +14,8 @@ import random
 import pytest
 import torch
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.engine.runner import TargetRunner
 from specpilot.errors import SpecpilotError
 from specpilot.models.config import TargetConfig
@@ -251,11 +253,12 @@ def test_state_bytes_per_request_27b_shape():
 def test_closed_loop_refills_equal_each_request_alone(target):
     """Continuous batching refills a finished request's slot (its row emptied, recurrent state
     zeroed): more requests than slots give each request's AR output alone, on every layer type."""
-    from specpilot.engine.serve import EngineSpec, serve
+    from specpilot.engine.config import EngineSpec
+    from specpilot.engine.serve import serve
 
     rows = [{"request_id": f"gsm8k/{i:04d}", "benchmark": "gsm8k", "prompt_ids": p}
             for i, p in enumerate(PROMPTS + PROMPTS[::-1])]
     meta = {"deployment": "t", "target": "t", "drafter": "none", "gpu": "cpu"}
-    recs = serve(EngineSpec("ar"), target, None, rows, 12, 2, meta, progress=False, warmup=False)
+    recs = serve(EngineSpec("ar"), Deployment.of(target, None), rows, 12, 2, meta, ServeOptions(progress=False, warmup=False))
     alone = [ar(target, [r["prompt_ids"]], 12)[0] for r in rows]
     assert [r.output_ids for r in recs] == alone

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from specpilot.engine.generate import generate_ar  # noqa: E402
+from specpilot.engine.loop import generate_ar  # noqa: E402
 from specpilot.engine.runner import TargetRunner  # noqa: E402
 from specpilot.models.layers import chain_ancestors  # noqa: E402
 from specpilot.models.loading import load_target  # noqa: E402

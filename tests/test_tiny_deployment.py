@@ -12,8 +12,11 @@ import json
 import pytest
 import torch
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.prompts import write_prompt_file
-from specpilot.engine.serve import EngineSpec, serve
+from specpilot.engine.config import EngineSpec
+from specpilot.engine.serve import serve
 from specpilot.forcing import check
 from specpilot.models.loading import load_drafter, load_target
 
@@ -38,8 +41,7 @@ def results(tiny_deployment, data_dir, tmp_path_factory):
     target = load_target(tiny_deployment / "target")
     drafter = load_drafter(tiny_deployment / "drafter-dflash")
     meta = {"deployment": "tiny", "target": "tiny", "drafter": "dflash", "gpu": "cpu"}
-    out = {e: serve(EngineSpec(e, 8), target, drafter if e == "stock" else None, prompts, 128, 1, meta,
-                    progress=False) for e in ("ar", "stock", "lookup")}
+    out = {e: serve(EngineSpec(e, 8), Deployment.of(target, drafter if e == "stock" else None), prompts, 128, 1, meta, ServeOptions(progress=False)) for e in ("ar", "stock", "lookup")}
     out["prompts"] = {p["request_id"]: p["prompt_ids"] for p in prompts}
     out["target"] = target
     return out

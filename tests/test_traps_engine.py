@@ -11,7 +11,11 @@ import json
 import pytest
 import torch
 
-from specpilot.engine.serve import EngineSpec, serve, serve_turns
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
+from specpilot.engine.config import EngineSpec
+
+from specpilot.engine.serve import serve, serve_turns
 from specpilot.errors import SpecpilotError
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import Record
@@ -36,14 +40,12 @@ def test_prompt_that_fits_exactly_runs(models, quick_prompts, engine, config, co
     # tokens and writes verify_width slots; in a batch a finished row is verified once more
     width = spec.verify_width
     need = max(len(p["prompt_ids"]) for p in rows) + new - 2 + width + (1 if concurrency > 1 and width > 1 else 0)
-    roomy = serve(spec, target, drafter, rows, new, concurrency, META, max_seq=need + 40, progress=False,
-                  warmup=False)
-    exact = serve(spec, target, drafter, rows, new, concurrency, META, max_seq=need, progress=False,
-                  warmup=False)
+    roomy = serve(spec, Deployment.of(target, drafter), rows, new, concurrency, META, ServeOptions(max_seq=need + 40, progress=False, warmup=False))
+    exact = serve(spec, Deployment.of(target, drafter), rows, new, concurrency, META, ServeOptions(max_seq=need, progress=False, warmup=False))
     assert [r.output_ids for r in exact] == [r.output_ids for r in roomy]
     assert all(r.new_tokens == new for r in exact)
     with pytest.raises(SpecpilotError, match=f"needs {need} KV cache slots, more than the KV cache of {need - 1} slots"):
-        serve(spec, target, drafter, rows, new, concurrency, META, max_seq=need - 1, progress=False, warmup=False)
+        serve(spec, Deployment.of(target, drafter), rows, new, concurrency, META, ServeOptions(max_seq=need - 1, progress=False, warmup=False))
 
 
 def test_kv_slots_needed_counts():
@@ -59,10 +61,10 @@ def test_max_seq_beyond_the_targets_positions_is_refused(models, quick_prompts):
     target, drafter = models
     limit = target.config.max_position_embeddings
     with pytest.raises(SpecpilotError, match=f"--max-seq {limit + 1} exceeds the target's max_position_embeddings {limit}"):
-        serve(EngineSpec("ar"), target, None, quick_prompts[:1], 4, 1, META, max_seq=limit + 1, progress=False)
+        serve(EngineSpec("ar"), Deployment.of(target, None), quick_prompts[:1], 4, 1, META, ServeOptions(max_seq=limit + 1, progress=False))
     long = [{**quick_prompts[0], "prompt_ids": quick_prompts[0]["prompt_ids"] * (limit // len(quick_prompts[0]["prompt_ids"]) + 1)}]
     with pytest.raises(SpecpilotError, match=f"more than the target's max_position_embeddings {limit}"):
-        serve(EngineSpec("ar"), target, None, long, 4, 1, META, progress=False)
+        serve(EngineSpec("ar"), Deployment.of(target, None), long, 4, 1, META, ServeOptions(progress=False))
 
 
 QWEN3_LIKE = (  # Qwen3's switch: with enable_thinking false the reply starts with an empty think block
@@ -109,7 +111,7 @@ def test_every_turn_rendered_with_the_recorded_template_settings(data_dir, tmp_p
 
 
 def test_replay_drafter_draws_per_request():
-    from specpilot.engine.replay import ReplayProposer, load_profile
+    from specpilot.drafters.replay import ReplayProposer, load_profile
 
     profile = load_profile("study_stock")
     refs = [list(range(100, 160)), list(range(200, 260))]

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from specpilot.engine.serve import ServeOptions
+from specpilot.deployment import Deployment
 from specpilot.errors import SpecpilotError
 from specpilot.w12 import DIRECTION, W12Linear, apply_w12, escape_rate, load_w12_state, nbytes, pack, unpack
 from specpilot.w12 import save_w12_state
@@ -390,7 +392,8 @@ def test_direction_constant_matches_the_registry_and_the_cost_model():
 def test_engine_with_w12_passes_token_forcing_against_bf16(quick_deployment, quick_prompts):
     """The tiny target in bf16: the w12 engine's outputs equal the bf16 engine's (0 violations)."""
     from specpilot.deployment import load_deployment
-    from specpilot.engine.serve import EngineSpec, serve
+    from specpilot.engine.config import EngineSpec
+    from specpilot.engine.serve import serve
     from specpilot.forcing import check
 
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
@@ -399,9 +402,8 @@ def test_engine_with_w12_passes_token_forcing_against_bf16(quick_deployment, qui
     w12 = load_deployment(quick_deployment / "target", quick_deployment / "drafter-dflash",
                           torch.device("cpu"), torch.bfloat16, config={"weight_format": "w12"})
     assert any(type(m).__name__ == "W12Linear" for m in w12.target.modules())
-    ref = serve(EngineSpec("stock", 4), bf16.target, bf16.drafter, quick_prompts[:4], 24, 1, meta, progress=False)
-    cand = serve(EngineSpec("specpilot", 4, {"weight_format": "w12"}), w12.target, w12.drafter, quick_prompts[:4],
-                 24, 1, meta, progress=False)
+    ref = serve(EngineSpec("stock", 4), Deployment.of(bf16.target, bf16.drafter), quick_prompts[:4], 24, 1, meta, ServeOptions(progress=False))
+    cand = serve(EngineSpec("specpilot", 4, {"weight_format": "w12"}), Deployment.of(w12.target, w12.drafter), quick_prompts[:4], 24, 1, meta, ServeOptions(progress=False))
     prompts = {p["request_id"]: p["prompt_ids"] for p in quick_prompts}
     verdict = check(cand, ref, prompts, bf16.target, tolerance=0.0)
     assert verdict["violations"] == 0 and verdict["near_ties"] == 0 and verdict["tokens_checked"] == 4 * 24

@@ -1,4 +1,4 @@
-"""The w12 roles of the engine's fast path (specpilot.engine.w12_fast, FastTarget.use_w12 / _w12_apply).
+"""The w12 roles of the engine's fast path (specpilot.fastpath.w12, FastTarget.use_w12, w12_apply).
 
 On the CPU the tensor-core kernel is replaced by its own fp32 emulation (``reference_matmul``, which
 tests/test_w12_mma.py checks against the format bit for bit), and the step's RMSNorm / SwiGLU by
@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from specpilot.engine import w12_fast
-from specpilot.engine.graphs import FastTarget, fuse_weights
+from specpilot.fastpath import w12 as w12_fast
+from specpilot.fastpath.dense import FastTarget, fuse_weights
 from specpilot.errors import SpecpilotError
 from specpilot.kernels import w12_mma
 from specpilot.models.config import TargetConfig
@@ -30,7 +30,7 @@ def _rms(x, w, eps):
 
 
 class _Kernels:
-    """The two step kernels _w12_apply calls, in torch."""
+    """The two step kernels w12_apply calls, in torch."""
 
     @staticmethod
     def rmsnorm(x, w, out, eps):
@@ -63,12 +63,12 @@ def fake_target(monkeypatch):
     model = fill_random_(Transformer(CFG), 3).eval().to(torch.bfloat16)
     fuse_weights(model)
     fast = FastTarget.__new__(FastTarget)
-    fast.model, fast.k, fast._prefilling, fast._ws = model, _Kernels, False, {}
+    fast.model, fast.k, fast._prefilling, fast._ws, fast.w12 = model, _Kernels, False, {}, None
     return fast, calls
 
 
 def _ws(rows, cfg=CFG):
-    return types.SimpleNamespace(rows=rows, xn=torch.zeros(rows, cfg.hidden_size, dtype=torch.bfloat16))
+    return types.SimpleNamespace(rows=rows, xn=torch.zeros(rows, cfg.hidden_size, dtype=torch.bfloat16), extra={})
 
 
 CHOICE = {"qkv": {"split": 1, "launch": {"1": "t1-w4-u2", "64": "t2-w4-u2"}},  # K = 64: split x unroll <= 2 chunks
@@ -121,7 +121,7 @@ def w12_fast_pack(w):
 def test_only_chosen_roles_and_never_prefill_run_w12(fake_target, monkeypatch):
     fast, calls = fake_target
     fast.use_w12(w12_fast.parse_choice({"gate_up": CHOICE["gate_up"]}))
-    assert len(fast._w12) == CFG.num_hidden_layers  # one packed weight per layer, the chosen role's
+    assert len(fast.w12.packed) == CFG.num_hidden_layers  # one packed weight per layer, the chosen role's
     seen = []
     monkeypatch.setattr(FastTarget, "_pick", lambda self, role, *a, **k: seen.append(role) or "bf16-sentinel")
     monkeypatch.setattr(FastTarget, "_apply", lambda self, cfg, x, w, out, *a, **k: out)
@@ -139,14 +139,14 @@ def test_only_chosen_roles_and_never_prefill_run_w12(fake_target, monkeypatch):
                      norm=layer.post_attention_layernorm.weight, swiglu=True)
     assert len(calls) == 1 and seen == ["qkv", "gate_up"]  # a prefill matmul stays bf16
     fast.use_w12({})
-    assert not fast.w12_roles and not fast._w12
+    assert fast.w12 is None
 
 
 def test_use_w12_refuses_a_launch_the_library_lacks_for_the_weight(fake_target):
     fast, _ = fake_target
     with pytest.raises(SpecpilotError, match="qkv.*split 2.*unroll 4.*K = 64"):
         fast.use_w12(w12_fast.parse_choice({"qkv": {"split": 2, "launch": {"64": "t1-w4-u4"}}}))
-    assert not fast.w12_roles
+    assert fast.w12 is None
 
 
 def test_w12_rows_do_not_depend_on_the_batch(fake_target):
@@ -234,15 +234,16 @@ def test_w12_fast_step_on_cuda(tmp_path):
     assert torch.equal(blk, one)
 
 
-def test_install_w12_needs_the_engine_config_to_ask(monkeypatch):
+def test_w12_choice_needs_the_engine_config_to_ask():
     """The sub-agent's w12 roles go into a w12 target only with ``w12_fast: true`` (off by default:
     they change logits by bf16 ulps, which token forcing flags)."""
-    from specpilot import kernels_build
+    from specpilot.engine.config import EngineConfig
+    from specpilot.kernels_build import w12_choice_for
 
-    got = []
-    monkeypatch.setattr(w12_fast, "install_w12_choice", lambda target, choice: got.append(choice) or {"down": 1})
     outs = {"w12_choice": {"down": CHOICE["down"]}}
-    assert kernels_build.install_w12(object(), outs, {"weight_format": "w12"}) is None and not got
-    assert kernels_build.install_w12(object(), outs) is None and not got
-    assert kernels_build.install_w12(object(), outs, {"weight_format": "w12", "w12_fast": True}) == {"down": 1}
-    assert got == [w12_fast.parse_choice({"down": CHOICE["down"]})] and outs["w12_fast"] == {"down": 1}
+    assert w12_choice_for(outs, EngineConfig.parse({"weight_format": "w12"})) is None
+    assert w12_choice_for(outs, EngineConfig()) is None
+    assert w12_choice_for(outs, EngineConfig.parse({"w12_fast": True})) is None  # bf16 weights: nothing to run in w12
+    got = w12_choice_for(outs, EngineConfig.parse({"weight_format": "w12", "w12_fast": True}))
+    assert got == w12_fast.parse_choice({"down": CHOICE["down"]})
+    assert w12_choice_for({}, EngineConfig.parse({"weight_format": "w12", "w12_fast": True})) is None

@@ -18,19 +18,25 @@ def patch_interpreter() -> None:
 
 def fast_runner(model, batch: int, max_seq: int, capture: tuple[int, ...] = ()):
     """A :class:`~specpilot.engine.runner.TargetRunner` on the Triton fast path without CUDA graphs
-    (the CPU under the interpreter): its step graphs run :class:`~specpilot.engine.graphs.FastTarget`
-    directly instead of replaying a capture, so decode / verify go through the Triton step and
+    (the CPU under the interpreter): its backend's step graphs run the Triton step
+    (:class:`~specpilot.fastpath.dense.FastTarget`, or the family step) directly instead of
+    replaying a capture, so decode / verify go through the Triton step and
     :meth:`~specpilot.engine.runner.TargetRunner.prefill` through ``prefill_row``, as on the GPU."""
-    from specpilot.engine.graphs import StepGraphs
+    from specpilot.engine.backend import Backend
     from specpilot.engine.runner import TargetRunner
+    from specpilot.fastpath.dense import FastTarget
+    from specpilot.fastpath.family import FastFamilyTarget
+    from specpilot.fastpath.graphs import StepGraphs
 
     class Uncaptured(StepGraphs):
         def run(self, tokens, start, capture=(), tree=None, write=False):
             return self.step(tokens, start, capture, tree, write)
 
-    runner = TargetRunner(model, batch, max_seq, capture, graphs=False)
-    runner.graphs = Uncaptured(model, "triton")
-    return runner
+    dense = model.config.is_dense
+    step = FastTarget(model) if dense else FastFamilyTarget(model)
+    backend = Backend(model, "triton-dense" if dense else "triton-family", "Triton step under the interpreter",
+                      False, "triton", Uncaptured(model, step))
+    return TargetRunner(model, batch, max_seq, capture, backend=backend)
 
 
 # The opening of every check script run under the interpreter (tests/test_gpu_path.py,

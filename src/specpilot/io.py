@@ -101,7 +101,17 @@ def one_out_each(outs: list[str], items: list, what: str) -> list[tuple]:
         SpecpilotError: the two lists differ in length (both counts named).
     """
     if len(outs) != len(items):
-        from .errors import SpecpilotError
-
         raise SpecpilotError(f"--out names {len(outs)} file(s) for {len(items)} {what}")
     return list(zip(items, outs))
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read a prompt file (JSON lines with request_id, benchmark, prompt_ids; ``specpilot prompts``
+    writes them), the first ``limit`` rows (None: all). Raises SpecpilotError for a missing file,
+    a malformed line or a row without one of those fields (file and line named)."""
+    rows = read_jsonl(path)
+    for i, r in enumerate(rows):
+        for key in ("request_id", "benchmark", "prompt_ids"):
+            if key not in r:
+                raise SpecpilotError(f"{path}:{i + 1} lacks field {key!r}")
+    return rows[:limit] if limit else rows

@@ -7,8 +7,8 @@ apply. The kernel sub-agent (:mod:`specpilot.agent.kernel_agent`) writes its own
 per deployment (``kernel-agent.json``: tuned w12 configs, and ``engine_configs``, the entries of
 the bf16 Triton step's matmul tables it found faster on this GPU); :func:`use_kernel_outputs`
 reads both and installs the w12 table, :func:`engine_tables` merges the engine entries with
-``DEFAULT_CONFIGS`` (and an explicit ``--kernel-configs`` file on top) and
-:func:`install_engine_configs` installs them in a target's step graphs, as ``specpilot run``,
+``DEFAULT_CONFIGS`` (and an explicit ``--kernel-configs`` file on top) for a target's backend to
+install (:meth:`specpilot.engine.backend.Backend.install_tables`), as ``specpilot run``,
 ``specpilot force`` and the round steps do.
 
 Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch``, ``cuda``,
@@ -16,8 +16,8 @@ Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch
 on a GPU ``w12_mma`` (:func:`build_w12_mma`: the w12 tensor-core library nvcc built beside the
 manifest for this GPU's architecture and the checks of each K split, or why it was not built).
 The sub-agent's ``w12_choice`` (which matmul roles the fast path runs in w12,
-:mod:`specpilot.engine.w12_fast`) is validated here and installed by :func:`install_w12` in a target
-loaded with ``weight_format: w12``.
+:mod:`specpilot.fastpath.w12`) is validated here; :func:`w12_choice_for` hands it to the backend
+decision of a target loaded with ``weight_format: w12`` and ``w12_fast``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,23 @@ import argparse
 import datetime as _dt
 import json
 import os
+import shutil
+import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .device import detect_gpu
+from .engine.config import EngineConfig
 from .errors import SpecpilotError
+from .fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, LinearConfig
+from .fastpath.w12 import W12Role, parse_choice
 from .io import read_json, write_json
+from .kernels import w12_mma
+from .tuning.w12 import check_split, plant_escapes
+from .w12 import pack
 
 MANIFEST = "manifest.json"
 TUNED_KINDS = ("w12",)  # tables the engine installs (kernels/tuned/<kind>_<gpu>.json)
@@ -62,15 +73,11 @@ def base_manifest(gpu: str) -> dict[str, Any]:
     Raises:
         SpecpilotError: ``gpu`` is not ``cpu`` but this machine has no CUDA device, or a different one.
     """
-    import torch
-
     manifest: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "timestamp": _now()}
     if gpu == "cpu":
         manifest.update(device_name="cpu", cuda=None, applies=False,
                         note="no GPU kernels apply on cpu; the engines use plain torch ops")
     else:
-        from .device import detect_gpu
-
         if not torch.cuda.is_available():
             raise SpecpilotError(f"--gpu {gpu} given but torch sees no CUDA device on this machine")
         found = detect_gpu()
@@ -90,14 +97,12 @@ def check_engine_configs(configs: Any, where: str = "kernel-agent.json") -> dict
 
     Roles must be the engine's matmul roles (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``),
     ``max_rows`` integers >= 1 (JSON strings of them), keys strings that
-    :meth:`specpilot.engine.triton_step.LinearConfig.parse` accepts (Triton configs only: the
+    :meth:`specpilot.fastpath.tables.LinearConfig.parse` accepts (Triton configs only: the
     sub-agent never writes ``"cublas"``). Returns a normalized copy (``max_rows`` as ``str(int)``).
 
     Raises:
         SpecpilotError: naming ``where`` and the bad role, row count or key.
     """
-    from .engine.graphs import LINEAR_ROLES
-
     if configs is None:
         return {}
     if not isinstance(configs, dict):
@@ -122,8 +127,6 @@ def check_engine_configs(configs: Any, where: str = "kernel-agent.json") -> dict
                                      "row counts must be integers >= 1")
             if not isinstance(key, str):
                 raise SpecpilotError(f"{where}: engine_configs[{role!r}][{rows!r}] = {key!r} is not a config key")
-            from .engine.triton_step import LinearConfig
-
             try:
                 LinearConfig.parse(key)
             except ValueError as e:
@@ -146,7 +149,7 @@ def agent_engine_configs(agent_path: str | None) -> dict[str, dict[str, str]]:
 
 
 def engine_tables(engine_configs: dict | None, explicit: dict | None = None) -> dict:
-    """The configs to install in a target's Triton step (:meth:`FastTarget.set_configs`).
+    """The configs to install in a target's Triton step (:meth:`~specpilot.engine.backend.Backend.install_tables`).
 
     ``engine_configs``: the sub-agent's entries ``{role: {max_rows: key}}``; each role named gets
     its whole table, ``DEFAULT_CONFIGS[role]`` with those entries replaced (``set_configs`` replaces
@@ -154,45 +157,10 @@ def engine_tables(engine_configs: dict | None, explicit: dict | None = None) -> 
     table}`` (or ``attn_rows``), on top: a role it names takes its value as given. Returns ``{}``
     when neither names anything (nothing to install).
     """
-    from .engine.graphs import DEFAULT_CONFIGS
-
     out: dict = {role: {**DEFAULT_CONFIGS[role], **{str(k): v for k, v in entries.items()}}
                  for role, entries in (engine_configs or {}).items() if entries}
     out.update(explicit or {})
     return out
-
-
-def _runs_triton_step(model) -> bool:
-    """Whether ``model`` runs the dense Triton step (FastTarget) under CUDA graphs: on a CUDA device,
-    bf16 weights, Triton importable, plain linears and a power-of-two head_dim."""
-    from .engine.graphs import fast_path_supported, resolve_kernels
-
-    w = model.lm_head.weight
-    if w.device.type != "cuda" or not model.config.is_dense:
-        return False
-    return resolve_kernels("auto", w.device, w.dtype) == "triton" and fast_path_supported(model)
-
-
-def install_engine_configs(model, tables: dict, strict: bool = False) -> bool:
-    """Install matmul ``tables`` (from :func:`engine_tables`) in ``model``'s Triton step graphs
-    (``step_graphs(model, "triton", tables)``: the step the engine's CUDA graphs and the Triton
-    teacher-forced pass run); returns whether it did.
-
-    ``strict`` (an explicit ``--kernel-configs``): install or raise, as ``specpilot run`` always
-    did. Otherwise (the sub-agent's tables) a target that does not run the dense Triton step (the
-    CPU, another weight format such as w12, a hybrid target) is left alone: the tables are for it.
-
-    Raises:
-        SpecpilotError: ``strict`` and the target cannot run the Triton step, or a malformed table.
-    """
-    if not tables:
-        return False
-    if not strict and not _runs_triton_step(model):
-        return False
-    from .engine import graphs
-
-    graphs.step_graphs(model, "triton", tables)
-    return True
 
 
 def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dict[str, Any]:
@@ -203,7 +171,7 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     GPU the packaged w12 table for that GPU, overridden by the sub-agent's winners, becomes the w12
     kernels' tuned table (:func:`specpilot.kernels.w12_triton.set_tuned`). The sub-agent's
     ``engine_configs`` are validated (:func:`check_engine_configs`) and returned, not installed:
-    they go into a target's step graphs (:func:`engine_tables`, :func:`install_engine_configs`).
+    they go into a target's step (:func:`engine_tables`, :meth:`~specpilot.engine.backend.Backend.install_tables`).
 
     Returns:
         ``{"applies": False, "reason": str}``, or ``{"applies": True, "gpu", "w12_tuned": number of
@@ -251,24 +219,17 @@ def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
     """Build the w12 tensor-core library (:mod:`specpilot.kernels.w12_mma`) for this GPU into
     ``out_dir`` and check it before anything uses it; returns the manifest's ``w12_mma`` entry.
 
-    Checks (:func:`specpilot.engine.w12_fast.check_split`, every K split) on a 1024 x 2048 random
+    Checks (:func:`specpilot.tuning.w12.check_split`, every K split) on a 1024 x 2048 random
     bf16 matrix with planted escapes: NaN-poisoned output, every launch shape and two runs
     bit-equal, rows bit-equal whatever the batch (M = 1, 3, 16, 64), error against the kernel's own
     fp32 reference and against the true product next to cuBLAS bf16's. The splits that pass are
     ``splits_ok``; the sub-agent checks each split again on each role's own weights before it
-    times it (:func:`specpilot.engine.w12_fast.tune_w12_choice`).
+    times it (:func:`specpilot.tuning.w12.tune_w12_choice`).
 
     Returns ``{"built": True, "library": file name (beside the manifest), "arch", "seconds",
     "checks": {split: report}, "splits_ok": [...], "ok": bool}`` or ``{"built": False, "reason"}``
     (no nvcc, a compile or load failure: the engine then runs w12 through its Triton kernels).
     """
-    import shutil
-    import time
-
-    import torch
-
-    from .kernels import w12_mma
-
     if shutil.which(nvcc) is None:
         return {"built": False, "reason": f"{nvcc!r} not on PATH: the w12 tensor-core library is not built"}
     major, minor = torch.cuda.get_device_capability()
@@ -281,9 +242,6 @@ def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
     except SpecpilotError as e:
         return {"built": False, "reason": str(e)[:2000]}
     secs = time.time() - t0
-    from .engine.w12_fast import check_split, plant_escapes
-    from .w12 import pack
-
     g = torch.Generator(device="cuda").manual_seed(3)
     w = (torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     plant_escapes(w)
@@ -301,8 +259,6 @@ def use_w12_library(manifest: dict | None, manifest_path: str | os.PathLike | No
     entry = (manifest or {}).get("w12_mma") or {}
     if not entry.get("built") or not entry.get("ok"):
         return None
-    from .kernels import w12_mma
-
     folder = Path(manifest_path).parent if manifest_path else Path(".")
     path = folder / entry["library"]
     if not path.is_file():
@@ -313,33 +269,26 @@ def use_w12_library(manifest: dict | None, manifest_path: str | os.PathLike | No
 
 def agent_w12_choice(agent: dict, where: str) -> dict:
     """The validated ``w12_choice`` of a kernel-agent.json's content (``{}`` when absent), in its
-    JSON form normalized (:func:`specpilot.engine.w12_fast.parse_choice`, then ``W12Role.to_dict``).
+    JSON form normalized (:func:`specpilot.fastpath.w12.parse_choice`, then ``W12Role.to_dict``).
 
     Raises:
         SpecpilotError: a malformed choice, naming ``where``."""
     if not agent.get("w12_choice"):
         return {}
-    from .engine.w12_fast import parse_choice
-
     return {r: rc.to_dict() for r, rc in parse_choice(agent["w12_choice"], f"{where}: w12_choice").items()}
 
 
-def install_w12(target, kernel_outputs: dict, config: dict | None = None) -> dict | None:
-    """Install ``kernel_outputs["w12_choice"]`` (from :func:`use_kernel_outputs`) in a target loaded
-    with ``weight_format: w12`` (:func:`specpilot.engine.w12_fast.install_w12_choice`) when the
-    engine ``config`` asks for it (``w12_fast: true``; off by default: on the H200, on random
-    weights, these roles flipped more near-tied tokens under token forcing than the eager w12
-    engine did, 123 against 49 violations in 4,096 tokens, BENCHMARKS.md 2026-12-03); records ``kernel_outputs["w12_fast"] = {role: split}`` when it applied. Returns
-    that, or None."""
+def w12_choice_for(kernel_outputs: dict, config: EngineConfig) -> dict[str, W12Role] | None:
+    """The w12 roles a target of engine ``config`` runs in the Triton step: ``kernel_outputs["w12_choice"]``
+    (from :func:`use_kernel_outputs`) parsed, when ``config`` asks for it (``weight_format: w12``
+    with ``w12_fast: true``; off by default: on the H200, on random weights, these roles flipped
+    more near-tied tokens under token forcing than the eager w12 engine did, 123 against 49
+    violations in 4,096 tokens, BENCHMARKS.md 2026-12-03); else None. The backend installs it
+    (:func:`~specpilot.engine.backend.choose_backend`)."""
     choice = kernel_outputs.get("w12_choice")
-    if not choice or not (config or {}).get("w12_fast"):
+    if not choice or config.weight_format != "w12" or not config.w12_fast:
         return None
-    from .engine.w12_fast import install_w12_choice, parse_choice
-
-    rec = install_w12_choice(target, parse_choice(choice, "w12_choice"))
-    if rec:
-        kernel_outputs["w12_fast"] = rec
-    return rec
+    return parse_choice(choice, "w12_choice")
 
 
 def run(args: argparse.Namespace) -> int:

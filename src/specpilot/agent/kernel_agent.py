@@ -11,12 +11,12 @@ Two sections, written to ``results/{gpu}/kernels/{deployment}/kernel-agent.json`
   Winners form the table of :func:`specpilot.kernels.w12_triton.set_tuned` (``"M_BUCKET,N,K" ->
   config``).
 - ``engine_configs`` (the bf16 Triton step's matmul tables, ``DEFAULT_CONFIGS`` of
-  :mod:`specpilot.engine.graphs`): for the target's five matmul roles at its real (fused) shapes
+  :mod:`specpilot.fastpath.tables`): for the target's five matmul roles at its real (fused) shapes
   and the row buckets of up to 64 rows (16, 32, 64), the default config and the candidates of
-  :func:`specpilot.engine.matmul_tune.candidate_linear_configs`, each checked before it is timed:
+  :func:`specpilot.tuning.matmul.candidate_linear_configs`, each checked before it is timed:
   every output row bit-equal to the same row computed alone by the current decode config (the
   engine's batch invariance; so the decode config itself changes only for a bit-equal one), and
-  close to an fp32 reference (:func:`specpilot.engine.matmul_tune.tune_engine_configs`). Only the
+  close to an fp32 reference (:func:`specpilot.tuning.matmul.tune_engine_configs`). Only the
   entries that differ from ``DEFAULT_CONFIGS`` are written (``{role: {max_rows: key}}``, possibly
   empty); their checks and times are ``engine_summary`` / ``engine_trials``.
 
@@ -29,24 +29,19 @@ CPU (or without CUDA / Triton) it records that nothing applies, with both tables
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from pathlib import Path
 
 import torch
 
-from ..engine.graphs import LINEAR_ROLES
+from ..fastpath.tables import LINEAR_ROLES, TUNE_ROWS
 from ..io import read_json, write_json
+from ..kernels_build import use_w12_library
+from ..models.config import TargetConfig, read_config
+from ..tuning.timing import mean_s
+from ..tuning.w12 import tune_w12_choice
+from ..w12 import pack
 
-
-def _time(fn, iters: int = 50) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / 1e3
 
 
 def _nothing(gpu: str, reason: str) -> dict:
@@ -64,9 +59,9 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     random weights of its shapes); ``ceilings_path``: ceilings.json (``memory_bandwidth_bytes_per_s``).
     ``rows``, ``top``, ``max_configs``: the w12 section (row counts timed, shapes tuned, candidates
     each). ``engine_rows`` / ``engine_roles`` / ``max_engine_configs`` / ``engine_min_gain``: the
-    engine section (default all of :data:`specpilot.engine.matmul_tune.TUNE_ROWS` and the five
+    engine section (default all of :data:`TUNE_ROWS` and the five
     roles, 16 candidates per bucket, 2 % gain to replace a default; see
-    :func:`specpilot.engine.matmul_tune.tune_engine_configs`). ``w12`` / ``engine``: run that section.
+    :func:`specpilot.tuning.matmul.tune_engine_configs`). ``w12`` / ``engine``: run that section.
 
     Fields: ``gpu``, ``applies`` (bool), ``reason`` (when it does not apply), ``configs`` (tuned w12
     table ``"M_BUCKET,N,K" -> config``; empty when nothing applies), ``ranked`` (w12 shapes by
@@ -79,7 +74,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     was built and checked or nvcc can build it): per matmul role, whether the engine's fast path
     runs it with the 12-bit kernel over ``w12_widths`` (rows per verify matmul; default 16, one
     request at block 16), with ``w12_choice_summary``, ``w12_choice_checks``, ``w12_choice_trials``
-    (:func:`specpilot.engine.w12_fast.tune_w12_choice`), or ``w12_choice_reason``.
+    (:func:`specpilot.tuning.w12.tune_w12_choice`), or ``w12_choice_reason``.
 
     Raises:
         SpecpilotError: the target's config.json or ceilings.json is missing or malformed (on a GPU).
@@ -94,8 +89,6 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         res = _nothing(gpu, f"Triton kernels unavailable: {e}")
         write_json(out, res)
         return res
-    from ..models.config import TargetConfig, read_config
-
     cfg = TargetConfig.from_hf_dict(read_config(target_dir))
     bw = read_json(ceilings_path)["memory_bandwidth_bytes_per_s"]
     table, trials, measured = (_tune_w12(kern, cfg, bw, rows, top, max_configs) if w12 else ({}, [], []))
@@ -106,7 +99,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     elif not cfg.is_dense:
         res["engine_reason"] = "the engine's matmul tables are tuned for dense targets (the FastTarget step) only"
     else:
-        from ..engine.matmul_tune import TUNE_ROWS, tune_engine_configs
+        from ..tuning.matmul import tune_engine_configs  # the Triton step: an optional dependency
 
         _section(res, "engine_configs", "engine_reason", "engine tuning", lambda: tune_engine_configs(
             cfg, "cuda", tuple(engine_rows or TUNE_ROWS), tuple(engine_roles) if engine_roles else LINEAR_ROLES,
@@ -117,9 +110,6 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     elif not cfg.is_dense:
         res["w12_choice_reason"] = "the w12 fast path covers dense targets (the FastTarget step) only"
     else:
-        from ..engine.w12_fast import tune_w12_choice
-        from ..kernels_build import use_w12_library
-
         def w12_section():
             use_w12_library(manifest, manifest_path)
             return tune_w12_choice(cfg, tuple(w12_widths))
@@ -135,8 +125,6 @@ def _section(res: dict, table: str, reason: str, what: str, run) -> None:
     try:
         res.update(run())
     except Exception as e:  # noqa: BLE001 - see above
-        import traceback
-
         traceback.print_exc()
         res[table] = {}
         res[reason] = f"{what} failed: {type(e).__name__}: {str(e)[:300]}"
@@ -144,8 +132,6 @@ def _section(res: dict, table: str, reason: str, what: str, run) -> None:
 
 def _tune_w12(kern, cfg, bw: float, rows: tuple[int, ...], top: int, max_configs: int) -> tuple[dict, list, list]:
     """The w12 section of :func:`tune`: (tuned table, trials, shapes ranked by bandwidth fraction)."""
-    from ..w12 import pack
-
     h, i, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \
         cfg.num_key_value_heads * cfg.head_dim
     shapes = sorted({(qd, h), (kvd, h), (h, qd), (i, h), (h, i)})
@@ -162,7 +148,7 @@ def _tune_w12(kern, cfg, bw: float, rows: tuple[int, ...], top: int, max_configs
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             mant, codes, base = packed[(n, k)][1:4]
-            t = _time(lambda: kern.matmul(x, mant, codes, base, esc))
+            t = mean_s(lambda: kern.matmul(x, mant, codes, base, esc))
             measured.append({"m": m, "n": n, "k": k, "seconds": t, "bw_fraction": n * k * 1.5 / t / bw})
     measured.sort(key=lambda r: r["bw_fraction"])
     table, trials = {}, []
@@ -181,7 +167,7 @@ def _tune_w12(kern, cfg, bw: float, rows: tuple[int, ...], top: int, max_configs
                 continue
             err = (y.float() - ref).abs().max().item()
             ok = err <= tol
-            t = _time(lambda: kern.matmul(x, mant, codes, base, esc, config=c)) if ok else None
+            t = mean_s(lambda: kern.matmul(x, mant, codes, base, esc, config=c)) if ok else None
             trials.append({"m": m, "n": n, "k": k, "config": dataclasses.asdict(c), "max_err": err,
                            "correct": ok, "seconds": t})
             if ok and (best is None or t < best[1]):

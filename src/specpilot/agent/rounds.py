@@ -37,12 +37,17 @@ from pathlib import Path
 import torch
 
 from ..aggregate import geomean
+from ..deployment import load_deployment
+from ..device import pick_device, pick_dtype
 from ..errors import SpecpilotError
-from ..io import read_json, write_json
+from ..io import read_json, read_prompts, write_json
+from ..kernels_build import engine_tables, use_kernel_outputs
+from ..models.loading import load_target
 from ..records import read_records, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
+from .kernel_agent import tune
 from .policies import make_policy
 from .trial import Evaluator
 
@@ -56,10 +61,6 @@ def _ctx(args, dtype: str) -> dict:
 
 def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
     """The loaded deployment + calibration prompts; ``references``: read ``--references-ar/-stock``."""
-    from ..deployment import load_deployment
-    from ..kernels_build import engine_tables, install_engine_configs, use_kernel_outputs
-    from ..engine.serve import pick_device, pick_dtype, read_prompts
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -70,13 +71,11 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
     # the sub-agent's engine matmul tables in the target's Triton step, as the engine cells run it
     # (the gate's teacher-forced pass copies them from the step graphs)
     tables = engine_tables(kernels.get("engine_configs"))
-    if install_engine_configs(dep.target, tables):
+    if dep.backend.install_tables(tables):
         kernels["engine_tables"] = tables
     meta = {"deployment": args.deployment, "target": args.target_name or args.target,
             "drafter": args.drafter_name, "gpu": args.gpu}
-    from ..models.loading import load_target
-
-    ev = Evaluator(dep.target, dep.drafter, prompts, args.max_new_tokens, args.concurrency, meta,
+    ev = Evaluator(dep, prompts, args.max_new_tokens, args.concurrency, meta,
                    args.block_size, args.tolerance, repeats=args.repeats,
                    reload_target=lambda: load_target(args.target, dtype=dtype, device=device),
                    references=(read_records(args.references_ar), read_records(args.references_stock))
@@ -272,8 +271,6 @@ def final(args) -> int:
 
 def kernels(args) -> int:
     """The kernel sub-agent (see :mod:`specpilot.agent.kernel_agent`)."""
-    from .kernel_agent import tune
-
     manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")

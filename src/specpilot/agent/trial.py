@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 
 from ..aggregate import bootstrap_interval, geomean, timing_pairs
-from ..engine.serve import EngineSpec, serve
+from ..deployment import Deployment
+from ..engine.config import EngineSpec
+from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
 from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
 from ..records import Record, write_records
+from ..w12 import apply_w12
 
 
 log = logging.getLogger("specpilot.agent")
@@ -38,16 +41,16 @@ class Evaluator:
         SpecpilotError: given references do not cover the prompts' request ids one to one.
     """
 
-    def __init__(self, target, drafter, prompts: list[dict], max_new_tokens: int, concurrency: int,
+    def __init__(self, dep: Deployment, prompts: list[dict], max_new_tokens: int, concurrency: int,
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
                  replay_tokens: int = REPLAY_TOKENS,
                  references: tuple[list[Record], list[Record]] | None = None):
-        self.target, self.drafter, self.prompts = target, drafter, prompts
+        self.dep, self.prompts = dep, prompts
         self.replay_tokens = replay_tokens
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
         self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
         self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
-        self._w12_target = None
+        self._w12_dep = None
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         if references is None:
             self.ar = self.best_of("ar", {})
@@ -64,19 +67,30 @@ class Evaluator:
                                  f"({len(records)} records for {len(want)} prompts)")
         return [by_id[i] for i in want]
 
-    def target_for(self, config: dict):
-        """The target in the config's weight format (a 12-bit copy is made once and kept)."""
-        if config.get("weight_format") != "w12":
-            return self.target
-        if self._w12_target is None:
-            from ..errors import SpecpilotError
-            from ..w12 import apply_w12
+    @property
+    def target(self):
+        """The loaded target (native weights)."""
+        return self.dep.target
 
+    @property
+    def drafter(self):
+        """The loaded drafter network (or None)."""
+        return self.dep.drafter
+
+    def deployment_for(self, config: dict) -> Deployment:
+        """The deployment in the config's weight format (a 12-bit copy of the target is made once
+        and kept, with its own backend). Raises SpecpilotError when w12 is asked without a way to
+        reload the target."""
+        if config.get("weight_format") != "w12":
+            return self.dep
+        if self._w12_dep is None:
             if self.reload_target is None:
                 raise SpecpilotError("weight_format w12 needs a way to reload the target (reload_target)")
-            self._w12_target = self.reload_target()
-            apply_w12(self._w12_target)
-        return self._w12_target
+            target = self.reload_target()
+            apply_w12(target)
+            b = self.dep.backend
+            self._w12_dep = Deployment.of(target, self.dep.drafter, self.dep.eos_id, b.graphs, b.kernels)
+        return self._w12_dep
 
     def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:
         """Serve the calibration prompts once with ``engine`` and ``config`` (profiled)."""
@@ -87,8 +101,8 @@ class Evaluator:
         log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
                  {"block_size": block, **cfg}, n, self.max_new)
         with torch.inference_mode():
-            return serve(spec, self.target_for(config), self.drafter, prompts or self.prompts, self.max_new,
-                         self.concurrency, self.meta, progress=False, warmup=True)
+            return serve(spec, self.deployment_for(config), prompts or self.prompts, self.max_new,
+                         self.concurrency, self.meta, ServeOptions(progress=False, warmup=True))
 
     def best_of(self, engine: str, config: dict) -> list[Record]:
         """Run ``repeats`` times; keep each request's fastest record (outputs are identical)."""

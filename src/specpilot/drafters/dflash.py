@@ -18,21 +18,24 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.runner import TargetRunner, use_graphs
 from ..errors import SpecpilotError
 from ..models.dflash import DFlashDrafter
+from .base import Proposer
 from .proposal import Proposal, chain, side_branches, spine_tree
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """Drafts a block with a DFlash-style network conditioned on the target's hidden states.
 
     The network's context cache grows by the target features of every committed position
     (prompt at prefill, anchor + accepted drafts after each verify step), as in z-lab/dflash.
 
+    Under CUDA graphs (the runner's backend) the draft and context steps replay captured graphs
+    (:meth:`specpilot.engine.backend.Backend.drafter_graphs`; chains, and spine trees in the Triton
+    draft step of a plain DFlash network).
+
     Args:
         drafter: the network (:class:`DFlashDrafter` or a subclass with the same interface).
-        graphs, kernels: CUDA-graph draft steps (chain proposals only; see engine.graphs).
         block_size: verify width of the chain (anchor + B-1 drafts); default the network's config.
         tree_branch, tree_depth: side branches (0 = chain).
     Raises:
@@ -40,11 +43,11 @@ class DFlashProposer:
     """
 
     kind = "dflash"
+    graph_drafts = True  # drafts in captured graphs when the backend runs graphs (DSpark: eager)
 
-    def __init__(self, drafter: DFlashDrafter, graphs: bool | None = None, kernels: str | None = None, *,
-                 block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1, second_level: int = 0):
+    def __init__(self, drafter: DFlashDrafter, *, block_size: int | None = None, tree_branch: int = 0,
+                 tree_depth: int = 1, second_level: int = 0):
         self.drafter = drafter
-        self.use_graphs, self.kernels = graphs, kernels
         self.graphs = None
         self.block_size = int(block_size or drafter.config.block_size)
         self.branch, self.depth = int(tree_branch), int(tree_depth)
@@ -80,17 +83,26 @@ class DFlashProposer:
         """Input length of the network's block forward (DFlash: anchor + B-1 mask slots)."""
         return self.block_size
 
-    def start(self, runner: TargetRunner, prompts, features, first) -> None:
+    def set_tree(self, branch: int, depth: int) -> None:
+        """Draft the spine + side-branch tree of ``branch`` leaves at the first ``depth`` positions
+        (0 branches: a chain); what the static-tree wrapper and the replay drafter ask for."""
+        self.branch, self.depth = int(branch), int(depth)
+
+    def use_confidence(self) -> bool:
+        """Attach each draft's top-1 probability as its confidence (eager drafting only)."""
+        self.confidence = True
+        return True
+
+    def start(self, runner, prompts, features, first) -> None:
         self.embed = runner.model.model.embed_tokens
         self.lm_head = runner.model.lm_head
         # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
         self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
-        if not self.second_level and not self.confidence and use_graphs(self.use_graphs, first.device):
-            from ..engine.graphs import drafter_graphs
-
+        self.graphs = None
+        if self.graph_drafts and not self.second_level and not self.confidence and runner.backend.graphs:
             # side branches come out of the captured Triton draft step (plain DFlash); other
             # networks with side branches draft eagerly
-            g = drafter_graphs(self.drafter, self.embed, self.lm_head, self.kernels)
+            g = runner.backend.drafter_graphs(self.drafter, self.embed, self.lm_head)
             self.graphs = g if self.branch == 0 or g.fast is not None else None
         with torch.inference_mode():
             self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
@@ -165,6 +177,7 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def observe(self, features, start, counts, committed) -> None:
+        """Inject the committed positions' target features into the draft cache."""
         if self.graphs is not None:
             self.graphs.add_context(features, start)
             return

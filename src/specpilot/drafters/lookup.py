@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecpilotError
+from .base import Proposer
 from .proposal import Proposal, chain
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """Finds the most recent earlier occurrence of the last ``n`` tokens (n from ``max_ngram``
     down to 1) in the prompt + output and proposes the tokens that followed it; pads with the
     last token when fewer are available.
@@ -55,5 +56,6 @@ class LookupProposer:
         return chain(last, drafts)
 
     def observe(self, features, start, counts, committed) -> None:
+        """Extend each row's history by its committed tokens."""
         for h, toks in zip(self.history, committed):
             h.extend(toks)

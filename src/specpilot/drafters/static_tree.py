@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecpilotError
+from .base import WrappingProposer
 from .proposal import Proposal
+from .replay import AcceptanceProfile, load_profile, profile_names
 
 MAX_RANK = 8  # the deepest rank a node may take (DFlash2's selector keeps 8 candidates per slot)
 
@@ -153,31 +155,27 @@ def expected_tau_shape(profile, shape: TreeShape) -> float:
     return sum(probs)
 
 
-class StaticTreeProposer:
-    """Wraps a drafter plug-in (DFlash / DFlash2 / DSpark / replay): the inner plug-in drafts the
+class StaticTreeProposer(WrappingProposer):
+    """Wraps a proposer (DFlash / DFlash2 / DSpark / replay): the inner proposer drafts the
     spine + side branches the shape needs, and each step's proposal is the static tree gathered
-    from it. Everything else (start, observe, refills) is the inner plug-in's.
+    from it. Everything else (start, observe, refills) is the inner proposer's.
 
     Args:
-        inner: a plug-in with ``block_size`` (chain verify width, anchor included), ``branch``,
-            ``depth`` and ``propose``.
+        inner: a proposer with ``block_size`` (chain verify width, anchor included) and
+            ``set_tree`` (the spine + side-branch shape it drafts).
         shape: the :class:`TreeShape` (no deeper than the inner block's drafts).
     Raises:
         SpecpilotError: the shape is deeper than the block.
     """
 
     def __init__(self, inner, shape: TreeShape):
-        self.inner, self.shape = inner, shape
+        super().__init__(inner)
+        self.shape = shape
         self.k = int(inner.block_size) - 1
         self.index = shape.gather_index(self.k)
-        inner.branch, inner.depth = shape.branch, shape.side_depth if shape.branch else 1
+        inner.set_tree(shape.branch, shape.side_depth if shape.branch else 1)
         self._idx: dict[str, torch.Tensor] = {}
         self._parents: dict[tuple, torch.Tensor] = {}
-
-    def __getattr__(self, name):
-        if name in ("inner", "shape"):  # not set yet (copy / pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     @property
     def verify_width(self) -> int:
@@ -207,16 +205,14 @@ class StaticTreeProposer:
         return Proposal(prop.tokens.index_select(1, idx), parents)
 
 
-def tree_profile_name(config: dict, replay=None, kind: str | None = None):
+def tree_profile_name(config, replay=None, kind: str | None = None):
     """The rank profile a static tree is chosen from: engine config ``tree_profile`` (a packaged
     profile's name or a path), else the replay drafter's own profile, else the packaged profile
     measured on the tiny drafter of that kind (``tiny_{kind}_ranks``). Returns a profile name,
-    path or :class:`~specpilot.engine.replay.AcceptanceProfile`. Raises SpecpilotError naming
+    path or :class:`~specpilot.drafters.replay.AcceptanceProfile`. Raises SpecpilotError naming
     ``tree_profile`` when none applies."""
-    from ..engine.replay import profile_names
-
-    if config.get("tree_profile"):
-        return config["tree_profile"]
+    if config.tree_profile:
+        return config.tree_profile
     if replay is not None:
         return replay
     if kind and f"tiny_{kind}_ranks" in profile_names():
@@ -225,19 +221,17 @@ def tree_profile_name(config: dict, replay=None, kind: str | None = None):
                          f"tree_profile (packaged: {', '.join(profile_names())})")
 
 
-def static_tree_for(inner, config: dict, replay=None) -> StaticTreeProposer:
-    """Wrap the plug-in ``inner`` in the static tree of engine config ``tree_nodes`` (N >= 1),
-    chosen by :func:`optimal_tree` from :func:`tree_profile_name`'s profile for the inner block's
-    drafts. Raises SpecpilotError for a bad ``tree_nodes``, or one combined with ``tree_branch`` /
-    ``second_level`` (other tree builders)."""
-    from ..engine.replay import AcceptanceProfile, load_profile
-
-    n = config.get("tree_nodes")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+def static_tree_for(inner, config, replay=None) -> StaticTreeProposer:
+    """Wrap the proposer ``inner`` in the static tree of engine config ``tree_nodes`` (N >= 1; an
+    :class:`~specpilot.engine.config.EngineConfig`), chosen by :func:`optimal_tree` from
+    :func:`tree_profile_name`'s profile for the inner block's drafts. Raises SpecpilotError for
+    ``tree_nodes`` < 1, or one combined with ``tree_branch`` / ``second_level`` (other tree builders)."""
+    n = config.tree_nodes
+    if n < 1:
         raise SpecpilotError(f"tree_nodes must be a positive integer (non-root tree nodes), got {n!r}")
-    if config.get("tree_branch") or config.get("second_level"):
+    if config.tree_branch or config.second_level:
         raise SpecpilotError("tree_nodes (a static tree) cannot be combined with tree_branch or second_level")
-    source = tree_profile_name(config, replay, getattr(inner, "kind", None) if replay is None else None)
+    source = tree_profile_name(config, replay, inner.kind if replay is None else None)
     profile = source if isinstance(source, AcceptanceProfile) else load_profile(source)
     shape = optimal_tree(profile, n, int(inner.block_size) - 1)
     return StaticTreeProposer(inner, shape)

@@ -17,10 +17,17 @@ import sys
 
 import torch
 
+from ..deployment import Deployment, load_deployment
+from ..device import pick_device, pick_dtype
+from ..drafters.replay import load_profile
 from ..errors import SpecpilotError
-from ..io import comma_list, one_out_each, read_json
-from ..records import merge_repeats, write_records
-from .serve import ENGINES, EngineSpec, default_max_seq, pick_device, pick_dtype, read_prompts, serve, shift_times
+from ..io import comma_list, one_out_each, read_json, read_prompts
+from ..kernels_build import engine_tables, use_kernel_outputs, w12_choice_for
+from ..models.config import read_config
+from ..models.loading import drafter_config
+from ..records import merge_repeats, read_records, write_records
+from .config import ENGINES, WEIGHT_FORMATS, EngineConfig, EngineSpec
+from .serve import ServeOptions, default_max_seq, serve, serve_turns, shift_times
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="step kernels under CUDA graphs (auto: triton with bf16 weights)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key or {max_rows: key}} of tuned matmul blocks "
-                   "(from gpu_bench/bench_engine.py); on top of the kernel sub-agent's engine_configs")
+                   "(from specpilot bench step); on top of the kernel sub-agent's engine_configs")
     p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json: the packaged tuned tables "
                    "that apply to this GPU (recorded in engine_config['kernels'])")
     p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json: its tuned w12 configs and "
@@ -98,38 +105,20 @@ def engine_list(value: str) -> list[str]:
     return names
 
 
-def _block(block, drafter: str | None) -> int:
-    if str(block) == "auto":
-        from ..models.config import read_config
-        from ..models.loading import drafter_config
+def resolve_block(block, drafter: str | None, where: str = "--block-size") -> int:
+    """A block size: an integer, or ``auto`` = the drafter config's ``block_size`` (its own counting).
 
+    Raises SpecpilotError naming ``where`` for anything else, or ``auto`` without a drafter."""
+    if block == "auto":
         if not drafter:
-            raise SpecpilotError("--block-size auto needs --drafter (its config.json holds the block size)")
-        block = drafter_config(read_config(drafter), f"{drafter}/config.json").block_size
+            raise SpecpilotError(f"{where} auto needs --drafter (its config.json holds the block size)")
+        return drafter_config(read_config(drafter), f"{drafter}/config.json").block_size
+    if isinstance(block, int) and not isinstance(block, bool):
+        return block
     try:
-        return int(block)
+        return int(str(block))
     except ValueError:
-        raise SpecpilotError(f"--block-size must be an integer or 'auto', got {block!r}") from None
-
-
-def install_kernel_configs(targets: list, kernel_outputs: dict, explicit: dict | None) -> dict:
-    """Install the engine matmul tables in each target's Triton step: the kernel sub-agent's
-    ``engine_configs`` (from :func:`~specpilot.kernels_build.use_kernel_outputs`) merged with
-    DEFAULT_CONFIGS, then ``explicit`` (a ``--kernel-configs`` file's content) on top
-    (:func:`~specpilot.kernels_build.engine_tables`). With ``explicit`` every target must run the
-    Triton step (raises SpecpilotError otherwise, as ``--kernel-configs`` always did); the
-    sub-agent's tables alone go only to targets that run it (:func:`~specpilot.kernels_build.install_engine_configs`).
-
-    Returns the tables installed (``{}`` when none), also recorded as ``kernel_outputs["engine_tables"]``
-    (what ``engine_config["kernels"]`` of the records shows)."""
-    from ..kernels_build import engine_tables, install_engine_configs
-
-    tables = engine_tables(kernel_outputs.get("engine_configs"), explicit)
-    installed = [install_engine_configs(t, tables, strict=explicit is not None) for t in targets]
-    if tables and any(installed):
-        kernel_outputs["engine_tables"] = tables
-        return tables
-    return {}
+        raise SpecpilotError(f"{where} must be an integer or 'auto', got {block!r}") from None
 
 
 def interleaved_order(engines: list[str], k: int) -> list[str]:
@@ -138,134 +127,150 @@ def interleaved_order(engines: list[str], k: int) -> list[str]:
     return engines[k:] + engines[:k]
 
 
-def run(args) -> int:
-    from ..deployment import load_deployment
-    from ..kernels_build import use_kernel_outputs
+def engine_specs(args) -> list[EngineSpec]:
+    """One :class:`EngineSpec` per ``--engine``: the ``--engine-config`` file (a JSON object, or
+    ``{"engine_config": {...}}``) parsed strictly (:class:`EngineConfig`; with several engines it
+    applies to specpilot only), ``--weight-format`` on top, the block from the config or ``--block-size``.
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    Raises SpecpilotError (naming the config key or the flag) before any work."""
+    config = EngineConfig()
+    if args.engine_config:
+        raw = read_json(args.engine_config)
+        if isinstance(raw, dict) and isinstance(raw.get("engine_config"), dict):
+            raw = raw["engine_config"]
+        config = EngineConfig.parse(raw, f"{args.engine_config}")
+    if args.replay_profile and args.engine != ["stock"]:
+        raise SpecpilotError("--replay-profile goes with --engine stock")
+    if args.weight_format and args.weight_format not in WEIGHT_FORMATS:
+        raise SpecpilotError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, got {args.weight_format!r}")
+    specs = []
+    for e in args.engine:
+        cfg = config if len(args.engine) == 1 or e == "specpilot" else EngineConfig()
+        if args.weight_format:
+            cfg = cfg.replace(weight_format=args.weight_format)
+        if cfg.is_set("block_size"):
+            block = resolve_block(cfg.block_size, args.drafter, f"{args.engine_config}: block_size")
+        else:
+            block = resolve_block(args.block_size, args.drafter)
+        specs.append(EngineSpec(engine=e, block_size=block, config=cfg.without("block_size")))
+    return specs
+
+
+def _check_args(args) -> None:
     if args.max_new_tokens < 1:
         raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.timing_repeats < 1:
         raise SpecpilotError(f"--timing-repeats must be >= 1, got {args.timing_repeats}")
-    engines = args.engine
-    outs = [o for _, o in one_out_each(args.out, engines, f"engine(s) ({','.join(engines)})")]
-    config = dict(read_json(args.engine_config)) if args.engine_config else {}
-    if not isinstance(config, dict):
-        raise SpecpilotError(f"{args.engine_config} must hold a JSON object")
-    config = config.get("engine_config", config)
-    if args.replay_profile and engines != ["stock"]:
-        raise SpecpilotError("--replay-profile goes with --engine stock")
-    specs = []
-    for e in engines:
-        cfg = dict(config) if len(engines) == 1 or e == "specpilot" else {}
-        if args.weight_format:
-            cfg["weight_format"] = args.weight_format
-        block = _block(cfg.pop("block_size", args.block_size), args.drafter)
-        specs.append(EngineSpec(engine=e, block_size=block, config=cfg))
-    prompts = read_prompts(args.prompts, args.limit)
+
+
+def load_deployments(args, specs: list[EngineSpec], kernel_outputs: dict) -> dict[str, Deployment]:
+    """One deployment per weight format the specs use (the target loaded once per format, the
+    drafter when an engine drafts), its backend chosen at load (w12 roles of the kernel
+    sub-agent's choice where the config asks for them), the matmul tables installed."""
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    replay = references = None
-    if args.replay_profile:
-        from ..records import read_records
-        from .replay import load_profile
-
-        replay = load_profile(args.replay_profile)
-        specs[0].config["replay_profile"] = replay.name
-        if args.replay_reference:
-            references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
-    deps = {}  # weight format -> the deployment loaded in it (one load per format, drafter when needed)
     needs_drafter = any(sp.engine in ("stock", "specpilot") for sp in specs)
+    deps: dict[str, Deployment] = {}
     for sp in specs:
-        fmt = sp.config.get("weight_format", "native")
+        fmt = sp.config.weight_format
         if fmt not in deps:
-            deps[fmt] = load_deployment(args.target, args.drafter if needs_drafter else None,
-                                        device=device, dtype=dtype, config=sp.config)
+            choice = w12_choice_for(kernel_outputs, sp.config)
+            deps[fmt] = load_deployment(args.target, args.drafter if needs_drafter else None, device=device,
+                                        dtype=dtype, weight_format=fmt, graphs=graphs, kernels=args.kernels,
+                                        w12_choice=choice)
+            if deps[fmt].backend.w12:
+                kernel_outputs["w12_fast"] = deps[fmt].backend.w12
+    explicit = dict(read_json(args.kernel_configs)) if args.kernel_configs else None
+    tables = engine_tables(kernel_outputs.get("engine_configs"), explicit)
+    installed = [dep.backend.install_tables(tables, strict=explicit is not None) for dep in deps.values()]
+    if tables and any(installed):
+        kernel_outputs["engine_tables"] = tables
+    return deps
 
-    def dep_of(sp: EngineSpec):
-        return deps[sp.config.get("weight_format", "native")]
 
-    by_name = dict(zip(engines, specs))
-    kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
-    w12_specs = [sp for sp in specs if sp.config.get("weight_format") == "w12" and sp.config.get("w12_fast")]
-    if w12_specs and kernel_outputs.get("w12_choice") and device.type == "cuda":
-        from ..kernels_build import install_w12  # w12 roles in the fast path, before its matmul tables
+class _Cells:
+    """Serves the prompt file with each engine as ``run`` times it (see :func:`run`)."""
 
-        install_w12(deps["w12"].target, kernel_outputs, w12_specs[0].config)
-    install_kernel_configs([dep.target for dep in deps.values()], kernel_outputs,
-                           dict(read_json(args.kernel_configs)) if args.kernel_configs else None)
-    tokenizer = None
-    if args.multi_turn:
-        from transformers import AutoTokenizer
+    def __init__(self, args, specs: list[EngineSpec], deps: dict[str, Deployment], replay, references):
+        self.args, self.deps, self.replay, self.references = args, deps, replay, references
+        self.by_name = {sp.engine: sp for sp in specs}
+        self.warm = {sp.engine: True for sp in specs}
+        self.tokenizer = None
+        if args.multi_turn:
+            from transformers import AutoTokenizer  # optional heavy dependency
 
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-    warm = {sp.engine: True for sp in specs}
+            self.tokenizer = AutoTokenizer.from_pretrained(args.target)
 
-    def serve_rows(sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
-        dep = dep_of(sp)
-        name = args.drafter_name if sp.engine != "lookup" else "lookup"
-        recs = serve(sp, dep.target, dep.drafter, rows, args.max_new_tokens, args.concurrency,
-                     meta={"deployment": args.deployment, "target": args.target_name or args.target,
-                           "drafter": f"replay:{name}" if replay is not None else name, "gpu": args.gpu},
-                     eos_id=dep.eos_id if args.stop_at_eos else None, max_seq=max_seq,
-                     graphs=graphs, kernels=args.kernels, replay=replay, references=references,
-                     profile=not args.no_profile, warmup=warm[sp.engine], regime=args.regime,
-                     prefill_chunk=args.prefill_chunk, progress=len(rows) > 1,
-                     prefill_beside=args.prefill_beside == "on")
-        warm[sp.engine] = False  # warmed once; later runs are timed as they come
+    def dep(self, sp: EngineSpec) -> Deployment:
+        return self.deps[sp.config.weight_format]
+
+    def serve_rows(self, sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
+        a = self.args
+        name = a.drafter_name if sp.engine != "lookup" else "lookup"
+        opts = ServeOptions(eos_id=self.dep(sp).eos_id if a.stop_at_eos else None, max_seq=max_seq,
+                            warmup=self.warm[sp.engine], progress=len(rows) > 1, profile=not a.no_profile,
+                            regime=a.regime, prefill_chunk=a.prefill_chunk, prefill_beside=a.prefill_beside == "on",
+                            replay=self.replay, references=self.references)
+        meta = {"deployment": a.deployment, "target": a.target_name or a.target,
+                "drafter": f"replay:{name}" if self.replay is not None else name, "gpu": a.gpu}
+        recs = serve(sp, self.dep(sp), rows, a.max_new_tokens, a.concurrency, meta, opts)
+        self.warm[sp.engine] = False  # warmed once; later runs are timed as they come
         return recs
 
-    def serve_pass(sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
-        if tokenizer is not None:
-            from .serve import serve_turns
+    def serve_pass(self, sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
+        if self.tokenizer is not None:
+            return serve_turns(lambda r: self.serve_rows(sp, r, max_seq), rows, self.tokenizer)
+        return self.serve_rows(sp, rows, max_seq)
 
-            return serve_turns(lambda r: serve_rows(sp, r, max_seq), rows, tokenizer)
-        return serve_rows(sp, rows, max_seq)
-
-    # request-by-request interleaving at concurrency 1 on eager devices (the CPU, where drift is
-    # worst); under CUDA graphs an engine switch reallocates the target's state (each engine has
-    # the KV-cache size its own run would have, which token forcing's re-execution reproduces)
-    # and recaptures its graphs, so there the engines alternate pass by pass
-    from .runner import use_graphs
-
-    eager = not use_graphs(graphs, device)
-    per_request = len(specs) > 1 and args.concurrency == 1 and tokenizer is None and eager
-    if per_request:  # each engine at the KV-cache size its run over the whole prompt file allocates
-        sizes = {sp.engine: args.max_seq or default_max_seq(sp, dep_of(sp).target, prompts, args.max_new_tokens, 1,
-                                                            graphs, args.regime) for sp in specs}
-    runs = {sp.engine: [] for sp in specs}
-    for rep in range(args.timing_repeats):
-        print(f"{','.join(engines)} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-              f"run {rep + 1}/{args.timing_repeats}" + (", interleaved per request" if per_request else ""),
-              file=sys.stderr, flush=True)
-        if not per_request:
-            for e in interleaved_order(engines, rep):
-                runs[e].append(serve_pass(by_name[e], prompts, args.max_seq))
-            continue
-        # one request at a time: each engine decodes it in turn, timestamps continued across its
-        # requests (each engine's records read as its own sequential closed loop)
+    def per_request(self, prompts: list[dict], engines: list[str], rep: int, sizes: dict) -> dict[str, list]:
+        """One request at a time: each engine decodes it in turn, timestamps continued across its
+        requests (each engine's records read as its own sequential closed loop)."""
         done = {e: [] for e in engines}
         clocks = dict.fromkeys(engines, 0.0)  # per engine: seconds served so far in this repeat
         for i, p in enumerate(prompts):
             for e in interleaved_order(engines, i + rep):
-                rec = serve_rows(by_name[e], [p], sizes[e])[0]
+                rec = self.serve_rows(self.by_name[e], [p], sizes[e])[0]
                 shift_times(rec, clocks[e])
                 clocks[e] = rec.finish_s if rec.finish_s is not None else clocks[e]
                 done[e].append(rec)
-        for e in engines:
-            runs[e].append(done[e])
-    from .graphs import matmul_choices
+        return done
 
+
+def _time_engines(args, cells: _Cells, specs: list[EngineSpec], prompts: list[dict]) -> dict[str, list]:
+    """Every engine over the prompts, ``--timing-repeats`` times, interleaved: request by request
+    at concurrency 1 on an eager device (the CPU, where drift is worst); else pass by pass (under
+    CUDA graphs an engine switch reallocates the target's state, each engine at the KV-cache size
+    its own run would have, which token forcing's re-execution reproduces, and recaptures graphs).
+    Returns engine -> one list of records per repeat."""
+    engines = [sp.engine for sp in specs]
+    eager = not any(dep.backend.graphs for dep in cells.deps.values())
+    per_request = len(specs) > 1 and args.concurrency == 1 and cells.tokenizer is None and eager
+    sizes = {}
+    if per_request:  # each engine at the KV-cache size its run over the whole prompt file allocates
+        sizes = {sp.engine: args.max_seq or default_max_seq(sp, cells.dep(sp), prompts, args.max_new_tokens, 1,
+                                                            args.regime) for sp in specs}
+    runs = {e: [] for e in engines}
+    for rep in range(args.timing_repeats):
+        print(f"{','.join(engines)} c{args.concurrency}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+              f"run {rep + 1}/{args.timing_repeats}" + (", interleaved per request" if per_request else ""),
+              file=sys.stderr, flush=True)
+        if per_request:
+            for e, recs in cells.per_request(prompts, engines, rep, sizes).items():
+                runs[e].append(recs)
+            continue
+        for e in interleaved_order(engines, rep):
+            runs[e].append(cells.serve_pass(cells.by_name[e], prompts, args.max_seq))
+    return runs
+
+
+def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: dict, kernel_outputs: dict) -> list:
+    """Write each engine's records (repeats merged, the kernels recorded); returns summary lines."""
     summary = []
     for sp, out in zip(specs, outs):
         records = merge_repeats(runs[sp.engine])
-        # the checked-cuBLAS selection of the fast steps on this GPU (engine.graphs.FastTarget._select)
-        chosen = matmul_choices(dep_of(sp).target)
-        if dep_of(sp).drafter is not None:
-            chosen.update({f"drafter {k}": v for k, v in matmul_choices(dep_of(sp).drafter).items()})
+        # the checked-cuBLAS selection of the fast steps on this GPU (tuning.select)
+        chosen = cells.dep(sp).backend.matmul_choices()
         if args.kernels_manifest or args.kernel_agent:
             for r in records:
                 r.engine_config["kernels"] = dict(kernel_outputs, **({"matmul": chosen} if chosen else {}))
@@ -277,6 +282,29 @@ def run(args) -> int:
         if chosen:
             line["matmul"] = chosen
         summary.append(line)
-    for line in summary:
+    return summary
+
+
+def run(args) -> int:
+    """``specpilot run``: check every argument and the engine config, load the deployment(s) once,
+    time the engines (interleaved), write one records file per engine, print a summary line each."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    _check_args(args)
+    outs = [o for _, o in one_out_each(args.out, args.engine, f"engine(s) ({','.join(args.engine)})")]
+    specs = engine_specs(args)
+    prompts = read_prompts(args.prompts, args.limit)
+    replay = references = None
+    if args.replay_profile:
+        replay = load_profile(args.replay_profile)
+        specs[0].config = specs[0].config.replace(replay_profile=replay.name)
+        if args.replay_reference:
+            references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
+    kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
+    deps = load_deployments(args, specs, kernel_outputs)
+    cells = _Cells(args, specs, deps, replay, references)
+    runs = _time_engines(args, cells, specs, prompts)
+    for line in _write(args, cells, specs, outs, runs, kernel_outputs):
         print(json.dumps(line))
     return 0

@@ -15,10 +15,10 @@ keeps a few extra committed entries, never read again), and the next proposal's 
 whatever the host's loop passes (a refilled slot's new first token included), so a draft made
 before a refill can only be rejected, never change a token.
 
-A drafter takes part when ``can_overlap()`` is true and it has ``observe_device(features,
-start, counts)``, ``observe_host(committed)``, ``draft_async(last, start)`` (device work,
-returns a handle) and ``proposal(handle, last)`` (chain proposals only:
-:class:`~specpilot.drafters.dflash.DFlashProposer` under CUDA graphs, the replay drafter).
+A proposer takes part when its ``can_overlap()`` is true (the overlap hooks of
+:class:`~specpilot.drafters.base.Proposer`: ``observe_device``, ``observe_host``, ``draft_async``,
+``proposal``; chain proposals only: :class:`~specpilot.drafters.dflash.DFlashProposer` under CUDA
+graphs, the replay drafter).
 """
 
 from __future__ import annotations
@@ -28,12 +28,7 @@ import time
 import torch
 
 from ..errors import SpecpilotError
-
-
-def can_overlap(drafter) -> bool:
-    """True when ``drafter`` implements the overlap protocol and can use it now (after ``start``)."""
-    f = getattr(drafter, "can_overlap", None)
-    return bool(f is not None and f())
+from .verify import Step, VerifyOutput, chain_drafts
 
 
 class _Marks:
@@ -56,22 +51,22 @@ class _Marks:
 class OverlapStepper:
     """Chain verify steps with the next draft launched before the host reads the acceptance.
 
-    Use: ``st = stepper.step(last, remaining)`` (same :class:`~specpilot.engine.generate.Step`
-    as :func:`~specpilot.engine.generate.step`, already committed on the device), then the loop's
+    Use: ``st = stepper.step(last, remaining)`` (same :class:`~specpilot.engine.verify.Step`
+    as :func:`~specpilot.engine.verify.step`, already committed on the device), then the loop's
     bookkeeping, then ``stepper.advance(committed)`` (the drafter's host state). Do not also call
-    :func:`~specpilot.engine.generate.advance`.
+    :func:`~specpilot.engine.verify.advance`.
 
     Args:
         runner: the :class:`~specpilot.engine.runner.TargetRunner`.
-        drafter: an overlap-capable drafter plug-in (:func:`can_overlap`).
+        drafter: an overlap-capable proposer (``drafter.can_overlap()``).
         accept: chain verification rule (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]).
     Raises:
         SpecpilotError: the drafter cannot overlap, or proposes a tree.
     """
 
     def __init__(self, runner, drafter, accept):
-        if not can_overlap(drafter):
-            raise SpecpilotError(f"drafter {getattr(drafter, 'kind', type(drafter).__name__)!r} cannot overlap "
+        if not drafter.can_overlap():
+            raise SpecpilotError(f"drafter {drafter.kind!r} cannot overlap "
                                  "(needs chain proposals drafted on the device)")
         self.runner, self.drafter, self.accept = runner, drafter, accept
         self.handle = None
@@ -95,8 +90,6 @@ class OverlapStepper:
             last: int64 [B] anchors (the bonus tokens of the last step, or a refilled slot's first token).
             remaining: per row the tokens it may still commit (0: the row does not advance).
         """
-        from .generate import Step, chain_drafts
-
         r, d, m = self.runner, self.drafter, self.marks
         B = r.batch
         if len(remaining) != B:
@@ -146,7 +139,7 @@ class OverlapStepper:
         bonus_l = [b_ for _, b_ in host]
         proposed = [[toks[b][i] for i in paths[b][1:]] + [bonus_l[b]] for b in range(B)]
         self.next_last = bonus
-        return Step(prop, paths, bonus_l, proposed, None, t_draft, t_verify, t_end)
+        return Step(prop, VerifyOutput(paths, bonus_l, proposed), None, t_draft, t_verify, t_end)
 
     def advance(self, committed: list[list[int]]) -> torch.Tensor:
         """Tell the drafter the tokens the host recorded per row; returns the next anchors int64 [B]

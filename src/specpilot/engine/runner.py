@@ -8,86 +8,15 @@ checkpoint + replay) lives in :mod:`specpilot.models.state`.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..errors import SpecpilotError
+from ..fastpath.tables import TREE_FAST_NODES
 from ..models.layers import chain_ancestors, tree_ancestors
 from ..models.state import check_width
 from ..models.target import Transformer
-
-TREE_FAST_NODES = 64  # trees of up to this many nodes verify in the Triton step (its ancestor bits: one int64)
-
-
-def clock(device: torch.device) -> float:
-    """Seconds from a monotonic clock, after synchronizing ``device`` (CUDA) so time is real."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class PhaseTimer:
-    """Clock readings of a step's phase boundaries with one synchronization per step.
-
-    ``mark()`` at each boundary, ``finish()`` at the step's end: returns the clock reading
-    (:func:`clock` seconds) of every mark and of the end. On CUDA the marks are CUDA events, so
-    the host never waits between phases (a synchronization per mark would leave the device idle
-    while the host launches the next phase); the readings are placed back from the end by the
-    events' elapsed times, i.e. a phase's duration is the device time from its mark to the
-    next. On the CPU the marks read the clock directly. Disabled: no marks, ``finish`` returns
-    0.0 for each mark asked and the end's reading.
-    """
-
-    def __init__(self, device: torch.device, enabled: bool = True):
-        self.device, self.enabled = device, enabled
-        self.cuda = enabled and device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        """A phase boundary (a CUDA event on the current stream, or a clock reading)."""
-        if not self.enabled:
-            self.marks.append(None)
-        elif self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def finish(self) -> list[float]:
-        """Readings [s] of the marks, then of the end (synchronizes the device once)."""
-        if not self.enabled:
-            return [0.0] * len(self.marks) + [clock(self.device)]
-        if not self.cuda:
-            return self.marks + [time.perf_counter()]
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        now = clock(self.device)
-        evs = self.marks + [end]
-        out = [now]
-        for a, b in zip(reversed(evs[:-1]), reversed(evs[1:])):
-            out.append(out[-1] - a.elapsed_time(b) / 1e3)
-        return out[::-1]
-
-
-def _family_fast(model: Transformer, kernels: str | None) -> bool:
-    """True when a hybrid / sliding-window target can run the Triton fast path under CUDA graphs
-    (:mod:`specpilot.engine.fast_family`): bf16 / fp16 weights, supported shapes, kernels not 'torch'."""
-    if kernels == "torch" or model.lm_head.weight.dtype == torch.float32:
-        return False
-    from .fast_family import family_fast_supported
-
-    return family_fast_supported(model) is None
-
-
-def use_graphs(graphs: bool | None, device: torch.device) -> bool:
-    """``None`` (auto) -> CUDA graphs on CUDA devices, eager elsewhere; True needs CUDA."""
-    if graphs is None:
-        return device.type == "cuda"
-    if graphs and device.type != "cuda":
-        raise SpecpilotError("CUDA graphs need a CUDA device (use graphs off on the CPU)")
-    return bool(graphs)
+from .backend import Backend, choose_backend
+from .verify import compact_path_, tree_inputs
 
 
 class TargetRunner:
@@ -95,37 +24,37 @@ class TargetRunner:
 
     ``length[b]`` is the number of positions of row b whose K/V are in the cache and committed.
 
-    On CUDA (``graphs`` None or True) chain verify and decode steps replay captured CUDA graphs
-    (:mod:`specpilot.engine.graphs`, ``kernels`` = auto / triton / torch); so does tree
-    verification of a dense target on the Triton kernels (ancestor bits, the accepted path
-    compacted on the device by :func:`~specpilot.engine.graphs.compact_path_`); other trees run
-    eager. Prefill runs through the Triton step row by row when the step graphs use the Triton
-    kernels (:attr:`can_prefill_rows`: batch-invariant, the path every continuous-batching refill
-    takes too), else eager. Hybrid (GDN) and Muse-Glimmer targets in bf16 run the same way through
-    :class:`~specpilot.engine.fast_family.FastFamilyTarget` (decode graphs advance the GDN state;
-    a chain verify's accepted tokens are replayed into it at :meth:`commit`); their trees, and
-    fp32 or unsupported shapes, run eager. The runner never reads ``length`` on the host inside a step: a host
+    How it runs is the ``backend``'s decision (:func:`~specpilot.engine.backend.choose_backend`;
+    default: chosen for ``model`` with graphs and kernels auto). Under CUDA graphs chain verify and
+    decode steps replay captured graphs (:class:`~specpilot.fastpath.graphs.StepGraphs`); so does
+    tree verification on the Triton dense step (ancestor bits, the accepted path compacted on the
+    device by :func:`~specpilot.engine.verify.compact_path_`); other trees run eager. Prefill runs
+    through the Triton step row by row on the Triton paths (:attr:`can_prefill_rows`:
+    batch-invariant, the path every continuous-batching refill takes too), else eager. Hybrid (GDN)
+    and Muse-Glimmer targets on the Triton family step run the same way (decode graphs advance the
+    GDN state; a chain verify's accepted tokens are re-run into it at :meth:`commit`); their trees
+    run eager. The runner never reads ``length`` on the host inside a step: a host
     upper bound of it decides whether the cache has room, and only when that bound is too loose
     is the exact length read (a synchronization).
     """
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
-                 graphs: bool | None = None, kernels: str | None = None):
+                 backend: Backend | None = None):
         self.model = model
         self.batch, self.max_seq, self.capture = batch, max_seq, tuple(capture)
         self.device = model.lm_head.weight.device
+        self.backend = backend if backend is not None else choose_backend(model)
+        if self.backend.model is not model:
+            raise SpecpilotError("the runner's backend was chosen for another model")
         model.setup_cache(batch, max_seq)
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.graphs = None
-        if use_graphs(graphs, self.device) and (model.config.is_dense or _family_fast(model, kernels)):
-            from .graphs import step_graphs
-
-            self.graphs = step_graphs(model, kernels)
+        self.steps = self.backend.step_graphs  # the captured steps (None: eager)
         self._recurrent = model.config.is_recurrent
         self._tree_pending = False  # the last verify was a tree in the Triton step (commit compacts on the device)
         self._bound = 0  # host upper bound of max(length)
         self._pending = 0  # entries written by the last verify, not yet committed
         self._grew = 0  # how much the last commit raised the bound (settle() may lower it)
+        self._tree_key, self._tree = None, None  # the last tree's parents (key) and its mask or Triton inputs
 
     def _check_room(self, n: int) -> None:
         if self._bound + n <= self.max_seq:
@@ -189,7 +118,7 @@ class TargetRunner:
     def _prefill_rows(self, prompts: list[list[int]], lengths: torch.Tensor, T: int, chunk: int | None):
         """:meth:`prefill` through :meth:`prefill_row`, one prompt (and chunk) after the other."""
         if not self.can_prefill_rows:
-            raise SpecpilotError("row prefill needs the Triton step (a dense target under CUDA graphs)")
+            raise SpecpilotError(f"row prefill needs a Triton step; this target runs {self.backend.path}: {self.backend.reason}")
         self.model.state.reset()
         self.length.zero_()
         self._bound, self._pending = 0, 0
@@ -208,8 +137,8 @@ class TargetRunner:
 
     @property
     def can_prefill_rows(self) -> bool:
-        """True when :meth:`prefill_row` is available (the Triton step of a dense target)."""
-        return self.graphs is not None and self.graphs.fast is not None
+        """True when :meth:`prefill_row` is available (a Triton step)."""
+        return self.backend.can_prefill_rows
 
     @torch.inference_mode()
     def prefill_row(self, b: int, tokens: list[int], start: int, set_length: bool = True):
@@ -222,7 +151,7 @@ class TargetRunner:
         :attr:`can_prefill_rows`; raises SpecpilotError otherwise or when the row has no room.
         """
         if not self.can_prefill_rows:
-            raise SpecpilotError("row prefill needs the Triton step (a dense target under CUDA graphs)")
+            raise SpecpilotError(f"row prefill needs a Triton step; this target runs {self.backend.path}: {self.backend.reason}")
         T = len(tokens)
         if start + T > self.max_seq:
             raise SpecpilotError(f"row {b}: prefill to {start + T} KV-cache slots but the cache holds {self.max_seq}")
@@ -234,7 +163,7 @@ class TargetRunner:
             return out[-1][0], (torch.cat(feats, 1) if feats[0] is not None else None)
         tok = torch.tensor([tokens], dtype=torch.long).to(self.device)
         st = torch.full((1,), start, dtype=torch.long, device=self.device)
-        logits, feats = self.graphs.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True,
+        logits, feats = self.backend.fast.forward(tok, st, self.capture, rows=slice(b, b + 1), last_only=True,
                                                  write=True)
         if set_length:
             self.length[b] = start + T
@@ -269,10 +198,10 @@ class TargetRunner:
         check_width(self.model.state, N)
         self._pending = N
         self.model.state.discard()
-        if parents is None and self.graphs is not None:
-            out = self.graphs.run(block, self.length, self.capture)
-            if self._recurrent:  # a replay runs no Python: tell the fast path which tape commit() replays
-                self.graphs.fast.note_verify(B, N, len(self.capture))
+        if parents is None and self.steps is not None:
+            out = self.steps.run(block, self.length, self.capture)
+            if self._recurrent:  # a graph replay runs no Python: tell the fast path which tape commit() re-runs
+                self.steps.fast.note_verify(B, N, len(self.capture))
             return out
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
@@ -280,33 +209,31 @@ class TargetRunner:
         # the tree shape is static within a generation: build its mask (or bits) once
         fast = self.tree_fast and N <= TREE_FAST_NODES
         key = (parents.data_ptr(), tuple(parents.shape), fast)
-        if getattr(self, "_tree_key", None) != key:
+        if self._tree_key != key:
             if fast:
-                from .graphs import tree_inputs
-
                 self._tree_key, self._tree = key, tree_inputs(parents)
             else:
                 self._tree_key, self._tree = key, tree_ancestors(parents)
         if fast:  # the Triton step with the ancestor bits, replayed like a chain verify
             self._tree_pending = True
-            return self.graphs.run(block, self.length, self.capture, tree=self._tree)
+            return self.steps.run(block, self.length, self.capture, tree=self._tree)
         anc, depth = self._tree
         return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
 
     @property
     def tree_fast(self) -> bool:
-        """True when tree verification runs in the Triton step under CUDA graphs (a dense target on
-        the fast path, trees of <= 64 nodes); else trees run eager."""
-        return self.graphs is not None and self.graphs.fast is not None and self.model.config.is_dense
+        """True when tree verification runs in the Triton step under CUDA graphs (the backend's
+        dense Triton path, trees of <= 64 nodes); else trees run eager."""
+        return self.backend.tree_fast
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor):
         """Decode one token per row (tokens int64 [B]); commits it. Returns logits [B, vocab]."""
-        if self.graphs is not None and self._recurrent:  # the decode graph advances the GDN state
+        if self.steps is not None and self._recurrent:  # the decode graph advances the GDN state
             self._check_room(1)
             self.model.state.discard()
-            logits, _ = self.graphs.run(tokens[:, None], self.length, self.capture, write=True)
-        elif self.graphs is not None:
+            logits, _ = self.steps.run(tokens[:, None], self.length, self.capture, write=True)
+        elif self.steps is not None:
             logits, _ = self.verify(tokens[:, None])
         else:
             self._check_room(1)
@@ -327,14 +254,12 @@ class TargetRunner:
         (GDN) state replays exactly that path from the committed state.
         """
         if path_slots is not None and self._tree_pending:
-            from .graphs import compact_path_
-
             compact_path_(self.model.cache, self.length, counts, path_slots)  # on the device, no sync
         else:
             self.model.commit(self.length, counts, path_slots)
         self._tree_pending = False
-        if self.graphs is not None and self._recurrent and path_slots is None:
-            self.graphs.fast.commit_recurrent(counts)  # replay the accepted tokens (fast path)
+        if self.steps is not None and self._recurrent and path_slots is None:
+            self.steps.fast.commit_recurrent(counts)  # re-run the accepted tokens (fast path)
         before = self._bound
         if isinstance(counts, torch.Tensor) and counts.device.type == "cpu":
             self._bound += int(counts.max()) if counts.numel() else 0
@@ -374,7 +299,7 @@ class TargetRunner:
                 self.model.state.reset_rows(emptied)
         self.model.state.discard()
         self._tree_pending = False
-        if self.graphs is not None and self._recurrent:
-            self.graphs.fast.discard()
+        if self.steps is not None and self._recurrent:
+            self.steps.fast.discard()
         self.length.copy_(length)
         self._bound, self._pending = int(length.max()), 0

@@ -8,9 +8,9 @@ kept; each slot has its own committed length (KV cache rows) and drafter state.
 
 One scheduler iteration is
 
-1. a **decode step** for every slot: :func:`specpilot.engine.generate.step` (the same propose /
-   verify / accept as :func:`~specpilot.engine.generate.generate`) and
-   :func:`~specpilot.engine.generate.advance` with count 0 for slots that hold no running request
+1. a **decode step** for every slot: :func:`specpilot.engine.verify.step` (the same propose /
+   verify / accept as :func:`~specpilot.engine.loop.generate`) and
+   :func:`~specpilot.engine.verify.advance` with count 0 for slots that hold no running request
    (idle, or the queue is empty);
 2. for the slots whose request finished in that step, while the queue has requests, a **prefill
    step**: the slots' committed lengths are reset to 0 (``runner.rollback`` with a length
@@ -51,9 +51,14 @@ from typing import Callable
 
 import torch
 
+from ..drafters.base import Proposer
+from ..drafters.proposal import chain
 from ..errors import SpecpilotError
-from .generate import RowResult, _take, accept_greedy, advance, step
-from .runner import TargetRunner, clock
+from ..tuning.timing import clock
+from .loop import RowResult, take_tokens
+from .overlap import OverlapStepper
+from .runner import TargetRunner
+from .verify import accept_greedy, advance, step
 
 
 @dataclass
@@ -87,33 +92,22 @@ class _Beside:
     delay: int = 0  # tests: polls to wait before admission on the CPU
 
 
-class ARProposer:
-    """The AR engine as a drafter: proposes nothing (width-1 proposals: the anchor only), so each
+class ARProposer(Proposer):
+    """The AR engine as a proposer: proposes nothing (width-1 proposals: the anchor only), so each
     verify step commits exactly the target's next token. Lets AR share the scheduler's loop."""
 
     kind = "ar"
-    capture: tuple[int, ...] = ()
-    verify_width = 1
-
-    def start(self, runner, prompts, features, first) -> None:
-        pass
+    block_size = 1
 
     def propose(self, last: torch.Tensor, start: torch.Tensor):
-        from ..drafters.proposal import chain
-
+        """The anchors alone: [B, 1]."""
         return chain(last, last.new_zeros((last.shape[0], 0)))
-
-    def observe(self, features, start, counts, committed) -> None:
-        pass
-
-    def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
-        pass
 
     def can_observe_row(self) -> bool:
         return True
 
     def observe_row(self, b: int, features, start: int) -> None:
-        pass
+        """No context to keep."""
 
 
 def prefill_width(lengths: list[int], bucket: int) -> int:
@@ -138,9 +132,9 @@ class Scheduler:
 
     Args:
         runner: the target runner; its batch is the concurrency c (built once, reused by runs).
-        drafter: a drafter plug-in with ``reset_slot`` (:mod:`specpilot.drafters`, the replay
-            drafter), or None for AR (:class:`ARProposer`).
-        accept: chain verification rule (as :func:`~specpilot.engine.generate.generate`).
+        drafter: a proposer (:class:`~specpilot.drafters.base.Proposer`), or None for AR
+            (:class:`ARProposer`).
+        accept: chain verification rule (as :func:`~specpilot.engine.loop.generate`).
         eos_id: stop a request at this token (None: every request decodes its whole budget).
         profile: time the draft and verify phases per step (``draft_s``/``verify_s``).
         prefill_bucket: prefill block widths are rounded up to a multiple of this (default: 64
@@ -158,7 +152,7 @@ class Scheduler:
             verify steps already keep the GPU busy, so the prefill only slowed them (BENCHMARKS.md,
             issue 15: stock 1.60x -> 1.44x AR at c24, 1.76x -> 1.72x at c16).
     Raises:
-        SpecpilotError: a drafter without ``reset_slot``; ``prefill_beside=True`` where it cannot run.
+        SpecpilotError: ``prefill_beside=True`` where it cannot run; bad bucket or chunk.
     """
 
     def __init__(self, runner: TargetRunner, drafter=None, accept: Callable = accept_greedy,
@@ -169,11 +163,8 @@ class Scheduler:
         self.overlap = bool(overlap)
         self.prefill_beside = prefill_beside
         self.drafter = drafter if drafter is not None else ARProposer()
-        if not hasattr(self.drafter, "reset_slot"):
-            raise SpecpilotError(f"drafter {type(self.drafter).__name__} has no reset_slot hook; it cannot serve "
-                                 f"under continuous batching")
         self.accept, self.eos_id, self.profile, self.on_step = accept, eos_id, profile, on_step
-        self.bucket = int(prefill_bucket or (64 if runner.graphs is not None else 1))
+        self.bucket = int(prefill_bucket or (64 if runner.steps is not None else 1))
         if self.bucket < 1:
             raise SpecpilotError(f"prefill_bucket must be >= 1, got {self.bucket}")
         self.chunk = None if prefill_chunk is None else int(prefill_chunk)
@@ -190,13 +181,13 @@ class Scheduler:
 
     @property
     def verify_width(self) -> int:
-        return int(getattr(self.drafter, "verify_width", 1))
+        """The proposer's tokens per verify forward."""
+        return int(self.drafter.verify_width)
 
     def _rows_prefill(self) -> bool:
         """Newcomers prefill in their own rows (:meth:`TargetRunner.prefill_row`) when the runner
-        and the drafter can (the Triton step on a GPU); else one block over every row."""
-        f = getattr(self.drafter, "can_observe_row", None)
-        return self.runner.can_prefill_rows and f is not None and bool(f())
+        and the proposer can (the Triton step on a GPU); else one block over every row."""
+        return self.runner.can_prefill_rows and self.drafter.can_observe_row()
 
     def can_prefill_beside(self) -> bool:
         """True when a refill can run beside the decode steps: newcomers prefill into their own rows
@@ -234,21 +225,29 @@ class Scheduler:
         KV cache is too small (:func:`slots_needed`).
         """
         self._check(requests)
-        runner, drafter, dev = self.runner, self.drafter, self.runner.device
-        B = runner.batch
-        n = len(requests)
+        B = self.runner.batch
         out = [RequestResult() for _ in requests]
         slot: list[int | None] = [None] * B  # request index per slot (None = idle)
         length = [0] * B  # committed entries per row, known on the host
         self.steps = self.prefill_steps = 0
-        queue = deque(range(n))
-        t0 = clock(dev)
+        queue = deque(range(len(requests)))
+        t0 = clock(self.runner.device)
+        last = self._start(queue, slot, length, requests, out, t0)
+        if isinstance(self.drafter, ARProposer) and self.eos_id is None and self.on_step is None:
+            self._loop_ar(queue, slot, length, last, requests, out, t0)
+        else:
+            self._loop(queue, slot, length, last, requests, out, t0)
+        return out
 
-        # the first c requests (idle rows repeat request 0): runner.prefill, which on the Triton
-        # fast path makes per row exactly the prefill_row calls a refill of that request would
-        # make (_refill below, same chunks), so a request's prompt K/V and first token do not
-        # depend on whether it came first or as a refill; elsewhere one eager block
-        first_idx = [queue.popleft() for _ in range(min(B, n))]
+    def _start(self, queue: deque, slot: list, length: list[int], requests: list[Request],
+               out: list[RequestResult], t0: float) -> torch.Tensor:
+        """Prefill the first c requests (idle rows repeat request 0) and start the proposer; returns
+        the anchors [B]. ``runner.prefill`` on the Triton fast path makes per row exactly the
+        ``prefill_row`` calls a refill of that request would make (:meth:`_refill`, same chunks), so
+        a request's prompt K/V and first token do not depend on whether it came first or as a
+        refill; elsewhere one eager block."""
+        runner, drafter, dev, B = self.runner, self.drafter, self.runner.device, self.runner.batch
+        first_idx = [queue.popleft() for _ in range(min(B, len(requests)))]
         prompts = [requests[i].prompt_ids for i in first_idx]
         prompts += [prompts[0]] * (B - len(prompts))
         with torch.inference_mode():
@@ -271,15 +270,14 @@ class Scheduler:
         self._pending.clear()
         if self.beside:
             self._launch_beside(freed, t1 - t0, queue, slot, length, requests, out)
-        else:
-            last = self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
-        if isinstance(drafter, ARProposer) and self.eos_id is None and self.on_step is None:
-            self._loop_ar(queue, slot, length, last, requests, out, t0)
-            return out
+            return last
+        return self._refill(freed, t1 - t0, queue, slot, length, last, requests, out, t0)
 
-        from .overlap import OverlapStepper, can_overlap
-
-        pipe = OverlapStepper(runner, drafter, self.accept) if self.overlap and can_overlap(drafter) else None
+    def _loop(self, queue: deque, slot: list, length: list[int], last: torch.Tensor, requests: list[Request],
+              out: list[RequestResult], t0: float) -> None:
+        """Decode steps (and the refills between them) until the queue and every slot are empty."""
+        runner, drafter = self.runner, self.drafter
+        pipe = OverlapStepper(runner, drafter, self.accept) if self.overlap and drafter.can_overlap() else None
         self.overlapped = pipe is not None
         while any(s is not None for s in slot) or self._pending:
             if self._pending:  # admit the newcomers whose prefill finished beside the last steps
@@ -295,40 +293,44 @@ class Scheduler:
             if self.on_step is not None:
                 self.on_step(st.proposal, st.paths)
             now = st.t_end - t0
-            counts, committed, freed = [], [], []
-            for b in range(B):
-                i = slot[b]
-                if i is None:
-                    counts.append(0), committed.append([])
-                    continue
-                r = out[i]
-                done = _take(r, st.proposed[b], requests[i].max_new_tokens, self.eos_id)
-                counts.append(r.committed_per_step[-1])
-                committed.append(st.proposed[b][: counts[-1]])
-                if self.profile:
-                    r.draft_s += st.t_verify - st.t_draft
-                    r.verify_s += st.t_end - st.t_verify
-                if done:
-                    r.finish_s = now
-                    r.decode_s = r.finish_s - r.first_token_s
-                    slot[b] = None
-                    freed.append(b)
-                    if self.on_finish is not None:
-                        self.on_finish(i)
+            counts, committed, freed = self._record(st, slot, requests, out, now)
             last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
-            for b in range(B):
+            for b in range(runner.batch):
                 length[b] += counts[b]
             if self.beside:
                 self._launch_beside(freed, now, queue, slot, length, requests, out)
             else:
                 last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
-        return out
+
+    def _record(self, st, slot: list, requests: list[Request], out: list[RequestResult], now: float):
+        """Commit one step's tokens to each running request (budgets, EOS); returns (counts kept per
+        row, tokens kept per row, the slots whose request finished)."""
+        counts, committed, freed = [], [], []
+        for b, i in enumerate(slot):
+            if i is None:
+                counts.append(0), committed.append([])
+                continue
+            r = out[i]
+            done = take_tokens(r, st.proposed[b], requests[i].max_new_tokens, self.eos_id)
+            counts.append(r.committed_per_step[-1])
+            committed.append(st.proposed[b][: counts[-1]])
+            if self.profile:
+                r.draft_s += st.t_verify - st.t_draft
+                r.verify_s += st.t_end - st.t_verify
+            if done:
+                r.finish_s = now
+                r.decode_s = r.finish_s - r.first_token_s
+                slot[b] = None
+                freed.append(b)
+                if self.on_finish is not None:
+                    self.on_finish(i)
+        return counts, committed, freed
 
     def _loop_ar(self, queue, slot, length, last, requests, out, t0) -> None:
         """AR without EOS: every running row commits exactly one token per step, so the host knows
         when each request finishes without reading tokens; the device is synchronized only when a
         request finishes (its tokens are read then) and for refills, not every step (as
-        :func:`~specpilot.engine.generate.generate_ar`). ``verify_s`` = ``decode_s``."""
+        :func:`~specpilot.engine.loop.generate_ar`). ``verify_s`` = ``decode_s``."""
         runner, dev, B = self.runner, self.runner.device, self.runner.batch
         hist: list[torch.Tensor] = []  # next token of every row, per step
         begin = [0] * B  # step index where the slot's request started decoding

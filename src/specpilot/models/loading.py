@@ -18,7 +18,20 @@ from ..errors import SpecpilotError
 from ..io import atomic_write_text
 from .config import TargetConfig, read_config
 from .dflash import DFlashDrafter, DrafterConfig
+from .dflash2 import CODEBOOKS, DFlash2Drafter
+from .dspark import DSparkDrafter, dspark_config, dspark_hf_dict
 from .target import Transformer
+
+# checkpoint ``architectures`` -> the drafter network class (DFlash / DFlash2: z-lab; DSpark: DeepSpec)
+DRAFTER_NETWORKS = {"DFlashDraftModel": DFlashDrafter, "DFlash2DraftModel": DFlash2Drafter,
+                    "Qwen3DSparkModel": DSparkDrafter}
+
+
+def network_class(arch: str):
+    """The drafter network class of a checkpoint architecture. Raises SpecpilotError for others."""
+    if arch not in DRAFTER_NETWORKS:
+        raise SpecpilotError(f"unsupported drafter architecture {arch!r}; supported: {', '.join(DRAFTER_NETWORKS)}")
+    return DRAFTER_NETWORKS[arch]
 
 # vision-language checkpoints keep the text model under this prefix (Qwen3_5ForConditionalGeneration,
 # MuseGlimmerForConditionalGeneration); everything else under ``model.`` there is the vision tower
@@ -131,15 +144,11 @@ def drafter_config(d: dict, where: str = "drafter config.json") -> DrafterConfig
     Raises:
         SpecpilotError: unsupported architecture (named) or missing keys.
     """
-    from ..drafters import ARCHITECTURES
-
     arch = (d.get("architectures") or [""])[0]
-    if arch not in ARCHITECTURES:
+    if arch not in DRAFTER_NETWORKS:
         raise SpecpilotError(f"{where}: unsupported drafter architecture {arch!r}; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
+                             f"supported: {', '.join(DRAFTER_NETWORKS)}")
     if arch == "Qwen3DSparkModel":
-        from ..drafters.dspark import dspark_config
-
         return dspark_config(d, where)
     return DrafterConfig.from_hf_dict(d, where)
 
@@ -147,16 +156,12 @@ def drafter_config(d: dict, where: str = "drafter config.json") -> DrafterConfig
 def drafter_hf_dict(cfg: DrafterConfig) -> dict:
     """config.json of a drafter in its public layout (DSpark: DeepSpec; else z-lab)."""
     if cfg.architecture == "Qwen3DSparkModel":
-        from ..drafters.dspark import dspark_hf_dict
-
         return dspark_hf_dict(cfg)
     return cfg.to_hf_dict()
 
 
 def _drafter_state(state: dict) -> dict:
     """Checkpoint names -> module names: DFlash2 stores its codebooks without ``.weight``."""
-    from ..drafters.dflash2 import CODEBOOKS
-
     out = {}
     for k, v in state.items():
         if any(k == f"candidate_selector.{c}" for c in CODEBOOKS):
@@ -168,13 +173,11 @@ def _drafter_state(state: dict) -> dict:
 def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> DFlashDrafter:
     """Load a drafter checkpoint, dispatching on ``architectures``: ``DFlashDraftModel`` (z-lab),
-    ``DFlash2DraftModel`` (z-lab), ``Qwen3DSparkModel`` (DeepSpec); see :mod:`specpilot.drafters`.
+    ``DFlash2DraftModel`` (z-lab), ``Qwen3DSparkModel`` (DeepSpec); see :data:`DRAFTER_NETWORKS`.
 
     Raises:
         SpecpilotError: missing/corrupt checkpoint, unsupported architecture or config, tensor mismatch.
     """
-    from ..drafters import network_class
-
     d = read_config(checkpoint_dir)
     cfg = drafter_config(d, f"{checkpoint_dir}/config.json")
     with torch.device("meta"):
@@ -187,8 +190,6 @@ def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
 
 def save_drafter(module: torch.nn.Module, out_dir: str | Path) -> None:
     """Save a drafter network in its public layout (config.json + model.safetensors)."""
-    from ..drafters.dflash2 import CODEBOOKS
-
     state = {}
     for k, v in module.state_dict().items():
         for c in CODEBOOKS:

@@ -28,7 +28,7 @@ from ..errors import SpecpilotError
 from ..io import write_json
 from ..models.config import TargetConfig
 from ..models.dflash import DrafterConfig, build_target_layer_ids
-from ..models.loading import save_checkpoint
+from ..models.loading import network_class, save_checkpoint
 from ..models.qwen3 import Transformer
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
@@ -140,8 +140,6 @@ def new_drafter(kind: str, cfg: DrafterConfig, target: Transformer, seed: int) -
     """A freshly initialized drafter (seeded). DFlash2 starts as DFlash (identity convolutions,
     zero successor codebook; SpecForge DFlash2 docs); DSpark copies the target's embedding and LM
     head (frozen, shipped with the checkpoint as DeepSpec does)."""
-    from ..drafters import network_class
-
     torch.manual_seed(seed)
     net = network_class(cfg.architecture)(cfg)
     init_weights(net)

@@ -26,9 +26,10 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ..engine.generate import generate_ar
+from ..engine.loop import generate_ar
 from ..engine.runner import TargetRunner
 from ..models.dflash import DFlashDrafter
+from ..models.dflash2 import selector_loss
 from ..models.qwen3 import Transformer
 
 
@@ -142,8 +143,6 @@ def _dflash_loss(drafter, feats, toks, anc, embed, head, block_size, weights, se
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     loss = (ce.view(B, A, block_size - 1) * weights).sum(-1).mean()
     if selector:
-        from ..drafters.dflash2 import selector_loss
-
         prev = toks.gather(1, (anc[:, :, None] + torch.arange(0, block_size - 1)).view(B, -1)).view_as(labels)
         sel = selector_loss(drafter, hidden, logits, prev, labels)
         loss = loss + 1.0 * (sel * weights).sum(-1).mean()

@@ -9,7 +9,9 @@
 - :func:`graph_us`: median device microseconds per call of launches replayed as one CUDA graph;
 - :func:`graph_time_us`: per-call time of a call cycling over weight copies, inside one CUDA graph;
 - :func:`copy_bandwidth`: device copy bandwidth (bytes read + written / time), the MBU denominator;
-- :func:`rel_err`: relative L2 error (inf for a non-finite output).
+- :func:`rel_err`: relative L2 error (inf for a non-finite output);
+- :func:`clock` / :class:`PhaseTimer`: the engine's own phase times (decode, draft, verify) for the
+  records: one device synchronization per step.
 
 Method: CUDA events around the timed region after a warm-up, medians over repeats, weights rotated
 or the L2 flushed so a call reads from device memory as it does inside a full step (the device
@@ -199,3 +201,54 @@ def rel_err(a, b) -> float:
     if not bool(torch.isfinite(a).all()):
         return math.inf
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def clock(device: torch.device) -> float:
+    """Seconds from a monotonic clock, after synchronizing ``device`` (CUDA) so time is real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class PhaseTimer:
+    """Clock readings of a step's phase boundaries with one synchronization per step.
+
+    ``mark()`` at each boundary, ``finish()`` at the step's end: returns the clock reading
+    (:func:`clock` seconds) of every mark and of the end. On CUDA the marks are CUDA events, so
+    the host never waits between phases (a synchronization per mark would leave the device idle
+    while the host launches the next phase); the readings are placed back from the end by the
+    events' elapsed times, i.e. a phase's duration is the device time from its mark to the
+    next. On the CPU the marks read the clock directly. Disabled: no marks, ``finish`` returns
+    0.0 for each mark asked and the end's reading.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device, self.enabled = device, enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        """A phase boundary (a CUDA event on the current stream, or a clock reading)."""
+        if not self.enabled:
+            self.marks.append(None)
+        elif self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def finish(self) -> list[float]:
+        """Readings [s] of the marks, then of the end (synchronizes the device once)."""
+        if not self.enabled:
+            return [0.0] * len(self.marks) + [clock(self.device)]
+        if not self.cuda:
+            return self.marks + [time.perf_counter()]
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        now = clock(self.device)
+        evs = self.marks + [end]
+        out = [now]
+        for a, b in zip(reversed(evs[:-1]), reversed(evs[1:])):
+            out.append(out[-1] - a.elapsed_time(b) / 1e3)
+        return out[::-1]

@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecpilotError
-from .runner import TargetRunner, clock
+from ..tuning.timing import clock
+from .base import WrappingProposer
 
 
-def profile_step_costs(runner: TargetRunner, widths: list[int], repeats: int = 3) -> dict[int, float]:
+def profile_step_costs(runner, widths: list[int], repeats: int = 3) -> dict[int, float]:
     """Seconds of one ``runner.verify`` of a [batch, w] chain for each width w (best of ``repeats``).
 
     Verify never changes committed state (nothing is committed here), so this may run between
@@ -87,8 +88,8 @@ def plan_lengths(survival: torch.Tensor, cost: dict[int, float], overhead_s: flo
     return torch.tensor(best[1], dtype=torch.long)
 
 
-class LoadAwareVerify:
-    """Wraps a chain drafter plug-in: each step its proposal is truncated to :func:`plan_lengths`.
+class LoadAwareVerify(WrappingProposer):
+    """Wraps a chain proposer: each step its proposal is truncated to :func:`plan_lengths`.
 
     The step-cost table is profiled at the first :meth:`start` for the runner's batch size (the
     warm-up run of serve pays for it) at every width 1..verify_width.
@@ -103,24 +104,12 @@ class LoadAwareVerify:
     kind = "load_aware"
 
     def __init__(self, inner, overhead_s: float = 0.0):
-        self.inner = inner
-        if hasattr(inner, "confidence"):
-            inner.confidence = True
+        super().__init__(inner)
+        inner.use_confidence()  # DFlash / DFlash2 attach their top-1 probabilities; DSpark has its head
         self.overhead_s = float(overhead_s)
         self.cost: dict[int, float] | None = None
         self.cost_batch = None
         self.widths: list[int] = []  # chosen widest row per step (for tests and reports)
-
-    capture = property(lambda self: self.inner.capture)
-    verify_width = property(lambda self: self.inner.verify_width)
-
-    @property
-    def block_size(self):
-        return self.inner.block_size
-
-    @block_size.setter
-    def block_size(self, v):
-        self.inner.block_size = v
 
     def start(self, runner, prompts, features, first) -> None:
         self.inner.start(runner, prompts, features, first)
@@ -134,15 +123,17 @@ class LoadAwareVerify:
             return prop
         surv = prop.survival
         if surv is None:
-            raise SpecpilotError(f"verify_budget load_aware needs draft confidences; drafter "
-                                 f"{getattr(self.inner, 'kind', type(self.inner).__name__)} gives none")
+            raise SpecpilotError(f"verify_budget load_aware needs draft confidences; proposer "
+                                 f"{self.inner.kind} gives none")
         lengths = plan_lengths(surv, self.cost, self.overhead_s).to(prop.tokens.device)
         out = prop.truncate(lengths)
         self.widths.append(out.width)
         return out
 
-    def observe(self, features, start, counts, committed) -> None:
-        self.inner.observe(features, start, counts, committed)
+    def can_observe_row(self) -> bool:
+        """Refills prefill as one block over every row (the planner profiled whole-batch steps)."""
+        return False
 
-    def reset_slot(self, b, prompt_ids, first_token, reference=None) -> None:
-        self.inner.reset_slot(b, prompt_ids, first_token, reference)
+    def can_overlap(self) -> bool:
+        """Truncated proposals verify through the plain loop (overlap drafts the inner chain as is)."""
+        return False

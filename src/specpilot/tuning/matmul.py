@@ -1,14 +1,14 @@
 """Tuning of the engine's bf16 Triton matmul tables for the GPU they run on (the kernel sub-agent's
 ``engine_configs``, :mod:`specpilot.agent.kernel_agent`).
 
-The Triton step (:class:`~specpilot.engine.graphs.FastTarget`) runs five matmul roles per step with
+The Triton step (:class:`~specpilot.fastpath.dense.FastTarget`) runs five matmul roles per step with
 a block config per row bucket (``DEFAULT_CONFIGS``: role -> {max_rows: config key}, tuned on an
 H200 for the Qwen3-8B shape). :func:`tune_engine_configs` re-tunes the buckets of up to 64 rows
 (16, 32, 64: AR decode, single-request verification, small batches) for the deployment's target
 shape on this GPU, through the engine's own call (``FastTarget._apply``, the call
 ``FastTarget._linear`` makes for a Triton config) on a one-layer random-weight copy of the target
 (q/k/v and gate/up fused as the engine fuses them). Per role (weight [N rows, K], fused layout of
-:func:`~specpilot.engine.graphs.fuse_weights`):
+:func:`~specpilot.fastpath.dense.fuse_weights`):
 
 - ``qkv``: N = (H + 2 Hkv) D, K = hidden, RMSNorm before (input_layernorm);
 - ``o``: N = hidden, K = H D, residual epilogue;
@@ -34,36 +34,28 @@ the two confirms it faster by ``min_gain`` (or when the default failed its own c
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import sys
 import types
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import SpecpilotError
-from .graphs import DEFAULT_CONFIGS, LINEAR_ROLES
+from ..fastpath.dense import FastTarget
+from ..fastpath.support import dense_support
+from ..fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, TUNE_ROWS, LinearConfig, role_layout, row_tile
+from ..models.qwen3 import Transformer
+from .timing import graph_us, rel_err
 
-TUNE_ROWS = (16, 32, 64)  # the row buckets of DEFAULT_CONFIGS the sub-agent tunes
 FP32_REL_TOL = 2e-2  # relative L2 error against the fp32 reference a config may have at most
 # (bn, bk, warps, stages) of the candidates (in this order after the default): the blocks of the
-# default tables up to 64 rows, triton_step.CANDIDATES and gpu_bench/bench_verify.py's SMALL family
+# default tables up to 64 rows, fastpath.tables.CANDIDATES and the verify benchmark's small family
 BLOCKS = ((32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 3), (32, 512, 4, 3), (16, 512, 4, 3),
           (64, 128, 4, 4), (64, 256, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (64, 64, 4, 6),
           (128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3))
 SMEM_LIMIT = 200 * 1024  # pipeline shared memory a candidate may use (bytes; the H100/H200 allow 227 KiB)
-
-
-def role_layout(role: str) -> tuple[bool, bool, bool]:
-    """(norm before, residual epilogue, SwiGLU epilogue) of a matmul role, as FastTarget._layer runs it.
-
-    Raises SpecpilotError for an unknown role."""
-    layouts = {"qkv": (True, False, False), "o": (False, True, False), "gate_up": (True, False, True),
-               "down": (False, True, False), "lm_head": (True, False, False)}
-    if role not in layouts:
-        raise SpecpilotError(f"unknown linear role {role!r}; roles: {', '.join(LINEAR_ROLES)}")
-    return layouts[role]
 
 
 def role_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -103,8 +95,6 @@ def candidate_linear_configs(role: str, rows: int, limit: int = 16) -> list[str]
     Raises:
         SpecpilotError: an unknown role, ``rows`` outside 1 .. 64, ``limit`` < 1.
     """
-    from .triton_step import LinearConfig, row_tile
-
     swiglu = role_layout(role)[2]
     if not 1 <= int(rows) <= max(TUNE_ROWS):
         raise SpecpilotError(f"matmul tuning covers 1 .. {max(TUNE_ROWS)} rows, got {rows}")
@@ -119,14 +109,6 @@ def candidate_linear_configs(role: str, rows: int, limit: int = 16) -> list[str]
         if fits(c, swiglu) and c.key() not in out:
             out.append(c.key())
     return out[:limit]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative L2 error ||a - b|| / ||b|| in fp32 (inf when ``a`` has a NaN)."""
-    a, b = a.float(), b.float()
-    if torch.isnan(a).any():
-        return math.inf
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def pick_config(default: str, trials: list[dict], min_gain: float,
@@ -154,46 +136,11 @@ def pick_config(default: str, trials: list[dict], min_gain: float,
     return default, f"not {min_gain:.0%} faster when re-timed ({tb:.2f} vs {td:.2f} us)"
 
 
-def graph_us(fns: list[Callable[[], object]], iters: int = 10, calls: int = 8) -> float:
-    """Median device microseconds per call of the launches ``fns`` (CUDA only): a CUDA graph of
-    the ``fns`` in turn, repeated to at least ``calls`` calls, replayed ``iters`` times between CUDA
-    events (no host launch cost in the time; a Triton launch from Python costs more than a small
-    matmul runs). Warmed (compiled) on a side stream before the capture."""
-    passes = max(1, -(-calls // len(fns)))
-
-    def run():
-        for _ in range(passes):
-            for f in fns:
-                f()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (passes * len(fns)))
-    del g
-    return statistics.median(times)
-
-
 def _one_layer_target(cfg, device, dtype, seed: int):
     """A random one-layer copy of a dense target config on ``device`` (matrices N(0, 0.02), norm
-    weights 1 + N(0, 0.1)), and its FastTarget (which fuses q/k/v and gate/up as the engine does)."""
-    from ..models.qwen3 import Transformer
-    from .graphs import FastTarget, fast_path_supported
+    weights 1 + N(0, 0.1)), and its FastTarget (which fuses q/k/v and gate/up as the engine does).
 
+    Raises SpecpilotError when the dense step cannot run the shape."""
     one = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=[], layer_rope=[])
     with torch.device("meta"):
         model = Transformer(one)
@@ -205,9 +152,121 @@ def _one_layer_target(cfg, device, dtype, seed: int):
                 p.normal_(0.0, 0.02, generator=g)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g, device=device))
-    if not fast_path_supported(model):
-        raise SpecpilotError("the engine's Triton step does not run this target (head_dim not a power of two)")
+    why = dense_support(model)
+    if why is not None:
+        raise SpecpilotError(f"the engine's Triton step does not run this target: {why}")
     return model, FastTarget(model)
+
+
+@dataclass
+class _RoleProbe:
+    """One role's seeded probe: inputs, the engine's call, each row computed alone by the decode
+    config (the batch-invariance reference) and the fp32 reference."""
+
+    role: str
+    call: Callable
+    fresh: Callable
+    x: torch.Tensor
+    w: torch.Tensor
+    alone: torch.Tensor
+    ref: torch.Tensor
+    decode: object
+    base_err: float
+
+
+def _probe(fast, model, role: str, Mmax: int, g, device, dtype) -> _RoleProbe:
+    """The probe of ``role`` on the one-layer target (see :class:`_RoleProbe`)."""
+    L = model.model.layers[0]
+    weights = {"qkv": (L.fused_qkv, L.input_layernorm.weight), "o": (L.self_attn.o_proj.weight, None),
+               "gate_up": (L.fused_gate_up, L.post_attention_layernorm.weight),
+               "down": (L.mlp.down_proj.weight, None), "lm_head": (model.lm_head.weight, model.model.norm.weight)}
+    w, norm = weights[role]
+    _, res, sw = role_layout(role)
+    Kd = w.shape[1]
+    N = w.shape[0] // 2 if sw else w.shape[0]
+    x = torch.randn(Mmax, Kd, generator=g, device=device).to(dtype)
+    r = torch.randn(Mmax, N, generator=g, device=device).to(dtype) if res else None
+    ws = types.SimpleNamespace(xn=torch.empty(Mmax, Kd, dtype=dtype, device=device), gu=None, extra={})
+
+    def call(c, xm, wm, out):
+        # the engine's call of a Triton config (FastTarget._linear -> _apply); out holds the residual
+        return fast._apply(c, xm, wm, out, ws, norm, out if res else None, sw)
+
+    def fresh(lo, hi):
+        return r[lo:hi].clone() if r is not None else torch.full((hi - lo, N), float("nan"), dtype=dtype, device=device)
+
+    decode = fast.config_for(role, 1)
+    alone = torch.empty(Mmax, N, dtype=dtype, device=device)  # each row by the decode config at M = 1
+    for i in range(Mmax):
+        alone[i:i + 1] = call(decode, x[i:i + 1], w, fresh(i, i + 1))
+    xf = x.float()
+    if norm is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * norm.float()
+    ref = xf @ w.float().t()
+    if sw:
+        ref = torch.nn.functional.silu(ref[:, :N]) * ref[:, N:]
+    if res:
+        ref = ref + r.float()
+    return _RoleProbe(role, call, fresh, x, w, alone, ref, decode, rel_err(alone, ref))
+
+
+def _trial(pr: _RoleProbe, M: int, key: str, checks: list[int], tol: float, timed, wbytes: int,
+           bandwidth: float | None) -> dict:
+    """Check one candidate config (bit-equal rows, fp32 error) and time it when it passes."""
+    t = {"role": pr.role, "rows": M, "config": key, "checked_rows": checks}
+    try:
+        c = LinearConfig.parse(key)
+        eq, err = True, 0.0
+        for m in checks:
+            o = pr.call(c, pr.x[:m], pr.w, pr.fresh(0, m))
+            eq &= bool(torch.equal(o, pr.alone[:m]))
+            err = max(err, rel_err(o, pr.ref[:m]))
+        t.update(bit_equal=eq, rel_err=err, passed=eq and err <= tol, us=None)
+        if t["passed"]:
+            t["us"] = float(timed(key))
+            if bandwidth:
+                t["bw_fraction"] = wbytes / (t["us"] * 1e-6) / bandwidth
+    except Exception as e:  # noqa: BLE001 - a config that does not compile / launch is no candidate
+        t.update(passed=False, us=None, error=f"{type(e).__name__}: {str(e)[:160]}")
+    return t
+
+
+def _tune_bucket(pr: _RoleProbe, M: int, lo: int, copies: list, tol: float, timer, opts: dict, log) -> tuple[dict, list]:
+    """One (role, row bucket): the candidates checked and timed, the winner confirmed by a
+    re-timing that alternates it with the default. Returns (summary row, trials)."""
+    role, default = pr.role, DEFAULT_CONFIGS[pr.role][str(M)]
+    checks = sorted({lo, M})
+    out_t = pr.fresh(0, M)
+    wbytes = pr.w.numel() * pr.w.element_size()
+
+    def timed(key):
+        c = LinearConfig.parse(key)
+        return timer(key, [lambda c=c, wc=wc: pr.call(c, pr.x[:M], wc, out_t) for wc in copies])
+
+    bucket = [_trial(pr, M, key, checks, tol, timed, wbytes, opts["bandwidth"])
+              for key in candidate_linear_configs(role, M, opts["max_configs"])]
+
+    def confirm(a, b):
+        ta, tb = [], []
+        try:
+            for _ in range(opts["confirm_repeats"]):
+                ta.append(float(timed(a)))
+                tb.append(float(timed(b)))
+        except Exception as e:  # noqa: BLE001 - an unconfirmed winner is no winner
+            log(f"engine {role} M<={M}: re-timing failed ({type(e).__name__}: {e}); default kept")
+            return 1.0, 1.0
+        return statistics.median(ta), statistics.median(tb)
+
+    chosen, why = pick_config(default, bucket, opts["min_gain"], confirm)
+    d = next(t for t in bucket if t["config"] == default)
+    ok = [t for t in bucket if t.get("passed") and t.get("us") is not None]
+    best = min(ok, key=lambda t: t["us"]) if ok else None
+    log(f"engine {role} M<={M}: default {default} {d.get('us') or float('nan'):.2f} us, "
+        f"{len(ok)}/{len(bucket)} passed, chosen {chosen} ({why})")
+    row = {"role": role, "rows": M, "default": default, "default_us": d.get("us"), "default_passed": d.get("passed"),
+           "best": best and best["config"], "best_us": best and best["us"], "chosen": chosen, "why": why,
+           "candidates": len(bucket), "passed": len(ok)}
+    return row, bucket
 
 
 def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[int, ...] = TUNE_ROWS,
@@ -223,7 +282,8 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
     alternating timings of each, medians). ``bandwidth``: the device's copy bandwidth in bytes/s
     (ceilings.json) to report each timing's fraction of. ``timer(key, fns) -> microseconds per
     call`` times the launches ``fns`` (one per weight copy) of config ``key``; default
-    :func:`graph_us` (CUDA). ``dtype``: bf16 on the GPU (fp32 for the CPU interpreter in tests).
+    :func:`~specpilot.tuning.timing.graph_us` (CUDA). ``dtype``: bf16 on the GPU (fp32 for the CPU
+    interpreter in tests).
 
     Returns:
         ``{"engine_configs": {role: {max_rows (str): key}} (only the entries that differ from
@@ -244,120 +304,38 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
         raise SpecpilotError(f"engine matmul tuning rows must be among {TUNE_ROWS}, got {tuple(rows)}")
     for role in roles:
         role_layout(role)
-    from .triton_step import LinearConfig
-
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     device = torch.device(device)
     timer = timer or (lambda key, fns: graph_us(fns))
+    opts = {"bandwidth": bandwidth, "max_configs": max_configs, "min_gain": min_gain, "confirm_repeats": confirm_repeats}
     rows = tuple(sorted(rows))
     model, fast = _one_layer_target(cfg, device, dtype, seed)
-    L = model.model.layers[0]
-    weights = {"qkv": (L.fused_qkv, L.input_layernorm.weight), "o": (L.self_attn.o_proj.weight, None),
-               "gate_up": (L.fused_gate_up, L.post_attention_layernorm.weight),
-               "down": (L.mlp.down_proj.weight, None), "lm_head": (model.lm_head.weight, model.model.norm.weight)}
-    eps = model.config.rms_norm_eps
-    l2 = 0
-    if device.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
+    l2 = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)) \
+        if device.type == "cuda" else 0
     table: dict[str, dict[str, str]] = {}
     summary, trials = [], []
-    Mmax = max(rows)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for role in roles:
-            w, norm = weights[role]
-            _, res, sw = role_layout(role)
-            Kd = w.shape[1]
-            N = w.shape[0] // 2 if sw else w.shape[0]
-            x = torch.randn(Mmax, Kd, generator=g, device=device).to(dtype)
-            r = torch.randn(Mmax, N, generator=g, device=device).to(dtype) if res else None
-            ws = types.SimpleNamespace(xn=torch.empty(Mmax, Kd, dtype=dtype, device=device), gu=None)
-
-            def call(c, xm, wm, out, norm=norm, res=res, sw=sw, ws=ws):
-                # the engine's call of a Triton config (FastTarget._linear -> _apply); out holds the residual
-                return fast._apply(c, xm, wm, out, ws, norm, out if res else None, sw)
-
-            def fresh(lo, hi, r=r, N=N):
-                return r[lo:hi].clone() if r is not None else torch.full((hi - lo, N), float("nan"), dtype=dtype,
-                                                                         device=device)
-
-            decode = fast.config_for(role, 1)
-            alone = torch.empty(Mmax, N, dtype=dtype, device=device)  # each row by the decode config at M = 1
-            for i in range(Mmax):
-                alone[i:i + 1] = call(decode, x[i:i + 1], w, fresh(i, i + 1))
-            xf = x.float()
-            if norm is not None:
-                xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
-            ref = xf @ w.float().t()
-            if sw:
-                ref = torch.nn.functional.silu(ref[:, :N]) * ref[:, N:]
-            if res:
-                ref = ref + r.float()
-            base_err = rel_err(alone, ref)
-            if not base_err <= FP32_REL_TOL:
-                summary.append({"role": role, "rows": None, "default": decode.key(), "chosen": None,
-                                "why": f"the decode config is off the fp32 reference (rel err {base_err:.3g}); "
+            pr = _probe(fast, model, role, max(rows), g, device, dtype)
+            if not pr.base_err <= FP32_REL_TOL:
+                summary.append({"role": role, "rows": None, "default": pr.decode.key(), "chosen": None,
+                                "why": f"the decode config is off the fp32 reference (rel err {pr.base_err:.3g}); "
                                        "defaults kept"})
-                log(f"engine {role}: decode config {decode.key()} rel err {base_err:.3g}: skipped")
+                log(f"engine {role}: decode config {pr.decode.key()} rel err {pr.base_err:.3g}: skipped")
                 continue
-            tol = max(FP32_REL_TOL, 1.5 * base_err)
-            wbytes = w.numel() * w.element_size()
-            copies = [w] + [w.clone() for _ in range(max(1, min(8, -(-2 * l2 // wbytes))) - 1)] if l2 else [w]
+            tol = max(FP32_REL_TOL, 1.5 * pr.base_err)
+            wbytes = pr.w.numel() * pr.w.element_size()
+            copies = [pr.w] + [pr.w.clone() for _ in range(max(1, min(8, -(-2 * l2 // wbytes))) - 1)] if l2 else [pr.w]
             lo = 1
             for M in rows:
-                default = DEFAULT_CONFIGS[role][str(M)]
-                checks = sorted({lo, M})
-                out_t = fresh(0, M)
-
-                def timed(key, M=M, out_t=out_t):
-                    c = LinearConfig.parse(key)
-                    return timer(key, [lambda c=c, wc=wc: call(c, x[:M], wc, out_t) for wc in copies])
-
-                bucket = []
-                for key in candidate_linear_configs(role, M, max_configs):
-                    t = {"role": role, "rows": M, "config": key, "checked_rows": checks}
-                    try:
-                        c = LinearConfig.parse(key)
-                        eq, err = True, 0.0
-                        for m in checks:
-                            o = call(c, x[:m], w, fresh(0, m))
-                            eq &= bool(torch.equal(o, alone[:m]))
-                            err = max(err, rel_err(o, ref[:m]))
-                        t.update(bit_equal=eq, rel_err=err, passed=eq and err <= tol, us=None)
-                        if t["passed"]:
-                            t["us"] = float(timed(key))
-                            if bandwidth:
-                                t["bw_fraction"] = wbytes / (t["us"] * 1e-6) / bandwidth
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile / launch is no candidate
-                        t.update(passed=False, us=None, error=f"{type(e).__name__}: {str(e)[:160]}")
-                    bucket.append(t)
+                row, bucket = _tune_bucket(pr, M, lo, copies, tol, timer, opts, log)
+                summary.append(row)
                 trials += bucket
-
-                def confirm(a, b):
-                    ta, tb = [], []
-                    try:
-                        for _ in range(confirm_repeats):
-                            ta.append(float(timed(a)))
-                            tb.append(float(timed(b)))
-                    except Exception as e:  # noqa: BLE001 - an unconfirmed winner is no winner
-                        log(f"engine {role} M<={M}: re-timing failed ({type(e).__name__}: {e}); default kept")
-                        return 1.0, 1.0
-                    return statistics.median(ta), statistics.median(tb)
-
-                chosen, why = pick_config(default, bucket, min_gain, confirm)
-                d = next(t for t in bucket if t["config"] == default)
-                ok = [t for t in bucket if t.get("passed") and t.get("us") is not None]
-                best = min(ok, key=lambda t: t["us"]) if ok else None
-                summary.append({"role": role, "rows": M, "default": default, "default_us": d.get("us"),
-                                "default_passed": d.get("passed"), "best": best and best["config"],
-                                "best_us": best and best["us"], "chosen": chosen, "why": why,
-                                "candidates": len(bucket), "passed": len(ok)})
-                log(f"engine {role} M<={M}: default {default} {d.get('us') or float('nan'):.2f} us, "
-                    f"{len(ok)}/{len(bucket)} passed, chosen {chosen} ({why})")
-                if chosen != default:
-                    table.setdefault(role, {})[str(M)] = chosen
+                if row["chosen"] != row["default"]:
+                    table.setdefault(role, {})[str(M)] = row["chosen"]
                 lo = M + 1
-            del copies, x, r, ws, alone, ref, xf
+            del copies, pr
     del fast, model
     if device.type == "cuda":
         torch.cuda.empty_cache()

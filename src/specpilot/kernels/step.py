@@ -24,7 +24,7 @@ how many rows share a weight tile, never a row's sum, and the KV chunks of atten
 cache size only. So the logits of a token are bit-identical whether it is decoded alone (AR) or
 verified inside a block or a batch. That a tile of more rows (or another column / K tiling of the
 tensor-core product) leaves each row's bits unchanged is a property of the hardware's MMA, not of
-the language: ``benchmarks/bench_verify.py`` checks it on the GPU for every config and M it uses,
+the language: ``specpilot bench verify`` checks it on the GPU for every config and M it uses,
 and ``tests/test_gpu_path.py`` under the interpreter.
 
 The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
@@ -37,79 +37,16 @@ mis-multiplies bf16 ``tl.dot``, so the kernels take an exact fp32 dot when inter
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..fastpath.tables import BM, CANDIDATES, ROW_TILES, LinearConfig, row_tile  # noqa: F401 (re-used names)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-BM = 16  # fewest rows per matmul tile (tensor-core minimum)
-ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
 BR = 16  # query rows per attention tile (default; AttnWorkspace(rows=0) picks by block length)
 COMBINE_ROWS = 16  # rows per program of the attention combine kernel
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    """Block config of :func:`linear`: output columns per program, K step, warps, pipeline stages.
-
-    ``prenorm``: for matmuls that follow an RMSNorm, run the norm as its own kernel
-    (:func:`rmsnorm`) instead of folding it into the matmul's prologue (the fold costs element-wise
-    work in every program, which pays only when programs own many output columns).
-
-    ``bm``: the most rows per tile (one of :data:`ROW_TILES`); M rows use the smallest row tile
-    that covers M, at most ``bm`` (:func:`row_tile`). 16 reproduces the fixed 16-row tiles.
-    Key: ``bn{bn}-bk{bk}-w{warps}-s{stages}[-p][-m{bm}]`` (no ``-m`` part: ``bm`` = 16).
-    """
-
-    bn: int = 16
-    bk: int = 512
-    warps: int = 4
-    stages: int = 3
-    prenorm: bool = False
-    bm: int = 16
-
-    def __post_init__(self):
-        if self.bm not in ROW_TILES:
-            raise ValueError(f"bm must be one of {ROW_TILES}, got {self.bm}")
-
-    def key(self) -> str:
-        return (f"bn{self.bn}-bk{self.bk}-w{self.warps}-s{self.stages}" + ("-p" if self.prenorm else "")
-                + (f"-m{self.bm}" if self.bm != BM else ""))
-
-    @classmethod
-    def parse(cls, key: str) -> "LinearConfig":
-        """Inverse of :meth:`key`; raises ValueError naming a malformed key."""
-        import re
-
-        m = re.fullmatch(r"bn(\d+)-bk(\d+)-w(\d+)-s(\d+)(-p)?(?:-m(\d+))?", key)
-        if m is None:
-            raise ValueError(f"bad linear config key {key!r}")
-        bn, bk, w, s = map(int, m.groups()[:4])
-        return cls(bn, bk, w, s, m.group(5) is not None, int(m.group(6) or BM))
-
-
-def row_tile(M: int, cap: int) -> int:
-    """Rows per matmul tile for M rows: the smallest of :data:`ROW_TILES` >= M, at most ``cap``."""
-    for bm in ROW_TILES:
-        if bm >= M or bm >= cap:
-            return min(bm, cap)
-    return cap
-
-
-CANDIDATES = (
-    LinearConfig(16, 512, 4, 3),
-    LinearConfig(16, 256, 4, 4),
-    LinearConfig(32, 256, 4, 4),
-    LinearConfig(32, 256, 4, 3),
-    LinearConfig(32, 128, 4, 6),
-    LinearConfig(32, 512, 4, 3),
-    LinearConfig(64, 128, 4, 4),
-    LinearConfig(64, 256, 4, 3),
-    LinearConfig(64, 128, 8, 4),
-    LinearConfig(128, 64, 4, 4),
-)
 
 
 @triton.jit
@@ -524,36 +461,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale, max(ring, 1),
         CHUNK=ws.chunk, RB=COMBINE_ROWS, D=head_dim, WINDOWED=window > 0, INTERP=INTERPRET, num_warps=4)
     return out
-
-
-def tree_paths(ancestors: torch.Tensor) -> torch.Tensor:
-    """Per node its ancestors in the order of depth: int32 [B, T, 64] whose entry [b, t, d] is the
-    block index of t's ancestor at depth d (d < depth of t; 0 past it), from an ancestor mask
-    bool [B, T, T] (t itself included, T <= 64; parents before children, so an ancestor's index
-    grows with its depth). Raises ValueError for trees of more than 64 nodes."""
-    B, T, _ = ancestors.shape
-    if T > 64:
-        raise ValueError(f"tree blocks of at most 64 nodes fit the path table, got {T}")
-    eye = torch.eye(T, dtype=torch.bool, device=ancestors.device)
-    anc = ancestors.bool() & ~eye
-    rank = torch.where(anc, anc.long().cumsum(-1) - 1, 64)
-    out = torch.zeros(B, T, 65, dtype=torch.int64, device=ancestors.device)
-    idx = torch.arange(T, device=ancestors.device).expand(B, T, T)
-    out.scatter_(2, rank, idx)
-    return out[..., :64].to(torch.int32).contiguous()
-
-
-def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
-    """Pack an ancestor mask bool [B, T, T] (T <= 64) into int64 [B, T]: bit j of row t set when
-    block node j is t or an ancestor of t (the tree form of :func:`attention`). Raises ValueError
-    for T > 64."""
-    B, T, _ = ancestors.shape
-    if T > 64:
-        raise ValueError(f"tree blocks of at most 64 nodes fit the ancestor bit mask, got {T}")
-    w = torch.ones(T, dtype=torch.int64, device=ancestors.device) << torch.arange(T, device=ancestors.device)
-    if T == 64:
-        w[63] = -(1 << 63)  # the sign bit
-    return (ancestors.to(torch.int64) * w).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------

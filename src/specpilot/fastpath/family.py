@@ -1,24 +1,24 @@
 """The GPU fast path of the hybrid (Qwen3.5 / 3.8: Gated DeltaNet + gated attention) and the
 Muse-Glimmer (sliding window + global NoPE, sandwich norms, softcapped head) targets.
 
-:class:`FastFamilyTarget` is :class:`~specpilot.engine.graphs.FastTarget` (same matmul kernels,
-configs by rows, workspaces, CUDA graphs through :class:`~specpilot.engine.graphs.StepGraphs`)
+:class:`FastFamilyTarget` is :class:`~specpilot.fastpath.dense.FastTarget` (same matmul kernels,
+configs by rows, workspaces, CUDA graphs through :class:`~specpilot.fastpath.graphs.StepGraphs`)
 with a forward built by layer type from the checkpoint's config:
 
 - attention layers (full, sliding, NoPE): one fused projection ``[q (+ interleaved gate) | k | v
-  (| gate_proj)]`` with the input norm, :func:`family_step.attn_prep` (q/k norm, partial or no
+  (| gate_proj)]`` with the input norm, :func:`specpilot.kernels.family.attn_prep` (q/k norm, partial or no
   RoPE, K/V into the KV cache or, for sliding layers, the model's ring), the split-KV attention
   (windowed over the ring), the output gate, ``o_proj`` (+ the post-attention norm when the
   family uses sandwich norms);
 - Gated DeltaNet layers: one fused projection ``[qkv | z | b | a]``, the conv, the recurrence and
-  the gated norm kernels of :mod:`specpilot.engine.family_step`, ``out_proj``;
+  the gated norm kernels of :mod:`specpilot.kernels.family`, ``out_proj``;
 - SwiGLU MLP (+ pre/post feed-forward norms), final norm, LM head, output multiplier and softcap.
 
 State: the forward reads and writes the model's own :class:`~specpilot.models.state.TargetState`
 (KV cache, rings, GDN conv / recurrent states), so the eager forward, rollback and row resets keep
 working on the same tensors. A chain verify (``write=False``) leaves the GDN state as it is and
 keeps every GDN layer's projections (the tape); :meth:`FastFamilyTarget.commit_recurrent` then
-replays each row's accepted tokens from the committed state (checkpoint + replay) in two kernel
+re-runs each row's accepted tokens from the committed state (checkpoint + re-run) in two kernel
 launches for all layers. Decode and prefill (``write=True``) advance the state directly.
 Trees on these targets stay on the eager path (the runner routes them there).
 """
@@ -30,9 +30,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import SpecpilotError
+from ..kernels import family as kfamily
 from ..models.layers import RMSNorm
 from ..models.norms import ScalelessRMSNorm, WeightedRMSNorm
-from .graphs import FastTarget, _Workspace, fuse_linears
+from .dense import FastTarget, _Workspace, fuse_linears
+from .support import family_support
 
 
 def norm_scale(mod: nn.Module, dim: int, device) -> torch.Tensor:
@@ -46,38 +48,6 @@ def norm_scale(mod: nn.Module, dim: int, device) -> torch.Tensor:
     if isinstance(mod, ScalelessRMSNorm) or mod is None:
         return torch.ones(dim, dtype=torch.float32, device=device)
     raise SpecpilotError(f"no fast-path form for the norm {type(mod).__name__}")
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
-
-
-def family_fast_supported(model) -> str | None:
-    """None when :class:`FastFamilyTarget` can run ``model``, else the reason it cannot (a string).
-
-    Needs plain ``nn.Linear`` projections, power-of-two head dims (attention, GDN key and value),
-    an even rotary dim, a conv kernel of 4 and no layer type beyond full / sliding / linear
-    attention.
-    """
-    c = model.config
-    if not _pow2(c.head_dim):
-        return f"head_dim {c.head_dim} is not a power of two"
-    if set(c.layer_types) - {"full_attention", "sliding_attention", "linear_attention"}:
-        return f"layer types {sorted(set(c.layer_types))}"
-    if c.is_recurrent:
-        if not (_pow2(c.linear_key_head_dim) and _pow2(c.linear_value_head_dim)):
-            return "GDN head dims must be powers of two"
-        if c.linear_conv_kernel_dim != 4:
-            return f"GDN conv kernel {c.linear_conv_kernel_dim} (the fast path has 4)"
-    if c.rotary_dim % 2:
-        return f"odd rotary dim {c.rotary_dim}"
-    for layer in model.model.layers:
-        for mod in layer.modules():
-            if mod is not layer and isinstance(mod, nn.Module) and mod.__class__.__name__.startswith("W12"):
-                return "12-bit weights"
-    if type(model.lm_head) is not nn.Linear:
-        return "the LM head is not a plain linear layer"
-    return None
 
 
 def fuse_family_weights(model) -> None:
@@ -101,16 +71,14 @@ class FastFamilyTarget(FastTarget):
     :meth:`FastTarget.forward` plus ``write`` (advance the recurrent state: decode, prefill);
     after a verify (``write=False``) call :meth:`commit_recurrent` with the accepted counts.
 
-    Raises SpecpilotError when the model is not supported (:func:`family_fast_supported`).
+    Raises SpecpilotError when the model is not supported (:func:`~specpilot.fastpath.support.family_support`).
     """
 
     def __init__(self, model, configs: dict | None = None, attn_rows: int | None = None):
-        from . import family_step
-
-        why = family_fast_supported(model)
+        why = family_support(model)
         if why:
             raise SpecpilotError(f"the family fast path cannot run this target: {why}")
-        self.f = family_step
+        self.f = kfamily
         super().__init__(model, configs, attn_rows)
         self._params()
         self._last = None  # (B, T, rows, workspace) of the last verify on a recurrent target
@@ -200,7 +168,7 @@ class FastFamilyTarget(FastTarget):
             g = self.gdn0
             n_in = g["a_off"] + c.linear_num_value_heads
             vd = c.linear_num_value_heads * c.linear_value_head_dim
-            L = 1 if write else self.n_gdn  # a verify keeps every layer's projections for the commit replay
+            L = 1 if write else self.n_gdn  # a verify keeps every layer's projections for the commit re-run
             ws.extra["proj"] = torch.zeros(L, M, n_in, **z)
             ws.extra["mixed"] = torch.zeros(L, M, g["conv_dim"], **z)
             ws.extra["o"] = torch.zeros(M, vd, **z)
@@ -325,7 +293,7 @@ class FastFamilyTarget(FastTarget):
     def commit_recurrent(self, counts: torch.Tensor) -> None:
         """After a chain verify (``write=False``): advance every GDN layer's recurrent and conv
         state by the first ``counts[b]`` (int64 [B], on the device) block tokens of each row,
-        replayed from the committed state in two launches. A no-op without a pending verify."""
+        re-run from the committed state in two launches. A no-op without a pending verify."""
         if self._last is None:
             return
         B, T, rows, ws = self._last
@@ -340,7 +308,7 @@ class FastFamilyTarget(FastTarget):
 
     def note_verify(self, B: int, T: int, n_capture: int) -> None:
         """A chain verify of (B, T) over all rows just ran (a graph replay runs no Python, so the
-        runner says so): :meth:`commit_recurrent` replays from that shape's kept workspace."""
+        runner says so): :meth:`commit_recurrent` re-runs from that shape's kept workspace."""
         ws = self._family_ws(B, T, n_capture, keep=True, write=False)
         self._last = (B, T, slice(None), ws)
 

@@ -32,21 +32,23 @@ rank r. Side leaves have no children, so a hit commits one token more. The expec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecpilotError
+from .base import Proposer
+from .proposal import chain, spine_tree
 
 
 
 def _profile_dir():
     """The packaged replay profiles (``specpilot/replay_profiles``, package data)."""
-    from importlib.resources import files
-
     return files("specpilot") / "replay_profiles"
 
 
@@ -210,7 +212,7 @@ def calibrate(target_tau: float, block_size: int = 16, slope: float = 0.006) -> 
     return [round(min(1.0, max(0.0, hi - slope * j)), 6) for j in range(block_size - 1)]
 
 
-class ReplayProposer:
+class ReplayProposer(Proposer):
     """Drafts the reference continuation with profile-drawn wrong tokens (see the module docstring).
 
     Args:
@@ -242,7 +244,7 @@ class ReplayProposer:
                  block_size: int | None = None, tree_branch: int = 0, tree_depth: int = 1,
                  rank_draws: bool = False):
         self.refs = [list(r) for r in references]
-        self.block_size = int(block_size or getattr(network, "block_size", 0) or profile.block_size)
+        self.block_size = int(block_size or (network.block_size if network is not None else 0) or profile.block_size)
         if self.block_size < 2:
             raise SpecpilotError(f"replay: block size must be >= 2, got {self.block_size}")
         self.branch, self.depth = int(tree_branch), int(tree_depth)
@@ -251,7 +253,7 @@ class ReplayProposer:
         self.rank_draws = bool(rank_draws)
         if (self.branch or self.rank_draws) and profile.recall is None:
             raise SpecpilotError(f"replay: side branches need a profile with rank_recall; {profile.name!r} has none")
-        self.capture = tuple(getattr(network, "capture", ()))
+        self.capture = tuple(network.capture) if network is not None else ()
         self.profile = profile
         self.vocab = vocab_size
         self.network = network
@@ -260,12 +262,11 @@ class ReplayProposer:
         self.rngs: list[random.Random] = []
         self.planted: list[int] = []  # accepted count drawn per step and row (for tests)
         self.leaves: list[int | None] = []  # side leaf holding the correct token per step and row (trees)
+        self._pin = None  # pinned host buffer of the chain proposal (CUDA)
 
     @staticmethod
     def _row_rng(seed: int, key: str) -> random.Random:
         """A generator seeded from (seed, key) through SHA-256 (stable across runs and Pythons)."""
-        import hashlib
-
         digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
         return random.Random(int.from_bytes(digest[:8], "big"))
 
@@ -294,13 +295,17 @@ class ReplayProposer:
         return self.proposal(None, last)
 
     def _network_block(self) -> None:
-        if getattr(self.network, "kind", "") in ("dflash", "dflash2"):  # same counting: draft this block
+        if self.network.kind in ("dflash", "dflash2"):  # same counting: draft this block
             self.network.block_size = self.block_size
-            self.network.branch, self.network.depth = self.branch, self.depth  # and its side branches
+            self.network.set_tree(self.branch, self.depth)  # and its side branches
+
+    def set_tree(self, branch: int, depth: int) -> None:
+        """Propose the spine + side-branch tree (see the module docstring; 0 branches: a chain)."""
+        self.branch, self.depth = int(branch), int(depth)
 
     def can_observe_row(self) -> bool:
         """Row-wise context injection is available when the network has it (or there is none)."""
-        return self.network is None or bool(getattr(self.network, "can_observe_row", lambda: False)())
+        return self.network is None or self.network.can_observe_row()
 
     def observe_row(self, b: int, features, start: int) -> None:
         """A newcomer's prompt chunk (features [1, T, F] at ``start``) into the network's row b."""
@@ -310,9 +315,7 @@ class ReplayProposer:
     # -- overlap scheduling (specpilot.engine.overlap) ----------------------------------------
     def can_overlap(self) -> bool:
         """Overlaps when its network does (or there is none); chains only."""
-        from .overlap import can_overlap
-
-        return self.branch == 0 and (self.network is None or can_overlap(self.network))
+        return self.branch == 0 and (self.network is None or self.network.can_overlap())
 
     def observe_device(self, features, start, counts) -> None:
         """The network's context injection of a verified block (device work only)."""
@@ -334,8 +337,6 @@ class ReplayProposer:
     def proposal(self, handle, last):
         """The reference chain behind ``last`` [B] with this step's planted wrong token per row
         (a tree: and its side leaves, one of which may hold the reference token)."""
-        from ..drafters.proposal import chain, spine_tree
-
         k = self.block_size - 1
         d_ = min(self.depth, k)
         rows, alts = [], []
@@ -372,7 +373,7 @@ class ReplayProposer:
             # wait for the draft network's step before the verify could be queued). One buffer is
             # enough: the next proposal comes after the host read this step's acceptance, which
             # follows this copy on the stream.
-            if getattr(self, "_pin", None) is None or self._pin.shape != host.shape:
+            if self._pin is None or self._pin.shape != host.shape:
                 self._pin = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
             self._pin.copy_(host)
             host = self._pin
