@@ -1,6 +1,6 @@
 """The maintained benchmark suite: ``specpilot bench NAME [options]``.
 
-Each benchmark is one module of this package with ``SUMMARY`` (one line), ``add_arguments(parser)``
+Each benchmark is one module of this package with ``add_arguments(parser)``
 and ``run(args) -> int``; all time with :mod:`specpilot.tuning.timing`, write one JSON result
 (default ``results/{gpu}/bench/NAME.json``, atomically) and print a short table last. Each has a
 ``--dry-run``: tiny shapes on the CPU (Triton under its interpreter where it runs Triton kernels)
@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                            "against AR, stock with the replay drafter, state memory per request"),
     "w12": ("w12", "12-bit weights: the fast path's per-role w12 choice and its engine step against bf16, "
                    "and the eager W12Linear kernel against bf16 per shape"),
+    "ranks": ("ranks", "per-position rank recall of a built drafter against its target, written as a replay "
+                       "profile with rank_recall, and trees' measured tau against the tau it predicts (CPU)"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
 }

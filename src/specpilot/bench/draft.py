@@ -38,7 +38,6 @@ from ..tuning import timing
 from . import _engine as E
 from ._common import Run, add_common, fmt, kernel_profile
 
-SUMMARY = "the DFlash draft step against its byte floor"
 IMPLS = ("triton", "torch")
 
 

@@ -38,7 +38,6 @@ from ..tuning import timing
 from . import _engine as E
 from ._common import Run, add_common, fmt, kernel_profile, random_tokens
 
-SUMMARY = "AR step / MBU, verify widths, stock end to end"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -37,7 +37,6 @@ from . import _engine as E
 from . import verify_trees
 from ._common import Run, add_common, fmt
 
-SUMMARY = "batched verify steps and trees against the AR step, bit-exact checks"
 SHAPES = "1x1 1x16 1x32 1x64 16x1 16x16 20x1 20x16 24x1 24x16"
 
 
