@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from ..device import detect_gpu
 from ..errors import SpecpilotError
@@ -185,9 +187,6 @@ def kernel_profile(fn: Callable[[], object], n: int = 5) -> dict:
     after 2 warm-up calls), largest first: ``{"kernels": {name: {"ms", "launches"}},
     "kernel_sum_ms"}``. Once the profiler has run in a process every later call is slower
     (CUPTI stays attached): profile after the timings."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(2):
         fn()
     torch.cuda.synchronize()

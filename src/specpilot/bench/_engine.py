@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from ..drafters import make_proposer
 from ..drafters.dflash import DFlashProposer
 from ..drafters.proposal import spine_tree_parents
 from ..drafters.static_tree import optimal_tree
@@ -20,21 +21,39 @@ from ..engine.fast_family import FastFamilyTarget
 from ..engine.generate import generate, generate_ar
 from ..engine.graphs import (DECODE_CONFIGS, DEFAULT_CONFIGS, DrafterGraphs, FastDrafter, FastTarget, StepGraphs,
                              compact_path_, kv_bytes_per_step, step_graphs, tree_inputs, weight_bytes_per_step)
-from ..engine.replay import ReplayProposer, expected_tau, load_profile
+from ..engine.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
 from ..engine.runner import TargetRunner
+from ..engine.w12_fast import install_w12_choice, parse_choice, plant_escapes, tune_w12_choice
+from ..kernels_build import use_w12_library
 from ..models.dflash import DFlashDrafter
 from ..models.layers import chain_ancestors
-from ..models.loading import load_target
-from ..models.random_checkpoint import (build_drafter, build_target, drafter_config, fill_random_, target_config)
+from ..models.loading import load_drafter, load_target
+from ..models.random_checkpoint import build_drafter, build_target, drafter_config, fill_random_, hf_config, target_config
 from ..models.target import Transformer
 
 __all__ = [
+    "AcceptanceProfile", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
+    "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "use_w12_library", "w12_triton",
     "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "DrafterGraphs", "FastDrafter", "FastFamilyTarget",
     "FastTarget", "ReplayProposer", "StepGraphs", "TargetRunner", "build_drafter", "build_target",
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
 ]
+
+def triton_step():
+    """The Triton step's kernel module (imports Triton, so only when asked)."""
+    from ..engine import triton_step as module
+
+    return module
+
+
+def w12_triton():
+    """The 12-bit Triton kernels' module (imports Triton, so only when asked)."""
+    from ..kernels import w12_triton as module
+
+    return module
+
 
 DRY_LAYERS = 2  # target layers of a dry run's dense model under the interpreter
 # a dry run's dense target is smaller still: Triton's interpreter runs every program in Python

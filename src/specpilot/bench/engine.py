@@ -72,7 +72,7 @@ class Engine:
     def build(self) -> dict:
         a, t = self.a, time.time()
         if a.target:
-            self.model = E.load_target(a.target).to(self.dev)
+            self.model = E.load_target(a.target, device=self.dev, dtype=self.dt)
             self.drafter = None
         elif self.run.dry:
             self.model = E.dry_target(a.shape, seed=a.seed)
@@ -226,9 +226,7 @@ def peer(run: Run, a: argparse.Namespace) -> dict:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models.random_checkpoint import hf_config
-
-    d = hf_config(E.target_config(a.shape))
+    d = E.hf_config(E.target_config(a.shape))
     d.pop("architectures", None)
     if run.dry:
         d.update(num_hidden_layers=E.DRY_LAYERS, layer_types=d.get("layer_types", [])[:E.DRY_LAYERS] or None)

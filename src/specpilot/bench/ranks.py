@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-from ..drafters import make_proposer
-from ..engine.replay import AcceptanceProfile, expected_tau_tree
+from ..errors import SpecpilotError
 from ..io import write_json
-from ..models.loading import load_drafter
+from ..prompts import write_prompt_file
 from . import _engine as E
 from ._common import Run, add_common, fmt, random_tokens
 
@@ -82,14 +81,11 @@ def load(a: argparse.Namespace):
         drafter = E.dry_drafter(target, block_size=a.width, seed=a.seed)
         V = target.config.vocab_size
         return target, drafter, [random_tokens(12, V, a.seed + i) for i in range(a.n)]
-    from ..errors import SpecpilotError
-    from ..prompts import write_prompt_file
-
     if not a.deployment:
         raise SpecpilotError("ranks: --deployment (a built deployment folder) is required")
     dep = Path(a.deployment)
     target = E.load_target(dep / "target", device="cpu", dtype=torch.float32)
-    drafter = load_drafter(dep / f"drafter-{a.drafter}", device="cpu", dtype=torch.float32)
+    drafter = E.load_drafter(dep / f"drafter-{a.drafter}", device="cpu", dtype=torch.float32)
     prompts = []
     with tempfile.TemporaryDirectory() as tmp:
         for bench in a.benchmark:
@@ -143,20 +139,20 @@ def measure(a: argparse.Namespace, name: str) -> dict:
     max_seq = max(map(len, prompts)) + a.new + a.width + 1
     ref = [r.output_ids for r in E.generate_ar(E.TargetRunner(target, B, max_seq), prompts, a.new)]
     block = a.width - 1 if a.drafter == "dspark" else a.width  # the drafter's own counting
-    prop = make_proposer(drafter, block, {}, graphs=False)
+    prop = E.make_proposer(drafter, block, {}, graphs=False)
     log: list = []
     hook(prop.drafter, log)
     rows = E.generate(E.TargetRunner(target, B, max_seq, prop.capture), prop, prompts, a.new)
     counts = count(log, prompts, ref, k, K)
     recall = recall_of(counts, K)
-    prof = AcceptanceProfile(name, [r[0] for r in recall], block_size=a.width, recall=recall)
+    prof = E.AcceptanceProfile(name, [r[0] for r in recall], block_size=a.width, recall=recall)
     checks = {}
     for spec in a.tree:
         b, d = (int(x) for x in spec.split(","))
-        tp = make_proposer(drafter, block, {"tree_branch": b, "tree_depth": d}, graphs=False)
+        tp = E.make_proposer(drafter, block, {"tree_branch": b, "tree_depth": d}, graphs=False)
         trows = E.generate(E.TargetRunner(target, B, max_seq + b * d, tp.capture), tp, prompts, a.new)
         checks[f"branch{b}_depth{d}"] = {  # the token budget cuts each row's last step: left out
-            "measured_tau": tau(trows, True), "predicted_tau": round(expected_tau_tree(prof, a.width, b, d), 4),
+            "measured_tau": tau(trows, True), "predicted_tau": round(E.expected_tau_tree(prof, a.width, b, d), 4),
             "chain_measured_tau": tau(rows, True),
             "outputs_equal_ar": f"{sum(r.output_ids == x for r, x in zip(trows, ref))}/{B}"}
     return {"name": name, "block_size": a.width,
@@ -165,7 +161,7 @@ def measure(a: argparse.Namespace, name: str) -> dict:
                        f"chain width {a.width}, CPU, eager; ranks of the AR token among the drafter's scores, "
                        f"counted at position j while 1..j-1 had rank 1"),
             "expected_tau": round(E.expected_tau(prof, a.width), 4),
-            "expected_tau_trees": {f"branch{b}_depth{d}": round(expected_tau_tree(prof, a.width, b, d), 4)
+            "expected_tau_trees": {f"branch{b}_depth{d}": round(E.expected_tau_tree(prof, a.width, b, d), 4)
                                    for b, d in ((1, k), (2, k), (3, 3), (3, k), (4, k))},
             "measured_tau": tau(rows), "outputs_equal_ar": f"{sum(r.output_ids == x for r, x in zip(rows, ref))}/{B}",
             "tree_checks": checks, "samples_per_position": [sum(c) for c in counts], "rank_counts": counts,

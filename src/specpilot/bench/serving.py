@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import main as specpilot_main
+from ..errors import SpecpilotError
 from ..io import read_jsonl, write_json, write_jsonl
 from ..tuning import timing
 from ._common import Run, add_common, fmt
@@ -70,8 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_variants(specs: list[str]) -> tuple[dict, dict]:
     """{name: engine config} (stock first, empty) and {name: concurrencies it runs at} from
     ``NAME[@c,c]=JSON`` strings. Raises SpecpilotError naming a malformed one."""
-    from ..errors import SpecpilotError
-
     variants, only = {"stock": {}}, {}
     for v in specs:
         name, _, cfg = v.partition("=")
@@ -121,11 +121,9 @@ class Serving:
         """Run ``specpilot CMD``; its exit status and the tail of its output (kept in the result)."""
         t = time.time()
         if self.a.in_process:
-            from ..cli import main
-
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                rc = main(cmd)
+                rc = specpilot_main(cmd)
             out = buf.getvalue()
         else:
             p = subprocess.run([sys.executable, "-m", "specpilot.cli", *cmd], capture_output=True, text=True)
@@ -162,7 +160,7 @@ class Serving:
         return {"target": str(self.tgt), "drafter": str(self.dr), "prompts": str(self.prompts)}
 
     def cell(self, c: int) -> dict | None:
-        a, lim = self.a, ([] if c > 1 else ["--limit", str(self.a.requests_c1)])
+        lim = [] if c > 1 else ["--limit", str(self.a.requests_c1)]
         ar = self.rec / f"ar-c{c}.jsonl"
         rc, _ = self.cli(["run", "--engine", "ar", "--out", str(ar), "--concurrency", str(c), *self.common, *lim])
         if rc:

@@ -80,10 +80,8 @@ class Target:
 
     def tune(self) -> dict:
         """The fastest Triton config per role at one row for this shape (see the module docstring)."""
-        from ..engine import triton_step as K
-
-        m = self.model
-        r = self.runner(1, 64)  # builds the family step (fused weights)
+        K, m = E.triton_step(), self.model
+        self.runner(1, 64)  # builds the family step (fused weights)
         layers = m.model.layers
         gdn = next((l for l in layers if l.kind == "linear_attention"), None)
         att = next(l for l in layers if l.kind != "linear_attention")

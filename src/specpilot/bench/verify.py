@@ -95,7 +95,6 @@ class Widths:
                                     self.a.context)) / (v / 1e3) / self.bw for k, v in ms.items() if k.endswith("x1")}
             res["selection"][name] = {k: v.get("chosen") for k, v in fast.selection.items()}
             timing.log(f"step ms {name}: " + " ".join(f"{k}={v:.3f}" for k, v in ms.items()))
-            del fast
             self.run.R["widths"] = res
             self.run.save()
         return res
@@ -152,7 +151,7 @@ def table(R: dict) -> list[str]:
     for name, ms in w.get("step_ms", {}).items():
         L.append(f"{name}: step ms (x AR at the same batch): " + "  ".join(
             f"{k} {fmt(v)} ({fmt(w['x_ar'][name].get(k), '{:.2f}')}x)" for k, v in ms.items()))
-        L.append(f"  AR MBU: " + ", ".join(f"{k} {fmt(v * 100, '{:.1f}')}%" for k, v in w["mbu"].get(name, {}).items()))
+        L.append("  AR MBU: " + ", ".join(f"{k} {fmt(v * 100, '{:.1f}')}%" for k, v in w["mbu"].get(name, {}).items()))
         inv = w["invariance"].get(name, {})
         L.append("  bit-exact checks: " + ", ".join(f"{k} {v}" for k, v in inv.items() if isinstance(v, bool))
                  + f"; rel err vs eager {fmt(inv.get('rel_err_vs_eager'), '{:.4f}')}")

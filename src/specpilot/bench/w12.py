@@ -30,7 +30,10 @@ import statistics
 
 import torch
 
+from ..cli import main as specpilot_main
+from ..io import read_json
 from ..tuning import timing
+from ..w12 import W12Linear, unpack
 from . import _engine as E
 from ._common import Run, add_common, fmt
 
@@ -56,25 +59,18 @@ class W12:
 
     def kernels(self) -> dict:
         """The kernels rule's command, in this process; the manifest it wrote."""
-        from ..cli import main
-        from ..io import read_json
-
-        rc = main(["kernels", "--gpu", self.run.gpu, "--out-dir", str(self.kdir)])
+        rc = specpilot_main(["kernels", "--gpu", self.run.gpu, "--out-dir", str(self.kdir)])
         if rc:
             raise RuntimeError(f"specpilot kernels exited {rc}")
         self.manifest = read_json(self.kdir / "manifest.json")
         if self.run.cuda:
-            from ..kernels_build import use_w12_library
-
-            use_w12_library(self.manifest, self.kdir / "manifest.json")
+            E.use_w12_library(self.manifest, self.kdir / "manifest.json")
         return {k: self.manifest.get(k) for k in ("applies", "note", "w12_mma")}
 
     def choice(self) -> dict:
-        from ..engine.w12_fast import tune_w12_choice
-
         self.choices, out = {}, {}
         for m in self.a.ms:
-            res = tune_w12_choice(E.target_config(self.a.shape), (m,), log=timing.log)
+            res = E.tune_w12_choice(E.target_config(self.a.shape), (m,), log=timing.log)
             self.choices[m] = res["w12_choice"]
             out[str(m)] = {"w12_choice": res["w12_choice"], "summary": res["w12_choice_summary"],
                            "checks_ok": {r: [s for s, c in v.items() if c["ok"]]
@@ -82,20 +78,18 @@ class W12:
         return out
 
     def step(self) -> dict:
-        from ..engine.w12_fast import install_w12_choice, parse_choice, plant_escapes
-
         a = self.a
         model = E.build_target(a.shape, self.dev, torch.bfloat16, a.seed)
         for i, layer in enumerate(model.model.layers[:2]):  # escapes, as real checkpoints have: plant some
             for lin in (layer.mlp.gate_proj, layer.self_attn.o_proj):
-                plant_escapes(lin.weight, seed=i)
+                E.plant_escapes(lin.weight, seed=i)
         S, V = a.context + 256, model.config.vocab_size
         g = torch.Generator(device=self.dev).manual_seed(7)
 
         def use(choice: dict):
             sg = E.step_graphs(model, "triton")
             if choice:
-                install_w12_choice(model, parse_choice(choice))
+                E.install_w12_choice(model, E.parse_choice(choice))
             else:
                 sg.fast.use_w12({})
                 sg.cache.entries.clear()
@@ -152,17 +146,13 @@ class W12:
 
     def linear(self) -> dict:
         """W12Linear's Triton kernel against bf16 per (shape, M): exactness, error, time."""
-        from ..engine.w12_fast import plant_escapes
-        from ..kernels import w12_triton as K
-        from ..w12 import W12Linear, unpack
-
-        rows = []
+        K, rows = E.w12_triton(), []
         for name, (n, k) in (DRY_LINEARS if self.run.dry else LINEARS).items():
             g = torch.Generator(device=self.dev).manual_seed(n + k)
             l2 = torch.cuda.get_device_properties(self.dev).L2_cache_size if self.run.cuda else 0
             copies = max(1, min(8, -(-4 * l2 // (2 * n * k))))
             ws = [(torch.randn(n, k, device=self.dev, generator=g) * 0.02).to(torch.bfloat16) for _ in range(copies)]
-            plant_escapes(ws[0], seed=1)
+            E.plant_escapes(ws[0], seed=1)
             lins = [W12Linear.from_linear(self._linear(w)) for w in ws]
             exact = bool(torch.equal(unpack(lins[0].packed()).view(torch.int16), ws[0].view(torch.int16)))
 
