@@ -1,0 +1,137 @@
+"""The one place the benchmark suite reaches into engine internals.
+
+Every engine name a benchmark uses is imported here and nowhere else in :mod:`specpilot.bench`,
+so a move inside the engine is one edit in this file. Besides the names, a few helpers that build
+what the benchmarks run: the random models of a dry run (tiny shapes cut to a few layers, so Triton's
+interpreter takes about a second per step), and the step functions of a target or drafter
+that run the same kernels with or without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..drafters import make_proposer
+from ..drafters.dflash import DFlashProposer
+from ..drafters.proposal import spine_tree_parents
+from ..drafters.static_tree import optimal_tree
+from ..engine.fast_family import FastFamilyTarget
+from ..engine.generate import generate, generate_ar
+from ..engine.graphs import (DECODE_CONFIGS, DEFAULT_CONFIGS, DrafterGraphs, FastDrafter, FastTarget, StepGraphs,
+                             compact_path_, kv_bytes_per_step, step_graphs, tree_inputs, weight_bytes_per_step)
+from ..engine.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
+from ..engine.runner import TargetRunner
+from ..engine.w12_fast import install_w12_choice, parse_choice, plant_escapes, tune_w12_choice
+from ..kernels_build import use_w12_library
+from ..models.dflash import DFlashDrafter
+from ..models.layers import chain_ancestors
+from ..models.loading import load_drafter, load_target
+from ..models.random_checkpoint import build_drafter, build_target, drafter_config, fill_random_, hf_config, target_config
+from ..models.target import Transformer
+
+__all__ = [
+    "AcceptanceProfile", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
+    "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "use_w12_library", "w12_triton",
+    "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "DrafterGraphs", "FastDrafter", "FastFamilyTarget",
+    "FastTarget", "ReplayProposer", "StepGraphs", "TargetRunner", "build_drafter", "build_target",
+    "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
+    "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
+    "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
+]
+
+def triton_step():
+    """The Triton step's kernel module (imports Triton, so only when asked)."""
+    from ..engine import triton_step as module
+
+    return module
+
+
+def w12_triton():
+    """The 12-bit Triton kernels' module (imports Triton, so only when asked)."""
+    from ..kernels import w12_triton as module
+
+    return module
+
+
+DRY_LAYERS = 2  # target layers of a dry run's dense model under the interpreter
+# a dry run's dense target is smaller still: Triton's interpreter runs every program in Python
+DRY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
+
+
+def dry_target(shape: str = "tiny", layers: int | None = None, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> Transformer:
+    """The random target of a dry run, on the CPU: ``shape`` cut to its first ``layers`` layers
+    (default: :data:`DRY_LAYERS` for ``tiny``, shrunk to :data:`DRY_SIZES`; one group of 4 layers
+    for the hybrid and Muse shapes)."""
+    cfg = target_config(shape)
+    layers = layers or (DRY_LAYERS if cfg.is_dense else 4)
+    sizes = DRY_SIZES if shape == "tiny" else {}
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=list(cfg.layer_types[:layers]), **sizes)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return fill_random_(model.to(dtype).to_empty(device="cpu"), seed).eval()
+
+
+def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> DFlashDrafter:
+    """The random DFlash drafter of ``shape`` for a :func:`dry_target` (its sizes, its first and
+    last layers captured)."""
+    t, n = target.config, target.config.num_hidden_layers
+    sizes = {k: getattr(t, k) for k in DRY_SIZES} if shape == "tiny" else {}
+    if sizes:
+        sizes["mask_token_id"] = t.vocab_size - 1
+    cfg = dataclasses.replace(drafter_config(shape, block_size), num_target_layers=n,
+                              target_layer_ids=sorted({0, n - 1}), **sizes)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    return fill_random_(model.to(dtype).to_empty(device="cpu"), seed + 1).eval()
+
+
+class _Uncaptured(StepGraphs):
+    """The fast path's steps without CUDA graphs (the CPU under Triton's interpreter)."""
+
+    def run(self, tokens, start, capture=(), tree=None, write=False):
+        return self.step(tokens, start, capture, tree, write)
+
+
+def fast_runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
+                graphs: bool = True) -> TargetRunner:
+    """A :class:`TargetRunner` on the Triton fast path: under CUDA graphs on the GPU (``graphs``),
+    uncaptured otherwise (the CPU under the interpreter: decode, verify and row prefill still go
+    through :class:`FastTarget`)."""
+    if model.lm_head.weight.is_cuda and graphs:
+        return TargetRunner(model, batch, max_seq, capture, graphs=True, kernels="triton")
+    runner = TargetRunner(model, batch, max_seq, capture, graphs=False)
+    runner.graphs = _Uncaptured(model, "triton")
+    return runner
+
+
+def step_fast(runner: TargetRunner):
+    """The runner's :class:`FastTarget` (None when it runs no Triton step)."""
+    return getattr(runner.graphs, "fast", None)
+
+
+def replay_generate(runner: TargetRunner, reference: list[int], prompt: list[int], profile, vocab: int,
+                    network, new_tokens: int, block: int, seed: int, profile_phases: bool = False):
+    """Stock with the replay drafter on one prompt: the speculative loop (:func:`generate`) whose
+    proposer drafts ``reference`` (AR's output) with profile-drawn wrong tokens and runs
+    ``network`` (a :class:`DFlashProposer`) each step for its cost. Returns the :class:`RowResult`."""
+    prop = ReplayProposer([reference], profile, vocab, network, seed=seed, block_size=block)
+    return generate(runner, prop, [prompt], new_tokens, profile=profile_phases)[0]
+
+
+def draft_step(drafter: DFlashDrafter, embed: torch.nn.Embedding, head: torch.nn.Linear, impl: str, block: int,
+               graphs: bool):
+    """(add_context(features [B, T, F], start [B]), draft(anchor [B], start [B]) -> drafts [B, block - 1])
+    of ``drafter`` with implementation ``impl``: ``"triton"`` = the Triton draft step
+    (:class:`FastDrafter`), ``"torch"`` = the eager network (cuBLAS, SDPA); each as CUDA graphs
+    (:class:`DrafterGraphs`, as the engine runs it) when ``graphs``, else called directly."""
+    if graphs:
+        dg = DrafterGraphs(drafter, embed, head, impl)
+        return dg.add_context, lambda a, s: dg.draft(a, s, block)
+    if impl == "triton":
+        fast = FastDrafter(drafter, embed.weight, head.weight)
+        return fast.add_context, lambda a, s: fast.draft(a, s, block)
+    return drafter.add_context, lambda a, s: drafter.draft(a, s, embed, head, block)[0]

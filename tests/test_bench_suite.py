@@ -1,0 +1,182 @@
+"""The benchmark suite (``specpilot bench``): its listing, and every benchmark's CPU dry run.
+
+A dry run uses tiny shapes on the CPU (Triton kernels under the interpreter) and measures
+nothing; it runs the benchmark's code, its correctness checks and the JSON it writes. Each runs
+in its own process (``TRITON_INTERPRET`` must be set before Triton is imported, and a benchmark
+sets torch's global state), and each test checks values its checks computed, not that a file exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specpilot.bench import BENCHMARKS
+
+REPO = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def bench(tmp_path: Path, name: str, *options: str, rc: int = 0) -> dict:
+    """Run ``specpilot bench NAME --dry-run OPTIONS`` in a subprocess; its result JSON."""
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.run([sys.executable, "-m", "specpilot", "bench", name, "--dry-run", "--out", str(out), *options],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == rc, (proc.stdout[-3000:], proc.stderr[-3000:])
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == name and r["dry_run"] and r["command"].startswith(f"specpilot bench {name} --dry-run")
+    assert r["table"] and proc.stdout.rstrip().endswith(r["table"][-1])  # the table is printed last
+    return r
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """One tiny random target and DFlash drafter, written once for the module."""
+    from specpilot.cli import main
+
+    d = tmp_path_factory.mktemp("ckpt")
+    assert main(["random-checkpoint", "--shape", "tiny", "--out", str(d / "target"), "--drafter-out",
+                 str(d / "drafter")]) == 0
+    return d / "target", d / "drafter"
+
+
+def test_list_names_every_benchmark_once():
+    for args in (["bench"], ["bench", "--list"]):
+        out = subprocess.run([sys.executable, "-m", "specpilot", *args], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+        assert out.returncode == 0, out.stderr
+        names = [ln.split()[0] for ln in out.stdout.splitlines()[1:]]
+        assert names == list(BENCHMARKS)
+    bad = subprocess.run([sys.executable, "-m", "specpilot", "bench", "nope"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert bad.returncode == 2 and "unknown benchmark 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_every_benchmark_has_a_test():
+    tested = {n.removeprefix("test_").removesuffix("_dry_run").replace("_", "-") for n in globals()
+              if n.startswith("test_") and n.endswith("_dry_run")}
+    assert tested == set(BENCHMARKS)
+
+
+@needs_triton
+def test_engine_dry_run(tmp_path):
+    r = bench(tmp_path, "engine", "--peer")
+    assert r["errors"] == []
+    c = r["correctness"]  # the Triton step under the interpreter: row independence, against eager
+    assert c["ok"] and all(c["row_independent"].values()) and c["rel_err_vs_eager"] < 1e-4
+    assert set(r["ar"]) == {"b1_ctx48", "b2_ctx48"}
+    assert all(d["step_s"] > 0 and d["weight_bytes"] > 0 and d["kv_bytes"] > 0 for d in r["ar"].values())
+    v = r["verify"]["steps"]
+    assert set(v) == {"1", "4", "4_capture"} and v["1"]["x_ar"] == 1.0
+    e = r["e2e"]["profiles"]["study_stock"]  # the replay drafter proposes AR's tokens: outputs equal AR
+    assert e["outputs_equal_ar"] and 1.0 < e["tau"] <= 4 and e["verify_steps"] < r["e2e"]["new_tokens"]
+    assert r["peer"]["dynamic_eager"]["decode_tok_s"] > 0
+
+
+@needs_triton
+def test_verify_dry_run(tmp_path):
+    r = bench(tmp_path, "verify")
+    assert r["errors"] == []
+    inv = r["widths"]["invariance"]["default"]
+    assert inv["subset_T4"] and inv["verify_prefixes"] and inv["decode_chain"] and inv["rel_err_vs_eager"] < 1e-4
+    assert set(r["widths"]["step_ms"]["default"]) == {"1x1", "2x4"}
+    t = r["trees"]
+    assert t["trees"]["tree8_s4"]["parents"] == [-1, 0, 1, 2, 0, 0, 1, 1]  # spine of 4, 2 leaves on 2 positions
+    assert t["x_ar"]["ar"] == 1.0 and set(t["step_ms"]) >= {"ar", "chain4", "tree8_s4", "compact_path_P16"}
+    c = t["checks"]["tree8_s4"]  # fp32 under the interpreter: near, not necessarily bits
+    assert c["tree_logits_finite"] and c["spine_max_abs_diff"] < 1e-4
+    assert c["leaves_checked"] == 1 and c["leaf_max_abs_diff"] < 1e-4 and set(c["per_start"]) == {"59"}
+
+
+@needs_triton
+def test_draft_dry_run(tmp_path):
+    r = bench(tmp_path, "draft")
+    assert r["errors"] == []
+    cell = r["draft"]["cells"][0]
+    assert cell["batch"] == 2 and set(cell["impl"]) == {"triton", "torch"}
+    f = cell["floor_ms"]
+    assert f["step"] == pytest.approx(f["draft"] + f["add_context"]) and f["add_context"] > 0
+    for v in cell["impl"].values():
+        assert v["step_ms"] > 0 and v["step_over_floor"] == pytest.approx(v["step_ms"] / f["step"])
+    assert cell["triton_drafts_equal_eager"] >= 0.8  # fp32: the Triton step's drafts are the network's
+    assert set(cell["rounds"]) == {"triton", "torch"}
+
+
+def test_serving_dry_run(tmp_path, checkpoint):
+    target, drafter = checkpoint
+    r = bench(tmp_path, "serving", "--target", str(target), "--drafter", str(drafter), "--variant", "b3@2={\"block_size\": 3}")
+    assert r["errors"] == []
+    assert all(c["rc"] == 0 for c in r["commands"]), r["commands"]
+    for c, n in (("c2", 4), ("c1", 2)):
+        cell = r["cells"][c]
+        assert cell["n_requests"] == n
+        for name in ("stock", "b3") if c == "c2" else ("stock",):
+            s = cell[name]
+            assert s["equal_outputs"] == n and 1.0 < s["tau"] <= (3 if name == "b3" else 4)
+            assert s["forcing"]["passed"] and s["forcing"]["violations"] == 0 and s["forcing"]["tokens_checked"] == n * 12
+    assert "b3" not in r["cells"]["c1"]  # the variant ran at c2 only
+    eq = r["ar_equality"]["c1_vs_c2"]
+    assert eq["common"] == 2 and eq["equal"] == 2 and eq["forcing"]["passed"]
+
+
+def test_targets_dry_run(tmp_path):
+    r = bench(tmp_path, "targets")
+    assert r["errors"] == []
+    for shape in ("tiny-hybrid", "tiny-muse"):
+        s = r["shapes"][shape]
+        assert s["correctness"]["prefill_decode_vs_block_rel_err"] < 1e-4
+        assert s["ar_b1"]["step_s"] > 0 and s["verify4"]["x_ar"] > 0
+        e = s["e2e"]["study_stock"]
+        assert e["outputs_equal_ar"] and e["tau"] > 1
+    mem = r["shapes"]["tiny-hybrid"]["state_memory"]
+    assert mem["gdn"] > 0 and mem["per_position_snapshots_bytes"] == 4 * mem["recurrent_bytes"]
+
+
+@needs_triton
+def test_w12_dry_run(tmp_path):
+    r = bench(tmp_path, "w12")
+    assert r["errors"] == []
+    assert r["kernels"]["applies"] is False  # the CPU: the kernels rule records that nothing applies
+    assert "skipped" in r["choice"] and "skipped" in r["step"]
+    rows = r["linear"]["rows"]
+    assert [d["M"] for d in rows] == [1, 16]  # a gemv and a tensor-core launch of the Triton kernel
+    for d in rows:  # the 12-bit packing is lossless; the fused kernel's product is the bf16 product's
+        assert d["packing_exact"] and d["w12_rel_err"] < 2e-2 and d["bf16_rel_err"] < 2e-2
+
+
+def test_ranks_dry_run(tmp_path):
+    from specpilot.engine.replay import expected_tau, load_profile
+
+    prof = tmp_path / "dry_ranks.json"
+    r = bench(tmp_path, "ranks", "--tree", "2,2", "--profile-out", str(prof))
+    assert r["errors"] == []
+    d = r["profile"]
+    assert d["outputs_equal_ar"] == "2/2" and d["tree_checks"]["branch2_depth2"]["outputs_equal_ar"] == "2/2"
+    p = load_profile(prof)  # a valid profile: recall non-decreasing, first column = acceptance
+    assert p.name == "dry_ranks" and p.block_size == 4 and len(p.rates) == 3 and len(p.recall[0]) == 64
+    counts = d["rank_counts"]
+    assert d["samples_per_position"][0] > 0 and [sum(c) for c in counts] == d["samples_per_position"]
+    n0, hits = sum(counts[0]), sum(counts[0][:64])
+    assert 0 < hits < n0 and p.recall[0][-1] == pytest.approx(hits / n0, abs=1e-6)
+    assert all(a <= b for a, b in zip(p.recall[0], p.recall[0][1:]))
+    assert d["expected_tau"] == pytest.approx(expected_tau(p, 4), abs=1e-4)
+
+
+def test_tree_bound_dry_run(tmp_path):
+    from specpilot.engine.replay import expected_tau, load_profile
+
+    r = bench(tmp_path, "tree-bound")
+    b = r["bound"]
+    assert b["stock_tau"] == pytest.approx(expected_tau(load_profile("study_stock"), 16))
+    for depth in (15, 31):  # more nodes never lower the best tree's tau
+        taus = [x["tau"] for x in b["rows"] if x["depth"] == depth]
+        assert all(x <= y + 1e-9 for x, y in zip(taus, taus[1:])) and taus[0] >= b["stock_tau"] - 1e-9
+    # issue 16 under study_stock: no tree of up to 4,095 nodes doubles tau or reaches 1.5x stock
+    assert max(x["tau_vs_stock"] for x in b["rows"]) < 2.0 and 1.0 < b["bound"]["speedup_vs_stock_bound"] < 1.5
