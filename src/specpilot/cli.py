@@ -16,7 +16,7 @@ from .errors import SpecpilotError
 # one row a subcommand: its name, the module under ``specpilot`` that owns it, its one-line help
 _TABLE = """
 build-tiny         tiny.build                build the embedded tiny deployment (tokenizer, target, drafter) on CPU
-prompts            prompts                   write one benchmark's formatted, tokenized prompts
+prompts            prompts.cli               write one benchmark's formatted, tokenized prompts
 run                engine.cli                run one engine over a prompt file into a records file
 force              forcing.cli               token forcing: check a candidate's records against reference records
 ceilings           ceilings                  measure a device's memory bandwidth and matmul rate
