@@ -3,7 +3,7 @@ the reference report, the verdict in the table, and five planted cheats, each ca
 
 All on the quick deployment (CPU, seconds): the two gsm8k prompts, 32 new tokens, block size 6.
 Only :func:`specpilot.forcing.check` (whose signature predates this check) is imported at module
-level, so the near-tie test can be run against an older ``forcing.py`` to show it catches what
+level, so the near-tie test can be run against an older ``specpilot.forcing`` to show it catches what
 that one missed.
 """
 
@@ -52,10 +52,10 @@ def cell(quick_deployment, quick_prompts, tmp_path_factory):
                            prompts={r["request_id"]: r["prompt_ids"] for r in rows})
 
 
-def replay_for(cell):
-    from specpilot.forcing import REPLAY_TOKENS, Replay, serve_replay
+def reexecution_for(cell):
+    from specpilot.forcing import REEXECUTION_TOKENS, Reexecution, serve_reexecution
 
-    return Replay(serve_replay(lambda config: cell.target, cell.drafter, META), REPLAY_TOKENS, N)
+    return Reexecution(serve_reexecution(lambda config: cell.target, cell.drafter, META), REEXECUTION_TOKENS, N)
 
 
 def force_cli(cell, candidate: list[Record], *extra: str) -> tuple[dict, int]:
@@ -192,7 +192,7 @@ def test_cheat_a_unverified_draft_tokens(cell, monkeypatch):
 
     monkeypatch.setitem(ACCEPT_RULES, "one_unverified", one_unverified)
     cand = serve(EngineSpec("stock", BLOCK, {"accept": "one_unverified"}), Deployment.of(cell.target, cell.drafter), cell.rows, N, 1, META, ServeOptions(progress=False, warmup=False))
-    verdict = force(cand, {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, replay_for(cell))
+    verdict = force(cand, {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, reexecution_for(cell))
     assert not verdict["passed"]
     tokens = by_check(verdict, "token")
     # every unverified token is caught, not only the first per request: each cheat step adds one
@@ -343,12 +343,12 @@ def test_cheat_d_stale_kv_cache(cell, sensitive, monkeypatch):
 
 
 def test_cheat_e_records_not_produced_by_the_engine(cell):
-    from specpilot.forcing import REPLAY_TOKENS
+    from specpilot.forcing import REEXECUTION_TOKENS
 
     honest = cell.stock[1]
     window = []
     for c in honest.committed_per_step:  # the engine's real steps inside the re-executed window
-        if sum(window) + c > REPLAY_TOKENS:
+        if sum(window) + c > REEXECUTION_TOKENS:
             break
         window.append(c)
     assert max(window) > 1, "premise: the drafter commits more than one token early on this request"
@@ -368,7 +368,7 @@ def test_cheat_e_records_not_produced_by_the_engine(cell):
     from specpilot.forcing import force
 
     invented = dataclasses.replace(fake, committed_per_step=[4] * 7 + [3], verify_steps=8)
-    verdict = force([cell.stock[0], invented], {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, replay_for(cell))
+    verdict = force([cell.stock[0], invented], {"ar": cell.ar}, cell.prompts, cell.target, 1e-3, reexecution_for(cell))
     assert verdict["violations_by_check"] == {"replay": 1}
     # and inconsistent ones fail on the record's own evidence
     broken = dataclasses.replace(fake, committed_per_step=[4] * 8, verify_steps=4)

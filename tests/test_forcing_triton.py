@@ -187,7 +187,7 @@ def test_tree_width_bound_follows_the_verify_width():
     """The bound of a config's tree width that decides Triton (<= 64 nodes) or eager forcing."""
     from specpilot.fastpath.tables import TREE_FAST_NODES
     from specpilot.engine.config import EngineSpec
-    from specpilot.forcing import _tree_width_bound
+    from specpilot.engine.config import tree_width_of as _tree_width_bound
 
     assert _tree_width_bound({"block_size": 16}) == 0  # a chain
     for cfg in ({"block_size": 16, "tree_branch": 3, "tree_depth": 15}, {"block_size": 8, "tree_branch": 2},

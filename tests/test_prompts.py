@@ -174,7 +174,7 @@ def test_missing_source_is_one_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_DATA_DIR"}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     # as a user without the data folder beside the repository: no local data anywhere
-    script = ("import sys, specpilot.prompts as p; from pathlib import Path; "
+    script = ("import sys, specpilot.prompts.sources as p; from pathlib import Path; "
               f"p.repo_data_dir = lambda repo=None: Path({str(tmp_path / 'none')!r}); "
               "from specpilot.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run(
@@ -206,7 +206,7 @@ def test_hub_rows_mapped_to_local_layout(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("SPECPILOT_DATA_DIR", raising=False)
-    monkeypatch.setattr(bm, "repo_data_dir", lambda repo=None: tmp_path / "none")
+    monkeypatch.setattr(bm.sources, "repo_data_dir", lambda repo=None: tmp_path / "none")
     assert bm.select("mt-bench", 1) == [{"request_id": "mt-bench/0000", "benchmark": "mt-bench", "turns": ["a", "b"]}]
     assert [r["task_id"] for r in bm.load_rows("mbpp")] == [11, 12]
     assert ("google-research-datasets/mbpp", "full", "train") in calls
@@ -314,7 +314,7 @@ def test_missing_tokenizer_file_error_shown_whole(tmp_path):
     except Exception as e:  # what transformers says, in full
         original = [line.strip() for line in str(e).splitlines() if line.strip()]
     with pytest.raises(SpecpilotError) as info:
-        bm._load_tokenizer(broken)
+        bm.load_tokenizer(broken)
     msg = str(info.value)
     assert "\n" not in msg and all(line in msg for line in original), (original, msg)
 

@@ -16,9 +16,9 @@ from .errors import SpecpilotError
 # one row a subcommand: its name, the module under ``specpilot`` that owns it, its one-line help
 _TABLE = """
 build-tiny         tiny.build                build the embedded tiny deployment (tokenizer, target, drafter) on CPU
-prompts            prompts                   write one benchmark's formatted, tokenized prompts
+prompts            prompts.cli               write one benchmark's formatted, tokenized prompts
 run                engine.cli                run one engine over a prompt file into a records file
-force              forcing                   token forcing: check a candidate's records against reference records
+force              forcing.cli               token forcing: check a candidate's records against reference records
 ceilings           ceilings                  measure a device's memory bandwidth and matmul rate
 kernels            kernels_build             build / tune the per-GPU kernels (records that none apply on CPU)
 table              aggregate                 aggregate records into the study table (geometric means)

@@ -22,7 +22,7 @@ from ..deployment import Deployment
 from ..engine.config import EngineSpec
 from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
-from ..forcing import REPLAY_TOKENS, Replay, force, serve_replay
+from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
 from ..records import Record, write_records
 from ..w12 import apply_w12
 
@@ -43,7 +43,7 @@ class Evaluator:
 
     def __init__(self, dep: Deployment, prompts: list[dict], max_new_tokens: int, concurrency: int,
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
-                 replay_tokens: int = REPLAY_TOKENS,
+                 replay_tokens: int = REEXECUTION_TOKENS,
                  references: tuple[list[Record], list[Record]] | None = None):
         self.dep, self.prompts = dep, prompts
         self.replay_tokens = replay_tokens
@@ -142,8 +142,9 @@ class Evaluator:
         ids = [p["request_id"] for p in (prompts or self.prompts)]
         ar, st = {r.request_id: r for r in self.ar}, {r.request_id: r for r in self.stock}
         refs = {"ar": [ar[i] for i in ids], "stock": [st[i] for i in ids]}
-        replay = Replay(serve_replay(self.target_for, self.drafter, self.meta), self.replay_tokens, self.max_new)
-        v = force(records, refs, self.prompt_ids, self.target, self.tolerance, replay, candidate_name="trial")
+        reexecution = Reexecution(serve_reexecution(self.target_for, self.drafter, self.meta), self.replay_tokens,
+                                  self.max_new)
+        v = force(records, refs, self.prompt_ids, self.target, self.tolerance, reexecution, candidate_name="trial")
         listed = [{"kind": "violation", **x} for x in v["violation_list"]] + \
                  [{"kind": "near_tie", **x} for x in v["near_tie_list"]]
         return {"passed": v["passed"], "violations": v["violations"],

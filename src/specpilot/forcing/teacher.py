@@ -1,0 +1,315 @@
+"""Part 1 of token forcing: the teacher-forced pass, the target's margin at every output token.
+
+Two paths compute the same quantity, ``margin = (target's top-1 logit) - (logit of the
+candidate's token)`` at every output position given prompt + the candidate's own prefix:
+:func:`teacher_forced` (the target's eager, cache-free forward: the CPU path, and engines that did
+not run the Triton step) and :func:`teacher_forced_engine` (the engine's own Triton step, in the
+batches of :func:`engine_prefill_batches`). :func:`pick_teacher_forced_path` chooses between them
+as the engine chose its kernels; :func:`tolerance_for` gives the near-tie tolerance the margins are
+judged against (:mod:`specpilot.forcing.verdict`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from ..engine.graphs import FastTarget, fast_path_supported, resolve_kernels, triton_available
+from ..engine.runner import TREE_FAST_NODES
+from ..engine.serve import verify_width_bound
+from ..errors import SpecpilotError
+from ..records import Record
+
+# config forcing.tolerance's default (config/schema.yaml), for the CLI without --tolerance
+DEFAULT_TOLERANCE = {"fp32": 0.001, "bf16": 0.1}
+CHUNK = 512  # output positions whose logits are reduced at once (fp32) in the teacher-forced check
+TF_ROWS = 256  # block rows (batch x width) per Triton step of the engine-kernel teacher-forced pass
+TF_BATCH = 16  # rows per batch for prompts the engine prefilled through the Triton step
+TF_PATHS = ("auto", "eager", "triton")
+_DECODE_STATE = ("cache", "state", "cos", "sin")  # the target's attributes a pass puts back
+
+
+def tolerance_for(setting, dtype: str) -> float:
+    """Near-tie tolerance for a compute dtype from config ``forcing.tolerance``.
+
+    Args:
+        setting: a number (every dtype) or a mapping ``{fp32: x, bf16: y}``.
+        dtype: ``fp32`` or ``bf16`` (the deployment's compute dtype; w12 computes in bf16).
+    Returns:
+        the tolerance, a top-1 logit margin in logit units (>= 0).
+    Raises:
+        SpecpilotError: the mapping has no entry for ``dtype``, or the value is negative.
+    """
+    value = setting.get(dtype) if isinstance(setting, dict) else setting
+    if value is None:
+        raise SpecpilotError(f"forcing.tolerance has no value for dtype {dtype!r} (has {sorted(setting)})")
+    if not isinstance(value, (int, float)) or value < 0:
+        raise SpecpilotError(f"forcing.tolerance for {dtype} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: int = CHUNK
+                   ) -> tuple[list[int], list[float]]:
+    """The target's greedy choice and the candidate token's margin at every output position.
+
+    One cache-free causal forward of the target over ``prompt_ids + output_ids[:-1]`` (the last
+    output token is predicted, never fed): exact from an empty state for every layer type, so no
+    KV entry or recurrent (GDN) state left by an engine run can leak in. The logits of the output
+    positions are reduced ``chunk`` rows at a time (fp32). The target's decoding state and RoPE
+    tables are put back afterwards, so an engine's captured CUDA graphs stay valid.
+
+    Args:
+        target: a loaded target model (:mod:`specpilot.models.target`; any dtype/device).
+        prompt_ids, output_ids: token ids, each inside the vocabulary; output_ids non-empty.
+        chunk: output positions whose logits are reduced at once (>= 1).
+    Returns:
+        (top1, margin), each of length ``len(output_ids)``: the target's argmax token id and
+        ``max logit - logit[output_ids[j]]`` (float, logit units, >= 0; computed in fp32 from the
+        model-dtype logits) at output position j.
+    Raises:
+        SpecpilotError: empty prompt or output.
+    """
+    if not prompt_ids or not output_ids:
+        raise SpecpilotError("teacher forcing needs a non-empty prompt and output")
+    P, n = len(prompt_ids), len(output_ids)
+    seq = list(prompt_ids) + list(output_ids[:-1])
+    dev = target.lm_head.weight.device
+    tokens = torch.tensor([seq], dtype=torch.long, device=dev)
+    cand = torch.tensor(output_ids, dtype=torch.long, device=dev)
+    saved = {k: getattr(target, k, None) for k in _DECODE_STATE}
+    top1, margin = [], []
+    try:
+        with torch.inference_mode():
+            logits, _ = target.forward_causal(tokens)
+            out = logits[0, P - 1:]  # row j predicts output token j
+            for s in range(0, n, chunk):
+                lg = out[s:s + chunk].float()
+                best = lg.max(-1)
+                top1 += best.indices.tolist()
+                margin += (best.values - lg.gather(1, cand[s:s + chunk, None])[:, 0]).tolist()
+    finally:
+        for k, v in saved.items():
+            if hasattr(target, k):
+                setattr(target, k, v)
+    assert len(top1) == n
+    return top1, margin
+
+
+def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto") -> str:
+    """Which kernels the teacher-forced pass runs: ``"triton"`` (the engine's) or ``"eager"``.
+
+    ``auto`` picks ``"triton"`` exactly when the candidate's engine ran its prefix and verify steps
+    through the Triton step (:class:`~specpilot.engine.graphs.FastTarget`) as the engine decides
+    it by default (:class:`~specpilot.engine.runner.TargetRunner`, ``graphs``/``kernels`` auto):
+    the target on a CUDA device in bf16 with Triton importable, a dense full-attention target with
+    plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
+    and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
+    bf16) nor verifies token trees wider than the Triton step takes (``TREE_FAST_NODES`` of
+    :mod:`specpilot.engine.runner`, bounded from ``block_size``, ``tree_branch``, ``tree_depth``,
+    ``second_level`` and ``tree_nodes``: the runner verifies wider trees eagerly). Else
+    ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
+    recorded in its records: pass ``asked="eager"`` for it.
+
+    Args:
+        target: the loaded target; candidate: the cell's records; asked: ``auto``, ``eager`` or
+            ``triton``.
+    Returns:
+        ``"triton"`` or ``"eager"``.
+    Raises:
+        SpecpilotError: an unknown ``asked``; ``triton`` asked for a target the Triton step cannot
+            run (not dense / not plain linears), or on the CPU without ``TRITON_INTERPRET=1``.
+    """
+    if asked not in TF_PATHS:
+        raise SpecpilotError(f"unknown teacher-forced path {asked!r}; use {', '.join(TF_PATHS)}")
+    if asked == "eager":
+        return "eager"
+    w = target.lm_head.weight
+    runnable = bool(target.config.is_dense) and fast_path_supported(target)
+    if asked == "triton":
+        if not runnable or not triton_available():
+            raise SpecpilotError("the teacher-forced pass through the Triton step needs Triton and a dense target "
+                                 "with plain linear layers and a power-of-two head_dim")
+        if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SpecpilotError("the Triton teacher-forced pass needs a CUDA target (or TRITON_INTERPRET=1)")
+        return "triton"
+    if w.device.type != "cuda" or not runnable or resolve_kernels("auto", w.device, w.dtype) != "triton":
+        return "eager"
+    for r in candidate:
+        cfg = r.engine_config or {}
+        if (cfg.get("weight_format") or "bf16") != "bf16" or _tree_width_bound(cfg) > TREE_FAST_NODES:
+            return "eager"
+    return "triton"
+
+
+def _tree_width_bound(cfg: dict) -> int:
+    """The verify width bound of an engine config's trees (0 for chains), as the engine sizes it
+    (:func:`~specpilot.engine.serve.verify_width_bound`); a config whose fields are not integers
+    counts as too wide (so it gets the eager path)."""
+    branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
+    nodes = cfg.get("tree_nodes") or 0
+    if not isinstance(nodes, int) or isinstance(nodes, bool):
+        return TREE_FAST_NODES + 1
+    if nodes > 0:
+        return nodes + 1
+    if not isinstance(branch, int) or not isinstance(second, int):
+        return TREE_FAST_NODES + 1
+    if branch <= 0 and second <= 0:
+        return 0
+    bs, depth = cfg.get("block_size"), cfg.get("tree_depth", 1)
+    if not isinstance(bs, int) or not isinstance(depth, int):
+        return TREE_FAST_NODES + 1
+    return verify_width_bound(bs, cfg)
+
+
+def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None]
+                           ) -> list[list[Record]]:
+    """The batches of the Triton teacher-forced pass: the candidate's records with a prompt, in
+    record order, ``TF_BATCH`` at a time.
+
+    On the Triton fast path the engine prefills every prompt the same way whatever the regime,
+    the concurrency or the arrival order: row by row through the Triton step
+    (:meth:`~specpilot.engine.runner.TargetRunner.prefill` and the continuous-batching refills
+    both run :meth:`~specpilot.engine.runner.TargetRunner.prefill_row`), and the step is
+    row-invariant, so :func:`teacher_forced_engine` reproduces any request's logits in any batch.
+
+    Args:
+        candidate: records; prompt_of: record -> prompt ids (None: the record is left out).
+    Returns:
+        lists of at most ``TF_BATCH`` records, covering every record with a prompt once.
+    """
+    recs = [r for r in candidate if prompt_of(r)]
+    return [recs[i:i + TF_BATCH] for i in range(0, len(recs), TF_BATCH)]
+
+
+def _fast_target(target, kernel_configs: dict | None = None) -> FastTarget:
+    """A FastTarget of ``target`` with the matmul configs the engine's step graphs use (the
+    process's ``step_graphs(target, "triton", ...)``, e.g. from ``run --kernel-configs``), else the
+    defaults; ``kernel_configs`` on top. Its workspaces are its own (the engine's captured graphs
+    keep theirs)."""
+    fast = FastTarget(target)
+    engine = target.__dict__.get("_step_graphs", {}).get("triton")
+    if engine is not None and engine.fast is not None:
+        fast.configs = dict(engine.fast.configs)
+        fast.attn_rows = engine.fast.attn_rows
+    if kernel_configs:
+        fast.set_configs(kernel_configs)
+    return fast
+
+
+def _engine_width(prompts: list[list[int]], outputs: list[list[int]], width: int | None) -> int:
+    """Output positions per row per Triton step, after checking the rows (see
+    :func:`teacher_forced_engine`'s Raises)."""
+    if not prompts or len(prompts) != len(outputs):
+        raise SpecpilotError(f"teacher forcing needs as many outputs as prompts (got {len(prompts)} / {len(outputs)})")
+    if any(not p for p in prompts) or any(not o for o in outputs):
+        raise SpecpilotError("teacher forcing needs a non-empty prompt and output")
+    W = int(width) if width is not None else max(1, TF_ROWS // len(prompts))
+    if W < 1:
+        raise SpecpilotError(f"teacher-forced width must be >= 1, got {width}")
+    return W
+
+
+def _prefill_rows(fast: FastTarget, prompts: list[list[int]], outputs: list[list[int]], dev: torch.device,
+                  top1: list[list[int]], margin: list[list[float]]) -> None:
+    """Prefill each prompt into its own cache row as the engine's ``prefill_row`` does (the whole
+    prompt at slot 0, ``last_only``) and append output position 0's top-1 and margin per row."""
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        tok = torch.tensor([list(p)], dtype=torch.long).to(dev)
+        lg = fast.forward(tok, zero, rows=slice(b, b + 1), last_only=True)[0][0, 0].float()
+        top1[b].append(int(lg.argmax()))
+        margin[b].append((lg.max() - lg[outputs[b][0]]).item())
+
+
+def _feed_chunk(fast: FastTarget, seqs: list[list[int]], outputs: list[list[int]], s: int, w: int,
+                start0: torch.Tensor, top1: list[list[int]], margin: list[list[float]]) -> None:
+    """Feed the fed positions ``s .. s + w - 1`` of every row (``seqs[b]``: output[:-1]) through
+    one Triton step at ``start0 + s`` and append the top-1 and margin of each output position they
+    predict (``s + j + 1``); rows shorter than the chunk are padded and their pad columns ignored."""
+    B = len(seqs)
+    block = torch.zeros(B, w, dtype=torch.long)
+    cand = torch.zeros(B, w, dtype=torch.long)
+    want = []  # (row, block column, output index)
+    for b, x in enumerate(seqs):
+        part = x[s:s + w]
+        if part:
+            block[b, :len(part)] = torch.tensor(part, dtype=torch.long)
+        for j in range(len(part)):
+            k = s + j + 1
+            cand[b, j] = outputs[b][k]
+            want.append((b, j, k))
+    dev = start0.device
+    logits, _ = fast.forward(block.to(dev), start0 + s)
+    lg = logits.float()
+    best = lg.max(-1)
+    mg = best.values - lg.gather(2, cand.to(dev)[:, :, None])[:, :, 0]
+    tops, mgs = best.indices.tolist(), mg.tolist()
+    for b, j, k in want:
+        assert k == len(top1[b])
+        top1[b].append(tops[b][j])
+        margin[b].append(mgs[b][j])
+
+
+def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
+                          kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
+    """The teacher-forced check through the engine's own kernels, for one batch of requests.
+
+    What the Triton fast path of the engine computes, reproduced: each prompt is prefilled as the
+    engine prefills every prompt there, into its own cache row through the Triton step
+    (:meth:`~specpilot.engine.graphs.FastTarget.forward` of the prompt alone, ``last_only``: the
+    call :meth:`~specpilot.engine.runner.TargetRunner.prefill_row` makes, so the prompt's K/V and
+    the first token's logits are the engine's, bit for bit). Then output[:-1] is fed in chunks of
+    ``width`` positions per row through ``FastTarget.forward`` (the step the engine's decode and
+    chain verify replay under CUDA graphs), all rows at once, and every position's logits are
+    read. The step is row- and width-invariant by design (a row's bits do not depend on the
+    batch, the block width or the cache size; checked on the GPU by ``gpu_bench/bench_verify.py``),
+    so these are the logits the engine saw when it emitted each token, and every token of an
+    honest engine has margin exactly 0 (unless matmul configs run cuBLAS, which pads rows and is
+    not row-invariant beyond 16 rows: margins then fall to the tolerance). It verifies that every
+    output token is the argmax of the target *as the deployment computes it* (these weights and
+    kernels), given the candidate's own prefix, whatever the engine did between tokens; a token
+    that is not that argmax has the same margin as under any other kernel up to rounding.
+
+    The target's decoding state (``cache``, ``state``, ``cos``, ``sin``, the cache key) is put
+    back afterwards and the pass uses a fresh cache and its own FastTarget workspaces, so an
+    engine's captured CUDA graphs stay valid.
+
+    Args:
+        target: a loaded dense target the Triton step supports (CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), any float dtype.
+        prompts, outputs: per row the prompt and the candidate's output token ids (non-empty,
+            inside the vocabulary).
+        width: output positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1).
+        kernel_configs: FastTarget matmul configs on top of the engine's (see :func:`_fast_target`).
+    Returns:
+        per row (top1, margin), each of length ``len(output)``: the target's argmax token id and
+        ``max logit - logit[output[j]]`` (float, logit units, >= 0; fp32 from the model-dtype
+        logits) at output position j, as :func:`teacher_forced`.
+    Raises:
+        SpecpilotError: no rows, rows of different counts, an empty prompt or output, a width < 1.
+    """
+    W = _engine_width(prompts, outputs, width)
+    B, P = len(prompts), [len(p) for p in prompts]
+    seqs = [list(o[:-1]) for o in outputs]  # position P_b + i holds output[i]; its logits predict output[i + 1]
+    total = max(len(x) for x in seqs)
+    dev = target.lm_head.weight.device
+    top1: list[list[int]] = [[] for _ in range(B)]
+    margin: list[list[float]] = [[] for _ in range(B)]
+    saved = {k: getattr(target, k, None) for k in (*_DECODE_STATE, "_state_key")}
+    try:
+        target.state = None  # a fresh cache: the engine's (and its graphs' addresses) stay untouched
+        fast = _fast_target(target, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
+        with torch.inference_mode():
+            target.setup_cache(B, max(P) + max(1, total))  # the step's results do not depend on the cache size
+            _prefill_rows(fast, prompts, outputs, dev, top1, margin)
+            start0 = torch.tensor(P, dtype=torch.long, device=dev)
+            for s in range(0, total, W):
+                _feed_chunk(fast, seqs, outputs, s, min(W, total - s), start0, top1, margin)  # full width but the last
+    finally:
+        for k, v in saved.items():
+            setattr(target, k, v)
+    for b in range(B):
+        assert len(top1[b]) == len(outputs[b]), (b, len(top1[b]), len(outputs[b]))
+    return list(zip(top1, margin))
