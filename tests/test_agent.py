@@ -19,6 +19,7 @@ from specpilot.agent.policies import LLMPolicy, OfflinePolicy, make_policy
 from specpilot.agent.trial import Evaluator
 from specpilot.engine.verify import ACCEPT_RULES, accept_greedy
 from specpilot.models.config import TargetConfig
+from specpilot.deployment import Deployment
 from specpilot.models.loading import load_drafter, load_target
 from specpilot.records import Record
 
@@ -230,7 +231,7 @@ def test_gate_rejects_a_planted_cheating_direction(quick_deployment, quick_promp
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
-    ev = Evaluator(target, drafter, quick_prompts[:4], 24, 1, meta, stock_block=4, tolerance=1e-3, repeats=1)
+    ev = Evaluator(Deployment.of(target, drafter), quick_prompts[:4], 24, 1, meta, stock_block=4, tolerance=1e-3, repeats=1)
     results = OfflinePolicy().search(cheat, {"block_size": 4}, 1, lambda p, full: ev.trial(
         cheat.apply({"block_size": 4}, p), {"block_size": 4}), [], {})
     assert len(results) == 1
@@ -246,7 +247,7 @@ def test_trial_gain_comes_with_an_interval_over_requests_and_repeats(quick_deplo
     target = load_target(quick_deployment / "target")
     drafter = load_drafter(quick_deployment / "drafter-dflash")
     meta = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
-    ev = Evaluator(target, drafter, quick_prompts[:3], 16, 1, meta, stock_block=4, tolerance=1e-3, repeats=2)
+    ev = Evaluator(Deployment.of(target, drafter), quick_prompts[:3], 16, 1, meta, stock_block=4, tolerance=1e-3, repeats=2)
     cand, base = ev.measure({"block_size": 3}, {"block_size": 4})
     assert all(len(r.decode_s_repeats) == 2 and r.decode_s == min(r.decode_s_repeats) for r in cand + base)
     r = ev.trial({"block_size": 3}, {"block_size": 4})

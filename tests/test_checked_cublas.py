@@ -2,7 +2,7 @@
 row is bit-equal to the decode kernel's, else the table's Triton entry, else the decode config.
 
 The GPU half (real cuBLAS against the Triton kernels, whole steps bit-equal) runs in
-gpu_bench/bench_verify.py; here the selection and routing logic is checked on the CPU with a
+specpilot bench verify; here the selection and routing logic is checked on the CPU with a
 stand-in for the kernels whose outputs the test controls.
 """
 

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpilot.engine.backend import choose_backend
 from specpilot.errors import SpecpilotError
 from specpilot.records import Record
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r'''
+from specpilot.engine.backend import choose_backend
 from specpilot.engine.serve import kv_slots_needed
 from specpilot.forcing import force, teacher_forced, teacher_forced_engine
 from specpilot.models.config import TargetConfig
@@ -61,14 +63,14 @@ with torch.inference_mode():
         for b, t in enumerate(tok.tolist()):
             outs[b].append(t)
 cache_before = (m.cache, m.state, m.cos)
-tf = teacher_forced_engine(m, prompts, outs)
+tf = teacher_forced_engine(choose_backend(m), prompts, outs)
 res["top1_equal"] = [top == o for (top, _), o in zip(tf, outs)]
 res["margins"] = [mg for _, mg in tf]
 res["state_restored"] = m.cache is cache_before[0] and m.state is cache_before[1] and m.cos is cache_before[2]
 # the same rows in other batches (one row alone, the rows swapped) and widths: the same margins
-tf3 = teacher_forced_engine(m, prompts, outs, width=3)
-tf_alone = teacher_forced_engine(m, prompts[1:], outs[1:], width=2)
-tf_swapped = teacher_forced_engine(m, prompts[::-1], outs[::-1])
+tf3 = teacher_forced_engine(choose_backend(m), prompts, outs, width=3)
+tf_alone = teacher_forced_engine(choose_backend(m), prompts[1:], outs[1:], width=2)
+tf_swapped = teacher_forced_engine(choose_backend(m), prompts[::-1], outs[::-1])
 res["other_batches_margins"] = [mg for _, mg in tf3 + tf_alone + tf_swapped]
 
 def rec(i, out):
@@ -156,17 +158,17 @@ def test_teacher_forced_path_choice():
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     m = Transformer(cfg)
     recs = [_rec(0, 1, 0.0)]
-    assert pick_teacher_forced_path(m, recs) == "eager"
-    assert pick_teacher_forced_path(m, recs, "eager") == "eager"
+    assert pick_teacher_forced_path(choose_backend(m), recs) == "eager"
+    assert pick_teacher_forced_path(choose_backend(m), recs, "eager") == "eager"
     with pytest.raises(SpecpilotError, match="unknown teacher-forced path"):
-        pick_teacher_forced_path(m, recs, "cublas")
+        pick_teacher_forced_path(choose_backend(m), recs, "cublas")
     if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(SpecpilotError, match="CUDA target"):
-            pick_teacher_forced_path(m, recs, "triton")
+            pick_teacher_forced_path(choose_backend(m), recs, "triton")
     odd = Transformer(TargetConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=24))
     with pytest.raises(SpecpilotError, match="power-of-two head_dim"):
-        pick_teacher_forced_path(odd, recs, "triton")
+        pick_teacher_forced_path(choose_backend(odd), recs, "triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's kernels run on CUDA")
@@ -175,12 +177,12 @@ def test_auto_path_on_cuda_follows_the_engine_config():
     from specpilot.models.random_checkpoint import build_target
 
     m = build_target("tiny", dtype=torch.bfloat16).cuda()
-    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0)]) == "triton"
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0)]) == "triton"
     # trees of up to 64 nodes run in the Triton step (its ancestor bits); wider ones eager
-    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
     wide = {"block_size": 16, "tree_branch": 3, "tree_depth": 16}
-    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
-    assert pick_teacher_forced_path(m, [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
 
 
 def test_tree_width_bound_follows_the_verify_width():

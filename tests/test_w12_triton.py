@@ -9,7 +9,7 @@ below and above 112), plus one-hot rows of x that read every weight back through
 fp32 -> bf16 by truncation (so the tolerance allows one bf16 ulp), and it mis-multiplies bf16
 ``tl.dot`` (the kernel takes an exact fp32 dot when interpreting). The interpreter does not prove
 GPU correctness (a persistent variant once passed here and failed on the H200), so
-gpu_bench/bench_w12.py checks every config on the GPU before timing it.
+specpilot bench w12 checks every config on the GPU before timing it.
 """
 
 from __future__ import annotations

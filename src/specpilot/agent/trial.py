@@ -142,9 +142,9 @@ class Evaluator:
         ids = [p["request_id"] for p in (prompts or self.prompts)]
         ar, st = {r.request_id: r for r in self.ar}, {r.request_id: r for r in self.stock}
         refs = {"ar": [ar[i] for i in ids], "stock": [st[i] for i in ids]}
-        reexecution = Reexecution(serve_reexecution(self.target_for, self.drafter, self.meta), self.replay_tokens,
-                                  self.max_new)
-        v = force(records, refs, self.prompt_ids, self.target, self.tolerance, reexecution, candidate_name="trial")
+        serve_fn = serve_reexecution(lambda cfg: self.deployment_for(cfg.to_dict()), self.meta)
+        reexecution = Reexecution(serve_fn, self.replay_tokens, self.max_new)
+        v = force(records, refs, self.prompt_ids, self.dep.backend, self.tolerance, reexecution, candidate_name="trial")
         listed = [{"kind": "violation", **x} for x in v["violation_list"]] + \
                  [{"kind": "near_tie", **x} for x in v["near_tie_list"]]
         return {"passed": v["passed"], "violations": v["violations"],

@@ -10,21 +10,23 @@ that run the same kernels with or without CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
-from ..drafters import make_proposer
 from ..drafters.dflash import DFlashProposer
 from ..drafters.proposal import spine_tree_parents
+from ..drafters.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
 from ..drafters.static_tree import optimal_tree
-from ..engine.fast_family import FastFamilyTarget
-from ..engine.generate import generate, generate_ar
-from ..engine.graphs import (DECODE_CONFIGS, DEFAULT_CONFIGS, DrafterGraphs, FastDrafter, FastTarget, StepGraphs,
-                             compact_path_, kv_bytes_per_step, step_graphs, tree_inputs, weight_bytes_per_step)
-from ..engine.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
+from ..engine.backend import Backend, choose_backend
+from ..engine.loop import generate, generate_ar
+from ..engine.proposers import make_proposer
 from ..engine.runner import TargetRunner
-from ..engine.w12_fast import install_w12_choice, parse_choice, plant_escapes, tune_w12_choice
+from ..engine.verify import compact_path_, tree_inputs
+from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS
+from ..fastpath.w12 import parse_choice
 from ..kernels_build import use_w12_library
+from ..tuning.w12 import plant_escapes, tune_w12_choice
 from ..models.dflash import DFlashDrafter
 from ..models.layers import chain_ancestors
 from ..models.loading import load_drafter, load_target
@@ -32,10 +34,10 @@ from ..models.random_checkpoint import build_drafter, build_target, drafter_conf
 from ..models.target import Transformer
 
 __all__ = [
-    "AcceptanceProfile", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
+    "AcceptanceProfile", "Backend", "backend", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
     "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "use_w12_library", "w12_triton",
-    "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "DrafterGraphs", "FastDrafter", "FastFamilyTarget",
-    "FastTarget", "ReplayProposer", "StepGraphs", "TargetRunner", "build_drafter", "build_target",
+    "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "fastpath",
+    "ReplayProposer", "TargetRunner", "runner", "build_drafter", "build_target",
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
@@ -43,9 +45,57 @@ __all__ = [
 
 def triton_step():
     """The Triton step's kernel module (imports Triton, so only when asked)."""
-    from ..engine import triton_step as module
+    from ..kernels import step as module
 
     return module
+
+
+def fastpath():
+    """The fast path's step modules (dense, family, drafter, graphs; they import Triton, so only when asked)."""
+    from ..fastpath import dense, drafter, family, graphs
+
+    return dense, family, drafter, graphs
+
+
+def weight_bytes_per_step(model, rows: int) -> int:
+    """Bytes of weights one step of ``rows`` rows reads (:func:`specpilot.fastpath.dense.weight_bytes_per_step`)."""
+    return fastpath()[0].weight_bytes_per_step(model, rows)
+
+
+def kv_bytes_per_step(model, rows: int, context: int, T: int = 1) -> int:
+    """KV-cache bytes one step reads (:func:`specpilot.fastpath.dense.kv_bytes_per_step`)."""
+    return fastpath()[0].kv_bytes_per_step(model, rows, context, T)
+
+
+# Each benchmark's backends, one per (model, graphs, kernels), so runners built one after the other
+# share captured graphs as a deployment's do (weakly keyed: nothing outlives the benchmark's model).
+_BACKENDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def backend(model, graphs: bool | None = None, kernels: str | None = "auto", w12_choice: dict | None = None) -> Backend:
+    """The benchmark's backend of ``model`` (:func:`choose_backend`, built once per graphs x kernels;
+    a ``w12_choice`` builds it anew with those roles)."""
+    per = _BACKENDS.setdefault(model, {})
+    key = (graphs, kernels or "auto")
+    if w12_choice is not None or key not in per:
+        per[key] = choose_backend(model, graphs, kernels, w12_choice)
+    return per[key]
+
+
+def step_graphs(model, kernels: str = "triton", configs: dict | None = None):
+    """The captured steps of ``model`` under CUDA graphs with ``kernels``, ``configs`` installed."""
+    b = backend(model, True, kernels)
+    if configs:
+        b.install_tables(configs, strict=True)
+    return b.step_graphs
+
+
+def install_w12_choice(model, choice: dict):
+    """The Triton dense step of ``model`` with ``choice`` (``{role: W12Role}``) in w12; returns ``{role: split}``."""
+    b = backend(model, True, "triton")
+    b.fast.use_w12(choice)
+    b.step_graphs.cache.entries.clear()
+    return {role: rc.split for role, rc in choice.items()}
 
 
 def w12_triton():
@@ -89,28 +139,34 @@ def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, 
     return fill_random_(model.to(dtype).to_empty(device="cpu"), seed + 1).eval()
 
 
-class _Uncaptured(StepGraphs):
-    """The fast path's steps without CUDA graphs (the CPU under Triton's interpreter)."""
-
-    def run(self, tokens, start, capture=(), tree=None, write=False):
-        return self.step(tokens, start, capture, tree, write)
+def runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (), graphs: bool | None = None,
+           kernels: str | None = "auto") -> TargetRunner:
+    """A :class:`TargetRunner` over the benchmark's backend of ``model`` (see :func:`backend`)."""
+    return TargetRunner(model, batch, max_seq, capture, backend(model, graphs, kernels))
 
 
 def fast_runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
                 graphs: bool = True) -> TargetRunner:
     """A :class:`TargetRunner` on the Triton fast path: under CUDA graphs on the GPU (``graphs``),
     uncaptured otherwise (the CPU under the interpreter: decode, verify and row prefill still go
-    through :class:`FastTarget`)."""
+    through the Triton step)."""
     if model.lm_head.weight.is_cuda and graphs:
-        return TargetRunner(model, batch, max_seq, capture, graphs=True, kernels="triton")
-    runner = TargetRunner(model, batch, max_seq, capture, graphs=False)
-    runner.graphs = _Uncaptured(model, "triton")
-    return runner
+        return runner(model, batch, max_seq, capture, True, "triton")
+    dense, family, _, graphs_mod = fastpath()
+
+    class Uncaptured(graphs_mod.StepGraphs):
+        def run(self, tokens, start, capture=(), tree=None, write=False):
+            return self.step(tokens, start, capture, tree, write)
+
+    step = dense.FastTarget(model) if model.config.is_dense else family.FastFamilyTarget(model)
+    b = Backend(model, "triton-dense" if model.config.is_dense else "triton-family", "uncaptured (interpreter)",
+                False, "triton", Uncaptured(model, step))
+    return TargetRunner(model, batch, max_seq, capture, b)
 
 
-def step_fast(runner: TargetRunner):
-    """The runner's :class:`FastTarget` (None when it runs no Triton step)."""
-    return getattr(runner.graphs, "fast", None)
+def step_fast(r: TargetRunner):
+    """The runner's Triton step (None when it runs none)."""
+    return r.backend.fast
 
 
 def replay_generate(runner: TargetRunner, reference: list[int], prompt: list[int], profile, vocab: int,
@@ -128,10 +184,11 @@ def draft_step(drafter: DFlashDrafter, embed: torch.nn.Embedding, head: torch.nn
     of ``drafter`` with implementation ``impl``: ``"triton"`` = the Triton draft step
     (:class:`FastDrafter`), ``"torch"`` = the eager network (cuBLAS, SDPA); each as CUDA graphs
     (:class:`DrafterGraphs`, as the engine runs it) when ``graphs``, else called directly."""
+    fd = fastpath()[2]
     if graphs:
-        dg = DrafterGraphs(drafter, embed, head, impl)
+        dg = fd.DrafterGraphs(drafter, embed, head, impl)
         return dg.add_context, lambda a, s: dg.draft(a, s, block)
     if impl == "triton":
-        fast = FastDrafter(drafter, embed.weight, head.weight)
+        fast = fd.FastDrafter(drafter, embed.weight, head.weight)
         return fast.add_context, lambda a, s: fast.draft(a, s, block)
     return drafter.add_context, lambda a, s: drafter.draft(a, s, embed, head, block)[0]

@@ -89,7 +89,7 @@ class Engine:
 
     def runner(self, B: int, S: int, capture=(), kernels: str | None = None, graphs: bool | None = None):
         graphs = self.run.cuda if graphs is None else graphs
-        return E.TargetRunner(self.model, B, S, capture, graphs=graphs, kernels=kernels or self.kernels)
+        return E.runner(self.model, B, S, capture, graphs, kernels or self.kernels)
 
     def at_context(self, r, ctx: int, seed: int):
         """Random K/V in the cache (never time on zeros) and every row's length set to ``ctx``."""

@@ -3,7 +3,7 @@ with ``rank_recall`` (issue 16). CPU, the drafter eager.
 
 The replay drafter models side-branch trees from, per draft position j, the distribution of the
 rank of the correct token among the drafter's candidates given the drafts before j were accepted
-(:mod:`specpilot.engine.replay`). This measures it: the deployment's target decodes ``--n`` eval
+(:mod:`specpilot.drafters.replay`). This measures it: the deployment's target decodes ``--n`` eval
 prompts of each ``--benchmark`` greedily (the AR reference), then the drafter runs the speculative
 loop (a chain of ``--width`` tokens, anchor included) and at every step the rank of the reference
 token in the drafter's scores at each position is read (1 + the number of tokens scored higher; a
@@ -139,7 +139,7 @@ def measure(a: argparse.Namespace, name: str) -> dict:
     max_seq = max(map(len, prompts)) + a.new + a.width + 1
     ref = [r.output_ids for r in E.generate_ar(E.TargetRunner(target, B, max_seq), prompts, a.new)]
     block = a.width - 1 if a.drafter == "dspark" else a.width  # the drafter's own counting
-    prop = E.make_proposer(drafter, block, {}, graphs=False)
+    prop = E.make_proposer(drafter, block, {})
     log: list = []
     hook(prop.drafter, log)
     rows = E.generate(E.TargetRunner(target, B, max_seq, prop.capture), prop, prompts, a.new)
@@ -149,7 +149,7 @@ def measure(a: argparse.Namespace, name: str) -> dict:
     checks = {}
     for spec in a.tree:
         b, d = (int(x) for x in spec.split(","))
-        tp = E.make_proposer(drafter, block, {"tree_branch": b, "tree_depth": d}, graphs=False)
+        tp = E.make_proposer(drafter, block, {"tree_branch": b, "tree_depth": d})
         trows = E.generate(E.TargetRunner(target, B, max_seq + b * d, tp.capture), tp, prompts, a.new)
         checks[f"branch{b}_depth{d}"] = {  # the token budget cuts each row's last step: left out
             "measured_tau": tau(trows, True), "predicted_tau": round(E.expected_tau_tree(prof, a.width, b, d), 4),

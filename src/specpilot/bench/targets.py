@@ -72,11 +72,11 @@ class Target:
 
     def runner(self, B: int, S: int, capture=()):
         if self.fast:
-            r = E.TargetRunner(self.model, B, S, capture, graphs=True, kernels="triton")
+            r = E.runner(self.model, B, S, capture, True, "triton")
             if E.step_fast(r) is None:
                 raise RuntimeError("the runner did not take the family fast path")
             return r
-        return E.TargetRunner(self.model, B, S, capture, graphs=False)
+        return E.runner(self.model, B, S, capture, False)
 
     def tune(self) -> dict:
         """The fastest Triton config per role at one row for this shape (see the module docstring)."""

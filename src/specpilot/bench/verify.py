@@ -22,7 +22,7 @@ unless ``--checked-cublas off``; ``--kernel-configs`` times a table of your own 
    and 128-slot chunks.
 
 Replaces gpu_bench/bench_verify.py (its tables sweep is the tuner's job now:
-``specpilot.engine.matmul_tune``) and gpu_bench/bench_tree_verify.py.
+``specpilot.tuning.matmul``) and gpu_bench/bench_tree_verify.py.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Widths:
         self.tok = torch.randint(0, self.V, (self.Bmax, 64), generator=g, device=self.dev)
         res = {"step_ms": {}, "x_ar": {}, "mbu": {}, "invariance": {}, "selection": {}}
         for name, (cfg, chk) in self.tables().items():
-            fast = E.FastTarget(m, cfg, checked_cublas=chk)
+            fast = E.fastpath()[0].FastTarget(m, cfg, checked_cublas=chk)
             res["invariance"][name] = self.invariance(fast)
             timing.log(f"invariance {name}: {json.dumps(res['invariance'][name])}")
             ms = res["step_ms"][name] = {}

@@ -6,7 +6,7 @@ The trees are the engine's "spine + side branches" proposals
 (:func:`specpilot.drafters.proposal.spine_tree_parents`; DFlash block B: the anchor and B - 1
 drafts are the spine, ``branch`` leaves at each of the first ``depth`` draft positions, hanging
 off the spine node before each; width B + branch x min(depth, B - 1)), with the ancestor inputs of
-:func:`specpilot.engine.graphs.tree_inputs`. Each step runs the drafter's captured target layers
+:func:`specpilot.engine.verify.tree_inputs`. Each step runs the drafter's captured target layers
 (what the stock engine's verify runs) but the AR step, which captures none (what the AR engine runs).
 Each is captured as a CUDA graph, as the runner captures it, and timed over ``--replays`` replays in
 ``--rounds`` rounds (shapes interleaved, so drift shows as spread).
@@ -53,7 +53,7 @@ class Trees:
         self.dev = run.device
         if run.dry:
             args.replays, args.rounds, args.draws, args.check_starts, args.max_leaves = 1, 1, 1, [59], 1
-        self.fast = E.FastTarget(model, checked_cublas=run.cuda)
+        self.fast = E.fastpath()[0].FastTarget(model, checked_cublas=run.cuda)
         n = model.config.num_hidden_layers  # the drafter's captured target layers (a dry run: first, last)
         self.capture = (0, n - 1) if run.dry else tuple(E.drafter_config(args.shape).target_layer_ids)
         S = max(args.context, *args.check_starts) + 128  # room for a 64-node block at every start

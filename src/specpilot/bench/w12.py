@@ -95,7 +95,7 @@ class W12:
                 sg.cache.entries.clear()
 
         def step_ms(M: int) -> float:
-            r = E.TargetRunner(model, 1, S, (), graphs=True, kernels="triton")
+            r = E.runner(model, 1, S, (), True, "triton")
             for t in (model.cache.k, model.cache.v):
                 t.normal_(generator=g)
             r.length.fill_(a.context)

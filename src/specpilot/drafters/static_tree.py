@@ -14,13 +14,13 @@ accepted with probability prod_i P(rank = r_i | i), and the expected tokens a st
 parent, so the N most probable paths form a tree, and it is the tree of N nodes with the
 largest expected acceptance (:func:`optimal_tree`, best-first over a heap).
 
-The profile is an :class:`~specpilot.engine.replay.AcceptanceProfile` with ``rank_recall`` (the
+The profile is an :class:`~specpilot.drafters.replay.AcceptanceProfile` with ``rank_recall`` (the
 packaged ones: measured on the tiny drafters, or the replay profiles built from published
 recall figures). The drafter plug-in still drafts a "spine + side branches" proposal
 (:func:`~specpilot.drafters.proposal.spine_tree`, the spine = ranks 1, side branches = ranks
 2..R at the first positions): :class:`StaticTreeProposer` gathers the tree's tokens out of it,
 so the same captured draft step serves chains, spine trees and static trees, and verification
-is unchanged (:func:`~specpilot.engine.generate.accept_tree`: lossless whatever the tree).
+is unchanged (:func:`~specpilot.engine.verify.accept_tree`: lossless whatever the tree).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def optimal_tree(profile, nodes: int, depth: int, max_rank: int = MAX_RANK) -> T
     by depth, then by the rank path, so the shape is deterministic.
 
     Args:
-        profile: :class:`~specpilot.engine.replay.AcceptanceProfile` with ``rank_recall``.
+        profile: :class:`~specpilot.drafters.replay.AcceptanceProfile` with ``rank_recall``.
         nodes: N >= 1; depth: >= 1 (a block's drafts); max_rank: >= 1.
     Returns:
         the :class:`TreeShape` (``expected_tau`` set).

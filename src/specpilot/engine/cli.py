@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="step kernels under CUDA graphs (auto: triton with bf16 weights)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key or {max_rows: key}} of tuned matmul blocks "
-                   "(from specpilot bench step); on top of the kernel sub-agent's engine_configs")
+                   "(from specpilot bench engine); on top of the kernel sub-agent's engine_configs")
     p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json: the packaged tuned tables "
                    "that apply to this GPU (recorded in engine_config['kernels'])")
     p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json: its tuned w12 configs and "

@@ -86,7 +86,7 @@ CANDIDATES = (
 KERNELS = ("auto", "triton", "torch")
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # Matmul block configs per role for up to 16 rows (AR decode, 16-token verify), tuned on an H200 for
-# the Qwen3-8B shape (specpilot bench step, 2026-11-30; kernels/tuned/engine_h200.json), with
+# the Qwen3-8B shape (specpilot bench engine, 2026-11-30; kernels/tuned/engine_h200.json), with
 # 16-row tiles for every M: the configs of the fast path before M-aware row tiles.
 DECODE_CONFIGS = {"qkv": "bn64-bk256-w4-s3", "o": "bn32-bk256-w4-s4", "gate_up": "bn128-bk64-w4-s4-p",
                   "down": "bn32-bk512-w4-s3", "lm_head": "bn64-bk128-w4-s4-p"}
@@ -184,7 +184,7 @@ def tier_for(tiers: tuple, rows: int):
 def with_decode_configs(decode: dict, tables: dict | None = None) -> dict:
     """Tables by rows with their up-to-16-rows entry replaced by ``decode`` {role: config key}.
 
-    For tuners that time one row (specpilot bench step): the row buckets above 16 keep the
+    For tuners that time one row (specpilot bench engine): the row buckets above 16 keep the
     table's configs. A decode config is taken only where it keeps the role's norm placement
     (prenorm or not) of the other buckets, or is ``"cublas"`` (then the role runs cuBLAS for every
     M): a fused-norm prologue and a separate norm round differently, which would make a row's bits

@@ -18,7 +18,7 @@ absent roles run bf16). An M uses the launch of the smallest ``max_rows`` >= min
 entry beyond them all.
 
 :func:`specpilot.tuning.w12.tune_w12_choice` measures it per role on a one-layer random copy of the
-target; the backend (:meth:`specpilot.engine.backend.Backend.install_w12`) puts a choice into a
+target; the backend (:func:`specpilot.engine.backend.choose_backend`) puts a choice into a
 target's step through :class:`W12Roles`.
 """
 

@@ -20,7 +20,7 @@ rejected by exactly the rule the table reports.
    ``teacher_forced_path``): on the CPU, and for engines that did not run the Triton step, the
    target's eager forward (:func:`teacher_forced`, ``"eager"``). When the engine ran the
    bit-invariant Triton step (a dense bf16 target with plain linears on CUDA, chain verification:
-   the CUDA-graph fast path of :mod:`specpilot.engine.graphs`), the pass runs through the *same*
+   the CUDA-graph fast path of :mod:`specpilot.fastpath`), the pass runs through the *same*
    kernels (:func:`teacher_forced_engine`, ``"triton"``): each prompt prefilled as the engine
    prefills every prompt on that path (row by row through the Triton step, whatever the regime,
    concurrency or arrival order), the output fed through ``FastTarget.forward`` in chunks, in

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ..engine.serve import pick_device, pick_dtype, read_prompts
+from ..deployment import Deployment
+from ..device import pick_device, pick_dtype
+from ..engine.config import EngineConfig
 from ..errors import SpecpilotError
-from ..io import comma_list, one_out_each, read_json, write_json
-from ..kernels_build import agent_engine_configs, agent_w12_choice, engine_tables, install_engine_configs, install_w12
+from ..io import comma_list, one_out_each, read_json, read_prompts, write_json
+from ..kernels_build import agent_engine_configs, agent_w12_choice, engine_tables, w12_choice_for
 from ..models.loading import load_drafter, load_target
 from ..records import Record, read_records
 from ..w12 import apply_w12
@@ -77,41 +79,43 @@ def forcing_kernel_configs(agent_path: str | None, configs_path: str | None) -> 
 
 
 class _Targets:
-    """The forcing job's target: in its stored weights for the teacher-forced pass (reloaded after
-    a w12 re-execution converted it), converted to w12 for re-executing a w12 engine config, with
-    the kernel tables and w12 roles the engine cell installed (as ``specpilot run`` installs them).
-    """
+    """The forcing job's deployment: the target in its stored weights for the teacher-forced pass
+    (reloaded after a w12 re-execution converted it), converted to w12 for re-executing a w12
+    engine config, each with its backend, the kernel tables and w12 roles the engine cell
+    installed (as ``specpilot run`` installs them), and the drafter for re-execution."""
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, kernel_configs: dict | None,
-                 strict: bool, w12_choice: dict):
-        self.path, self.dtype, self.device = path, dtype, device
+                 strict: bool, w12_choice: dict, drafter=None):
+        self.path, self.dtype, self.device, self.drafter = path, dtype, device, drafter
         self.kernel_configs, self.strict, self.w12_choice = kernel_configs, strict, w12_choice
-        self.target = None
+        self.dep: Deployment | None = None
         self.w12 = False
 
-    def reference(self):
-        """The target in its stored weights."""
-        if self.w12 or self.target is None:
-            self.target, self.w12 = load_target(self.path, self.dtype, self.device), False
-            if self.kernel_configs is not None and self.device.type == "cuda":
-                install_engine_configs(self.target, self.kernel_configs, strict=self.strict)
-        return self.target
+    def _tables(self, dep: Deployment, strict: bool) -> Deployment:
+        if self.kernel_configs is not None and self.device.type == "cuda":
+            dep.backend.install_tables(self.kernel_configs, strict=strict)
+        return dep
 
-    def for_config(self, config: dict):
-        """The target for the spot re-execution in ``config``'s weight format (after
+    def reference(self) -> Deployment:
+        """The deployment in the target's stored weights."""
+        if self.w12 or self.dep is None:
+            target = load_target(self.path, self.dtype, self.device)
+            self.dep, self.w12 = self._tables(Deployment.of(target, self.drafter), self.strict), False
+        return self.dep
+
+    def for_config(self, config: EngineConfig) -> Deployment:
+        """The deployment for the spot re-execution in ``config``'s weight format (after
         :meth:`reference`). Raises SpecpilotError for w12 on weights other than bf16."""
-        if config.get("weight_format") != "w12":
-            return self.target
+        if config.weight_format != "w12":
+            return self.dep
         if not self.w12:  # after the teacher-forced pass, which uses the reference weights
             if self.dtype != torch.bfloat16:
                 raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
-            apply_w12(self.target)
-            self.w12 = True
-            if self.w12_choice and config.get("w12_fast") and self.device.type == "cuda":  # as the engine cell ran them
-                install_w12(self.target, {"w12_choice": self.w12_choice}, config)
-                if self.kernel_configs is not None:
-                    install_engine_configs(self.target, self.kernel_configs)
-        return self.target
+            target = self.dep.target
+            apply_w12(target)
+            choice = w12_choice_for({"w12_choice": self.w12_choice}, config) if self.device.type == "cuda" else None
+            self.dep, self.w12 = self._tables(Deployment.of(target, self.drafter, w12_choice=choice), False), True
+        return self.dep
 
 
 def _load_drafter(args, candidates: list[tuple[str, list[Record], str]], dtype: torch.dtype,
@@ -126,13 +130,13 @@ def _load_drafter(args, candidates: list[tuple[str, list[Record], str]], dtype: 
     return load_drafter(args.drafter, dtype=dtype, device=device) if args.drafter else None
 
 
-def _reexecution(args, candidate: list[Record], targets: _Targets, drafter) -> Reexecution | None:
+def _reexecution(args, candidate: list[Record], targets: _Targets) -> Reexecution | None:
     """The spot re-execution of a candidate over the loaded deployment (None with --replay-tokens 0)."""
     if args.replay_tokens <= 0:
         return None
     r0 = candidate[0] if candidate else None
     meta = {"deployment": r0.deployment, "target": r0.target, "drafter": r0.drafter, "gpu": r0.gpu} if r0 else {}
-    return Reexecution(serve_reexecution(targets.for_config, drafter, meta), args.replay_tokens, args.max_new_tokens)
+    return Reexecution(serve_reexecution(targets.for_config, meta), args.replay_tokens, args.max_new_tokens)
 
 
 def _print_summary(name: str, verdict: dict) -> None:
@@ -171,11 +175,11 @@ def run(args: argparse.Namespace) -> int:
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
     kernel_configs = forcing_kernel_configs(args.kernel_agent, args.kernel_configs)
     w12_choice = agent_w12_choice(read_json(args.kernel_agent), args.kernel_agent) if args.kernel_agent else {}
-    targets = _Targets(args.target, dtype, device, kernel_configs, bool(args.kernel_configs), w12_choice)
+    targets = _Targets(args.target, dtype, device, kernel_configs, bool(args.kernel_configs), w12_choice, drafter)
     failed = False
     for name, candidate, out in candidates:
-        target = targets.reference()
-        verdict = force(candidate, references, prompts, target, tol, _reexecution(args, candidate, targets, drafter),
+        backend = targets.reference().backend
+        verdict = force(candidate, references, prompts, backend, tol, _reexecution(args, candidate, targets),
                         args.chunk, candidate_name=name, teacher_forced_path=args.teacher_forced_path,
                         kernel_configs=kernel_configs)
         engine_config = args.engine_config if len(candidates) == 1 or (

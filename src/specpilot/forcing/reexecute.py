@@ -7,7 +7,7 @@ concurrency, the cell's KV-cache size). Greedy decoding is deterministic, so the
 produce (AR's output ids with invented or copied step counts) fails here. It proves the engine did
 the recorded work on those steps; it cannot prove the later steps' timings.
 
-Not to be confused with the replay drafter (:mod:`specpilot.engine.replay`, the synthetic
+Not to be confused with the replay drafter (:mod:`specpilot.drafters.replay`, the synthetic
 drafter): its records are skipped here. The verdict keeps its historical field names for this part
 (``replay``, ``seconds.replay``, violations of check ``replay``; the CLI's ``--replay-tokens``).
 """
@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..engine.serve import EngineSpec, serve
+from ..deployment import Deployment
+from ..engine.config import EngineConfig, EngineSpec
+from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
 from ..records import Record
 
@@ -32,7 +34,7 @@ class Reexecution:
     """How to re-execute a candidate's engine for the spot re-execution.
 
     ``serve(spec, rows, max_new_tokens, concurrency, max_seq)`` serves prompt rows (dicts with
-    request_id, benchmark, prompt_ids) with an :class:`~specpilot.engine.serve.EngineSpec` in
+    request_id, benchmark, prompt_ids) with an :class:`~specpilot.engine.config.EngineSpec` in
     batches of ``concurrency`` in the given order, and returns their records (no warm-up needed).
     ``tokens``: leading new tokens per request whose verify steps are re-run (0: none).
     ``max_new_tokens``: the cell's token budget (it sets the cell's KV-cache size, which the
@@ -45,12 +47,12 @@ class Reexecution:
     max_positions: int | None = None  # the target's max_position_embeddings (caps the cache)
 
 
-def serve_reexecution(target_for: Callable[[dict], object], drafter, meta: dict) -> ServeFn:
+def serve_reexecution(deployment_for: Callable[[EngineConfig], Deployment], meta: dict) -> ServeFn:
     """A :attr:`Reexecution.serve` over a loaded deployment.
 
     Args:
-        target_for: engine config -> the target in that config's weight format.
-        drafter: the loaded drafter network (None for AR).
+        deployment_for: engine config -> the deployment (target, drafter, backend) in that
+            config's weight format.
         meta: the records' deployment fields (deployment, target, drafter, gpu).
     Returns:
         a function serving rows through :func:`specpilot.engine.serve.serve` without warm-up or
@@ -58,8 +60,8 @@ def serve_reexecution(target_for: Callable[[dict], object], drafter, meta: dict)
     """
 
     def run(spec, rows, max_new_tokens, concurrency, max_seq):
-        return serve(spec, target_for(spec.config), drafter, rows, max_new_tokens, concurrency, meta,
-                     max_seq=max_seq, warmup=False, progress=False)
+        return serve(spec, deployment_for(spec.config), rows, max_new_tokens, concurrency, meta,
+                     ServeOptions(max_seq=max_seq, warmup=False, progress=False))
 
     return run
 
@@ -84,8 +86,9 @@ def _rerun_group(reexecution: Reexecution, engine: str, concurrency: int, cfg: d
                  cell_max_new: int) -> tuple[int, list[Record]]:
     """Serve one group's rows again with the cell's KV-cache size; returns (token budget, records).
     Raises SpecpilotError when the engine config cannot run."""
-    block = cfg.pop("block_size", 1)
-    spec = EngineSpec(engine, int(block), cfg)
+    config = EngineConfig.parse(cfg, "the records' engine_config", record=True)
+    block = config.block_size if isinstance(config.block_size, int) else 1
+    spec = EngineSpec(engine, block, config.without("block_size"))
     width = spec.verify_width
     longest = max(len(row["prompt_ids"]) for row in rows)
     max_seq = longest + cell_max_new + width + 1

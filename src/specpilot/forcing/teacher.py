@@ -11,14 +11,11 @@ judged against (:mod:`specpilot.forcing.verdict`).
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
-from ..engine.graphs import FastTarget, fast_path_supported, resolve_kernels, triton_available
-from ..engine.runner import TREE_FAST_NODES
-from ..engine.serve import verify_width_bound
+from ..engine.backend import Backend
 from ..errors import SpecpilotError
 from ..records import Record
 
@@ -97,70 +94,25 @@ def teacher_forced(target, prompt_ids: list[int], output_ids: list[int], chunk: 
     return top1, margin
 
 
-def pick_teacher_forced_path(target, candidate: list[Record], asked: str = "auto") -> str:
-    """Which kernels the teacher-forced pass runs: ``"triton"`` (the engine's) or ``"eager"``.
+def pick_teacher_forced_path(backend: Backend, candidate: list[Record], asked: str = "auto") -> str:
+    """Which kernels the teacher-forced pass runs for a cell: ``"triton"`` (the engine's) or
+    ``"eager"``: the target's backend decides (:meth:`~specpilot.engine.backend.Backend.teacher_forced_path`)
+    from the records' engine configs.
 
     ``auto`` picks ``"triton"`` exactly when the candidate's engine ran its prefix and verify steps
-    through the Triton step (:class:`~specpilot.engine.graphs.FastTarget`) as the engine decides
-    it by default (:class:`~specpilot.engine.runner.TargetRunner`, ``graphs``/``kernels`` auto):
-    the target on a CUDA device in bf16 with Triton importable, a dense full-attention target with
-    plain linears and a power-of-two head_dim (:func:`~specpilot.engine.graphs.fast_path_supported`),
-    and records whose ``engine_config`` neither converts the weights (``weight_format`` other than
-    bf16) nor verifies token trees wider than the Triton step takes (``TREE_FAST_NODES`` of
-    :mod:`specpilot.engine.runner`, bounded from ``block_size``, ``tree_branch``, ``tree_depth``,
-    ``second_level`` and ``tree_nodes``: the runner verifies wider trees eagerly). Else
-    ``"eager"`` (the CPU path). An engine run with ``--graphs off`` or ``--kernels torch`` is not
-    recorded in its records: pass ``asked="eager"`` for it.
+    through the Triton dense step as the engine decides it by default: the backend's path is
+    ``triton-dense`` and no record's ``engine_config`` converts the weights (``weight_format`` other
+    than bf16) or verifies trees wider than the Triton step takes. Else ``"eager"`` (the CPU path).
+    An engine run with ``--graphs off`` or ``--kernels torch`` is not recorded in its records: pass
+    ``asked="eager"`` for it.
 
-    Args:
-        target: the loaded target; candidate: the cell's records; asked: ``auto``, ``eager`` or
-            ``triton``.
-    Returns:
-        ``"triton"`` or ``"eager"``.
     Raises:
         SpecpilotError: an unknown ``asked``; ``triton`` asked for a target the Triton step cannot
             run (not dense / not plain linears), or on the CPU without ``TRITON_INTERPRET=1``.
     """
     if asked not in TF_PATHS:
         raise SpecpilotError(f"unknown teacher-forced path {asked!r}; use {', '.join(TF_PATHS)}")
-    if asked == "eager":
-        return "eager"
-    w = target.lm_head.weight
-    runnable = bool(target.config.is_dense) and fast_path_supported(target)
-    if asked == "triton":
-        if not runnable or not triton_available():
-            raise SpecpilotError("the teacher-forced pass through the Triton step needs Triton and a dense target "
-                                 "with plain linear layers and a power-of-two head_dim")
-        if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise SpecpilotError("the Triton teacher-forced pass needs a CUDA target (or TRITON_INTERPRET=1)")
-        return "triton"
-    if w.device.type != "cuda" or not runnable or resolve_kernels("auto", w.device, w.dtype) != "triton":
-        return "eager"
-    for r in candidate:
-        cfg = r.engine_config or {}
-        if (cfg.get("weight_format") or "bf16") != "bf16" or _tree_width_bound(cfg) > TREE_FAST_NODES:
-            return "eager"
-    return "triton"
-
-
-def _tree_width_bound(cfg: dict) -> int:
-    """The verify width bound of an engine config's trees (0 for chains), as the engine sizes it
-    (:func:`~specpilot.engine.serve.verify_width_bound`); a config whose fields are not integers
-    counts as too wide (so it gets the eager path)."""
-    branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
-    nodes = cfg.get("tree_nodes") or 0
-    if not isinstance(nodes, int) or isinstance(nodes, bool):
-        return TREE_FAST_NODES + 1
-    if nodes > 0:
-        return nodes + 1
-    if not isinstance(branch, int) or not isinstance(second, int):
-        return TREE_FAST_NODES + 1
-    if branch <= 0 and second <= 0:
-        return 0
-    bs, depth = cfg.get("block_size"), cfg.get("tree_depth", 1)
-    if not isinstance(bs, int) or not isinstance(depth, int):
-        return TREE_FAST_NODES + 1
-    return verify_width_bound(bs, cfg)
+    return backend.teacher_forced_path([r.engine_config or {} for r in candidate], asked)
 
 
 def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record], list[int] | None]
@@ -183,16 +135,16 @@ def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record]
     return [recs[i:i + TF_BATCH] for i in range(0, len(recs), TF_BATCH)]
 
 
-def _fast_target(target, kernel_configs: dict | None = None) -> FastTarget:
-    """A FastTarget of ``target`` with the matmul configs the engine's step graphs use (the
-    process's ``step_graphs(target, "triton", ...)``, e.g. from ``run --kernel-configs``), else the
-    defaults; ``kernel_configs`` on top. Its workspaces are its own (the engine's captured graphs
-    keep theirs)."""
-    fast = FastTarget(target)
-    engine = target.__dict__.get("_step_graphs", {}).get("triton")
-    if engine is not None and engine.fast is not None:
-        fast.configs = dict(engine.fast.configs)
-        fast.attn_rows = engine.fast.attn_rows
+def _fast_target(backend: Backend, kernel_configs: dict | None = None):
+    """A Triton dense step of the backend's target with the matmul configs the engine's step uses
+    (the backend's, e.g. from ``run --kernel-configs``), else the defaults; ``kernel_configs`` on
+    top. Its workspaces are its own (the engine's captured graphs keep theirs)."""
+    from ..fastpath.dense import FastTarget  # the Triton step: an optional dependency
+
+    fast = FastTarget(backend.model)
+    if backend.fast is not None:
+        fast.configs = dict(backend.fast.configs)
+        fast.attn_rows = backend.fast.attn_rows
     if kernel_configs:
         fast.set_configs(kernel_configs)
     return fast
@@ -211,7 +163,7 @@ def _engine_width(prompts: list[list[int]], outputs: list[list[int]], width: int
     return W
 
 
-def _prefill_rows(fast: FastTarget, prompts: list[list[int]], outputs: list[list[int]], dev: torch.device,
+def _prefill_rows(fast, prompts: list[list[int]], outputs: list[list[int]], dev: torch.device,
                   top1: list[list[int]], margin: list[list[float]]) -> None:
     """Prefill each prompt into its own cache row as the engine's ``prefill_row`` does (the whole
     prompt at slot 0, ``last_only``) and append output position 0's top-1 and margin per row."""
@@ -223,7 +175,7 @@ def _prefill_rows(fast: FastTarget, prompts: list[list[int]], outputs: list[list
         margin[b].append((lg.max() - lg[outputs[b][0]]).item())
 
 
-def _feed_chunk(fast: FastTarget, seqs: list[list[int]], outputs: list[list[int]], s: int, w: int,
+def _feed_chunk(fast, seqs: list[list[int]], outputs: list[list[int]], s: int, w: int,
                 start0: torch.Tensor, top1: list[list[int]], margin: list[list[float]]) -> None:
     """Feed the fed positions ``s .. s + w - 1`` of every row (``seqs[b]``: output[:-1]) through
     one Triton step at ``start0 + s`` and append the top-1 and margin of each output position they
@@ -252,19 +204,19 @@ def _feed_chunk(fast: FastTarget, seqs: list[list[int]], outputs: list[list[int]
         margin[b].append(mgs[b][j])
 
 
-def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
+def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
                           kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
     """The teacher-forced check through the engine's own kernels, for one batch of requests.
 
     What the Triton fast path of the engine computes, reproduced: each prompt is prefilled as the
     engine prefills every prompt there, into its own cache row through the Triton step
-    (:meth:`~specpilot.engine.graphs.FastTarget.forward` of the prompt alone, ``last_only``: the
+    (:meth:`~specpilot.fastpath.dense.FastTarget.forward` of the prompt alone, ``last_only``: the
     call :meth:`~specpilot.engine.runner.TargetRunner.prefill_row` makes, so the prompt's K/V and
     the first token's logits are the engine's, bit for bit). Then output[:-1] is fed in chunks of
     ``width`` positions per row through ``FastTarget.forward`` (the step the engine's decode and
     chain verify replay under CUDA graphs), all rows at once, and every position's logits are
     read. The step is row- and width-invariant by design (a row's bits do not depend on the
-    batch, the block width or the cache size; checked on the GPU by ``gpu_bench/bench_verify.py``),
+    batch, the block width or the cache size; checked on the GPU by ``specpilot bench verify``),
     so these are the logits the engine saw when it emitted each token, and every token of an
     honest engine has margin exactly 0 (unless matmul configs run cuBLAS, which pads rows and is
     not row-invariant beyond 16 rows: margins then fall to the tolerance). It verifies that every
@@ -277,7 +229,8 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
     engine's captured CUDA graphs stay valid.
 
     Args:
-        target: a loaded dense target the Triton step supports (CUDA, or CPU under
+        backend: the target's backend (:func:`~specpilot.engine.backend.choose_backend`; its
+            matmul tables are the pass's); the target: a dense target the Triton step supports (CUDA, or CPU under
             ``TRITON_INTERPRET=1``), any float dtype.
         prompts, outputs: per row the prompt and the candidate's output token ids (non-empty,
             inside the vocabulary).
@@ -300,7 +253,7 @@ def teacher_forced_engine(target, prompts: list[list[int]], outputs: list[list[i
     saved = {k: getattr(target, k, None) for k in (*_DECODE_STATE, "_state_key")}
     try:
         target.state = None  # a fresh cache: the engine's (and its graphs' addresses) stay untouched
-        fast = _fast_target(target, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
+        fast = _fast_target(backend, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
         with torch.inference_mode():
             target.setup_cache(B, max(P) + max(1, total))  # the step's results do not depend on the cache size
             _prefill_rows(fast, prompts, outputs, dev, top1, margin)

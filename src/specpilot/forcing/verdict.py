@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..engine.backend import Backend, choose_backend
 from ..errors import SpecpilotError
 from ..io import read_json
 from ..records import Record
@@ -55,7 +56,7 @@ def _check_force_inputs(candidate: list[Record], target, tolerance: float) -> No
         seen.add(r.request_id)
 
 
-def _engine_pass(target, candidate: list[Record], prompt_of: PromptOf, vocab: int, kernel_configs: dict | None
+def _engine_pass(backend: Backend, candidate: list[Record], prompt_of: PromptOf, vocab: int, kernel_configs: dict | None
                  ) -> dict[str, tuple[list[int], list[float]]]:
     """request_id -> (top1, margin) of every checkable request through the engine's kernels, in
     its prefill batches (a request is checkable with a prompt and in-vocabulary output ids)."""
@@ -66,7 +67,7 @@ def _engine_pass(target, candidate: list[Record], prompt_of: PromptOf, vocab: in
 
     out: dict[str, tuple[list[int], list[float]]] = {}
     for recs in engine_prefill_batches(candidate, checkable):
-        res = teacher_forced_engine(target, [prompt_of(r) for r in recs], [r.output_ids for r in recs],
+        res = teacher_forced_engine(backend, [prompt_of(r) for r in recs], [r.output_ids for r in recs],
                                     kernel_configs=kernel_configs)
         out.update({r.request_id: x for r, x in zip(recs, res)})
     return out
@@ -179,7 +180,7 @@ def _verdict(candidate_name: str, candidate: list[Record], checks: dict[str, _Re
 
 
 def force(candidate: list[Record], references: dict[str, list[Record]], prompts: dict[str, list[int]] | None,
-          target, tolerance: float, reexecution: Reexecution | None = None, chunk: int = CHUNK,
+          target: Backend | object, tolerance: float, reexecution: Reexecution | None = None, chunk: int = CHUNK,
           candidate_name: str = "candidate", teacher_forced_path: str = "auto",
           kernel_configs: dict | None = None) -> dict:
     """Token forcing of one cell: parts 1-4 of :mod:`specpilot.forcing`.
@@ -189,7 +190,9 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
         references: name -> reference records (e.g. ``{"ar": ..., "stock": ...}``); may be empty.
         prompts: request_id -> prompt token ids; a record carrying ``prompt_ids`` (a later turn of
             a multi-turn chain) uses its own.
-        target: the loaded target (the reference weights, e.g. bf16 for a w12 candidate).
+        target: the loaded target (the reference weights, e.g. bf16 for a w12 candidate), or its
+            :class:`~specpilot.engine.backend.Backend` (the kernel path and tables the engine ran;
+            a bare target gets the default backend of its device).
         tolerance: near-tie tolerance, a top-1 logit margin (logit units) for the target's dtype.
         reexecution: how to re-execute the engine (part 3); None skips it (reported as not run).
         chunk: tokens per teacher-forced forward (eager path).
@@ -206,6 +209,8 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
             an unknown or unrunnable ``teacher_forced_path``.
     """
     _check_force_inputs(candidate, target, tolerance)
+    backend = target if isinstance(target, Backend) else choose_backend(target)
+    target = backend.model
     prompts = prompts or {}
     vocab = int(target.config.vocab_size)
 
@@ -215,8 +220,8 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
     violations: list[dict] = []
     near_ties: list[dict] = []
     t0 = time.perf_counter()
-    path = pick_teacher_forced_path(target, candidate, teacher_forced_path)
-    engine_tf = _engine_pass(target, candidate, prompt_of, vocab, kernel_configs) if path == "triton" else {}
+    path = pick_teacher_forced_path(backend, candidate, teacher_forced_path)
+    engine_tf = _engine_pass(backend, candidate, prompt_of, vocab, kernel_configs) if path == "triton" else {}
 
     def margins(r: Record, prompt: list[int]) -> tuple[list[int], list[float]]:
         return engine_tf[r.request_id] if path == "triton" else teacher_forced(target, prompt, r.output_ids, chunk)

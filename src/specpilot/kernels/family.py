@@ -1,7 +1,7 @@
 """Triton kernels of the fast path for the hybrid (Qwen3.5 / 3.8) and Muse-Glimmer targets.
 
 The matmuls, the split-KV attention and the row-wise RMSNorm are those of
-:mod:`specpilot.engine.triton_step` (the attention with a sliding window over a KV ring); this
+:mod:`specpilot.kernels.step` (the attention with a sliding window over a KV ring); this
 module adds what the two families need around them:
 
 - :func:`attn_prep`: q / k norm (weighted ``1 + w``, or weightless with the query scaled by

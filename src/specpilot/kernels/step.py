@@ -209,7 +209,7 @@ def qk_rope_cache(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
     ``k_norm_group``: k heads per row of ``k_norm`` (default all: one [D] weight). With
     ``k_norm`` [Hkv / g, D], k head h is normed by row h // g: several layers' K/V written in
     one launch, their heads laid out layer after layer in the cache's head axis (the DFlash
-    drafter's context injection, :class:`specpilot.engine.graphs.FastDrafter`).
+    drafter's context injection, :class:`specpilot.fastpath.drafter.FastDrafter`).
 
     ``k_cache``/``v_cache`` are one layer's views (B, Hkv, S, D) of the static cache (unit last stride).
     """
@@ -401,7 +401,7 @@ class AttnWorkspace:
         """``rows``: query rows (query head x block token of one KV head) per attention program; a
         power of two >= 16, or 0: 16 when the block's rows (G x T) fit in 16, else 64. The row
         sums run through the tensor cores like the products, so a row's bits do not depend on the
-        tile (checked on the GPU by benchmarks/bench_verify.py)."""
+        tile (checked on the GPU by specpilot bench verify)."""
         G = n_heads // n_kv
         if rows == 0:
             rows = 16 if G * T <= 16 else 64

@@ -38,7 +38,7 @@ two-lanes-at-once decode in the spirit of NyoomFloat12's short SIMT decode
   model's activations and weights. Tensor cores: their products are exact and their
   alignment/truncation is relative to the largest exponent in the sum, so they should commute
   with the scaling as well; the interpreter checks only the IEEE fp32 case, so
-  gpu_bench/bench_w12.py also compares "raw" with "base" bit for bit on the GPU (all 162 pairs
+  specpilot bench w12 also compares "raw" with "base" bit for bit on the GPU (all 162 pairs
   equal on the H200, 2026-11-30, tensor-core kinds included). The
   tensor-core kinds turn the raw pair words into the bf16 tile by truncation to int16 lanes and
   a bitcast (no fp32 round trip, no F2FP).

@@ -140,7 +140,7 @@ class TargetConfig(DecoderShape):
 
     @property
     def is_dense(self) -> bool:
-        """True for the plain full-attention layout the fused GPU step (engine/graphs.py) handles."""
+        """True for the plain full-attention layout the fused GPU step (fastpath/dense.py) handles."""
         return (self.family in ("qwen3", "llama") and set(self.layer_types) <= {"full_attention"}
                 and not self.embed_norm and self.final_logit_softcapping is None and self.output_multiplier == 1.0)
 

@@ -287,7 +287,7 @@ class DFlashDrafter(nn.Module):
             return  # same shape: keep the buffers (and the CUDA graphs captured on them)
         # stored (batch, layers, kv_heads, max_seq, head_dim), as the target's cache: one request's
         # context of every layer is one block, so the Triton context injection writes all layers'
-        # K/V in one launch (engine.graphs.FastDrafter); ctx_k[i] stays one layer's (B, Hkv, S, D)
+        # K/V in one launch (fastpath.drafter.FastDrafter); ctx_k[i] stays one layer's (B, Hkv, S, D)
         lead = (batch, cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq, cfg.head_dim)
         self.ctx_k = torch.zeros(lead, dtype=dtype, device=device).transpose(0, 1)
         self.ctx_v = torch.zeros(lead, dtype=dtype, device=device).transpose(0, 1)

@@ -7,7 +7,7 @@ N(0, 0.02) (norms 1), drawn per tensor from a generator seeded by (seed, tensor 
 same seed gives the same tensors in any model that uses the HF names (ours or transformers').
 
 Random weights give meaningless text: use them for system benchmarks (speed, memory) only, with
-the replay drafter (:mod:`specpilot.engine.replay`) standing in for acceptance.
+the replay drafter (:mod:`specpilot.drafters.replay`) standing in for acceptance.
 
 Shapes (``--shape``):
 

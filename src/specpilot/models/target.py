@@ -101,7 +101,7 @@ class Transformer(nn.Module):
 
     Call :meth:`setup_cache` once, then :meth:`forward` for prefill, decode and verify, and
     :meth:`commit` after a verify. ``cache`` is the full-attention :class:`KVCache` (the whole
-    state of a dense target, as the GPU step of engine/graphs.py expects); ``state`` holds it
+    state of a dense target, as the GPU step of fastpath/dense.py expects); ``state`` holds it
     together with the sliding rings and the GDN state.
     """
 
