@@ -152,7 +152,7 @@ def test_w12_dry_run(tmp_path):
 
 
 def test_ranks_dry_run(tmp_path):
-    from specpilot.engine.replay import expected_tau, load_profile
+    from specpilot.drafters.replay import expected_tau, load_profile
 
     prof = tmp_path / "dry_ranks.json"
     r = bench(tmp_path, "ranks", "--tree", "2,2", "--profile-out", str(prof))
@@ -170,7 +170,7 @@ def test_ranks_dry_run(tmp_path):
 
 
 def test_tree_bound_dry_run(tmp_path):
-    from specpilot.engine.replay import expected_tau, load_profile
+    from specpilot.drafters.replay import expected_tau, load_profile
 
     r = bench(tmp_path, "tree-bound")
     b = r["bound"]

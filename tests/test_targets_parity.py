@@ -341,3 +341,23 @@ def test_study_shapes_have_the_published_structure():
         nm = sum(p.numel() for p in Transformer(m).parameters())
     assert 26e9 < nq < 28e9, nq  # Qwen3.8-27B class
     assert 27e9 < nm < 28.5e9, nm  # Muse-Glimmer-30B text model: 27.8 B (+ the 1.8 B vision encoder = 29.6 B)
+
+
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-muse"])
+def test_lazy_random_checkpoint_draws_the_same_tensors_on_load(tmp_path, shape):
+    """``random-checkpoint --lazy`` writes config.json only (no weights on disk); loading it draws
+    the shape's seeded tensors on the load device: the same as a built target of that seed, the
+    same in every process, and another seed gives others."""
+    from specpilot.cli import main
+    from specpilot.models.loading import load_drafter
+    from specpilot.models.random_checkpoint import build_drafter, build_target
+
+    out = tmp_path / "t"
+    assert main(["random-checkpoint", "--shape", shape, "--out", str(out), "--dtype", "fp32", "--lazy", "--seed", "3"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    ours, ref = load_target(out), build_target(shape, dtype=torch.float32, seed=3)
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in ref.state_dict().items())
+    other = build_target(shape, dtype=torch.float32, seed=4)
+    assert not torch.equal(other.lm_head.weight, ours.lm_head.weight)
+    d, dref = load_drafter(tmp_path / "t-drafter"), build_drafter(shape, dtype=torch.float32, seed=3)
+    assert all(torch.equal(d.state_dict()[k], v) for k, v in dref.state_dict().items())

@@ -186,8 +186,7 @@ class Engine:
                "ar_step_s": t_ar, "ar_step_s_loop": ar_s / (a.prompts * (a.new - 1)), "profiles": {}}
         cap = tuple(self.drafter.config.target_layer_ids)
         rs = self.runner(1, S, capture=cap)
-        net = E.DFlashProposer(self.drafter, self.run.cuda, "triton" if self.kernels == "triton" else "torch",
-                               block_size=a.block)
+        net = E.DFlashProposer(self.drafter, block_size=a.block)  # drafts as the runner's backend runs
         for name in a.profiles:
             prof = E.load_profile(name)
             E.replay_generate(rs, ar[0].output_ids, prompts[0], prof, self.vocab, net, 2 * a.block, a.block, 99)

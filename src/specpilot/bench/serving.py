@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ar-reference", type=int, help="the AR cell the others are compared with (default 16 if run)")
     p.add_argument("--ar-force", type=int, nargs="*", default=[1], help="AR cells also 'force'd against the reference")
     p.add_argument("--in-process", action="store_true", help="call the subcommands in this process (dry run: on)")
+    p.add_argument("--code", help="a checkout (its src/) whose 'specpilot' the subcommands run, e.g. an earlier "
+                   "commit's, to measure two versions of the engine in one run on one machine")
 
 
 def parse_variants(specs: list[str]) -> tuple[dict, dict]:
@@ -126,7 +129,10 @@ class Serving:
                 rc = specpilot_main(cmd)
             out = buf.getvalue()
         else:
-            p = subprocess.run([sys.executable, "-m", "specpilot.cli", *cmd], capture_output=True, text=True)
+            env = dict(os.environ)
+            if self.a.code:
+                env["PYTHONPATH"] = str(Path(self.a.code).resolve() / "src")
+            p = subprocess.run([sys.executable, "-m", "specpilot.cli", *cmd], capture_output=True, text=True, env=env)
             rc, out = p.returncode, p.stdout + p.stderr
         self.commands.append({"cmd": "specpilot " + " ".join(cmd), "rc": rc, "wall_s": round(time.time() - t, 2),
                               "tail": out.strip()[-800:]})

@@ -199,7 +199,7 @@ class Target:
         ar = E.generate_ar(r, [prompt], a.new)[0]
         t_ar = ar.decode_s / max(1, a.new - 1)
         rs = self.runner(1, S, tuple(self.drafter.config.target_layer_ids))
-        net = E.DFlashProposer(self.drafter, self.fast, "triton" if self.fast else "torch", block_size=block)
+        net = E.DFlashProposer(self.drafter, block_size=block)  # drafts as the runner's backend runs
         res = {"ctx": a.context, "new_tokens": a.new, "block": block, "ar_step_s_loop": t_ar}
         for name in a.profiles:
             prof = E.load_profile(name)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecpilotError
-from ..fastpath.support import dense_support, family_support, triton_available
+from ..fastpath.support import dense_support, family_support, target_support, triton_available
 from ..fastpath.tables import KERNELS, TREE_FAST_NODES
 from ..fastpath.w12 import to_plain_linears
 from ..kernels import w12_mma
@@ -164,11 +164,12 @@ class Backend:
         """Which kernels token forcing's teacher-forced pass runs for a cell: ``"triton"`` (the
         engine's step, margins exactly 0 for an honest engine) or ``"eager"``.
 
-        ``auto``: ``triton`` exactly when the engine ran its prefix and verify steps through the
-        Triton dense step: this backend's path is ``triton-dense`` and no record's engine config
-        converts the weights (``weight_format`` other than bf16) or verifies trees wider than
-        :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` (those run eagerly). ``triton`` asked
-        needs a Triton step (on the CPU: ``TRITON_INTERPRET=1``).
+        ``auto``: ``triton`` exactly when the engine ran its prefix and verify steps through a Triton
+        step: this backend's path is ``triton-dense`` (chains, and trees up to
+        :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) or ``triton-family`` (chains: its
+        trees run eagerly), and no record's engine config converts the weights (``weight_format``
+        other than bf16). ``triton`` asked needs a Triton step for the target (on the CPU:
+        ``TRITON_INTERPRET=1``).
 
         Raises:
             SpecpilotError: an unknown ``asked``; ``triton`` where the step cannot run.
@@ -178,17 +179,19 @@ class Backend:
         if asked == "eager":
             return "eager"
         if asked == "triton":
-            why = dense_support(self.model) if self.model.config.is_dense else "not a dense target"
+            why = target_support(self.model)
             if why is not None or not triton_available():
-                raise SpecpilotError("the teacher-forced pass through the Triton step needs Triton and a dense "
-                                     f"target with plain linear layers and a power-of-two head_dim ({why or 'no Triton'})")
+                raise SpecpilotError("the teacher-forced pass through the Triton step needs Triton and a target the "
+                                     "step runs: plain linear layers and a power-of-two head_dim "
+                                     f"({why or 'no Triton'})")
             if self.model.lm_head.weight.device.type != "cuda" and not interpreting():
                 raise SpecpilotError("the Triton teacher-forced pass needs a CUDA target (or TRITON_INTERPRET=1)")
             return "triton"
-        if self.path != "triton-dense":
+        if not self.triton:
             return "eager"
+        widest = TREE_FAST_NODES if self.path == "triton-dense" else 0
         for cfg in engine_configs:
-            if (cfg.get("weight_format") or "bf16") != "bf16" or tree_width_of(cfg) > TREE_FAST_NODES:
+            if (cfg.get("weight_format") or "bf16") != "bf16" or tree_width_of(cfg) > widest:
                 return "eager"
         return "triton"
 

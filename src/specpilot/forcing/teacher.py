@@ -16,7 +16,10 @@ from typing import Callable
 import torch
 
 from ..engine.backend import Backend
+from ..engine.runner import TargetRunner
 from ..errors import SpecpilotError
+from ..fastpath.graphs import StepGraphs
+from ..models.target import DEFAULT_VERIFY_WIDTH
 from ..records import Record
 
 # config forcing.tolerance's default (config/schema.yaml), for the CLI without --tolerance
@@ -136,12 +139,15 @@ def engine_prefill_batches(candidate: list[Record], prompt_of: Callable[[Record]
 
 
 def _fast_target(backend: Backend, kernel_configs: dict | None = None):
-    """A Triton dense step of the backend's target with the matmul configs the engine's step uses
-    (the backend's, e.g. from ``run --kernel-configs``), else the defaults; ``kernel_configs`` on
-    top. Its workspaces are its own (the engine's captured graphs keep theirs)."""
-    from ..fastpath.dense import FastTarget  # the Triton step: an optional dependency
+    """A Triton step of the backend's target (dense, or the family step of a hybrid /
+    sliding-window target) with the matmul configs the engine's step uses (the backend's, e.g. from
+    ``run --kernel-configs``), else the defaults; ``kernel_configs`` on top. Its workspaces are its
+    own (the engine's captured graphs keep theirs)."""
+    from ..fastpath.dense import FastTarget  # the Triton steps: an optional dependency
+    from ..fastpath.family import FastFamilyTarget
 
-    fast = FastTarget(backend.model)
+    model = backend.model
+    fast = FastTarget(model) if model.config.is_dense else FastFamilyTarget(model)
     if backend.fast is not None:
         fast.configs = dict(backend.fast.configs)
         fast.attn_rows = backend.fast.attn_rows
@@ -204,6 +210,56 @@ def _feed_chunk(fast, seqs: list[list[int]], outputs: list[list[int]], s: int, w
         margin[b].append(mgs[b][j])
 
 
+class _Uncaptured(StepGraphs):
+    """A step run directly (the teacher pass captures nothing: its shapes change every chunk)."""
+
+    def run(self, tokens, start, capture=(), tree=None, write=False):
+        return self.step(tokens, start, capture, tree, write)
+
+
+def _family_pass(backend: Backend, fast, prompts: list[list[int]], outputs: list[list[int]], W: int,
+                 top1: list[list[int]], margin: list[list[float]]) -> None:
+    """The teacher-forced pass of a hybrid / sliding-window target through the family step, as the
+    engine runs it: a runner over ``fast`` prefills each prompt with the engine's ``prefill_row``
+    calls (chunked to the ring's reserve where a sliding-window ring wraps; the recurrent state
+    written as it goes), then feeds the outputs in verify steps of at most ``W`` positions per
+    row, each committed as the engine commits an accepted block (the Gated DeltaNet state re-run
+    over the committed tokens, :meth:`~specpilot.fastpath.family.FastFamilyTarget.commit_recurrent`).
+    The family step computes a token's row with the same arithmetic whatever the block it is in,
+    so these are the logits the engine saw. The cache is sized so a sliding ring has the engine's
+    slot layout (window + the default verify width, or no wrap)."""
+    model, c = backend.model, backend.model.config
+    B, P = len(prompts), [len(p) for p in prompts]
+    seqs = [list(o[:-1]) for o in outputs]
+    total = max(len(x) for x in seqs)
+    S = max(max(P) + max(1, total), (c.sliding_window or 0) + DEFAULT_VERIFY_WIDTH if c.sliding_window else 0)
+    step = Backend(model, "triton-family", "teacher-forced pass", False, "triton", _Uncaptured(model, fast))
+    runner = TargetRunner(model, B, S, (), step)
+    ring = model.state.ring
+    if ring is not None and ring.R < S:
+        W = min(W, ring.reserve)
+    dev = runner.device
+    for b, p in enumerate(prompts):
+        lg = runner.prefill_row(b, list(p), 0).float()
+        top1[b].append(int(lg.argmax()))
+        margin[b].append((lg.max() - lg[outputs[b][0]]).item())
+    for s in range(0, total, W):
+        w = min(W, total - s)
+        parts = [x[s:s + w] for x in seqs]
+        _feed_chunk(_RunnerStep(runner), seqs, outputs, s, w, runner.length, top1, margin)
+        runner.commit(torch.tensor([len(x) for x in parts], dtype=torch.long, device=dev))
+
+
+class _RunnerStep:
+    """``forward(block, start)`` of a runner's verify (:func:`_feed_chunk`'s interface)."""
+
+    def __init__(self, runner: TargetRunner):
+        self.runner = runner
+
+    def forward(self, block, start):
+        return self.runner.verify(block)
+
+
 def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
                           kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
     """The teacher-forced check through the engine's own kernels, for one batch of requests.
@@ -255,6 +311,9 @@ def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: l
         target.state = None  # a fresh cache: the engine's (and its graphs' addresses) stay untouched
         fast = _fast_target(backend, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
         with torch.inference_mode():
+            if not target.config.is_dense:
+                _family_pass(backend, fast, prompts, outputs, W, top1, margin)
+                return _finish(top1, margin, outputs)
             target.setup_cache(B, max(P) + max(1, total))  # the step's results do not depend on the cache size
             _prefill_rows(fast, prompts, outputs, dev, top1, margin)
             start0 = torch.tensor(P, dtype=torch.long, device=dev)
@@ -263,6 +322,10 @@ def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: l
     finally:
         for k, v in saved.items():
             setattr(target, k, v)
-    for b in range(B):
+    return _finish(top1, margin, outputs)
+
+
+def _finish(top1: list[list[int]], margin: list[list[float]], outputs: list[list[int]]) -> list[tuple]:
+    for b in range(len(outputs)):
         assert len(top1[b]) == len(outputs[b]), (b, len(top1[b]), len(outputs[b]))
     return list(zip(top1, margin))

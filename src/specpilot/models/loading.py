@@ -20,6 +20,7 @@ from .config import TargetConfig, read_config
 from .dflash import DFlashDrafter, DrafterConfig
 from .dflash2 import CODEBOOKS, DFlash2Drafter
 from .dspark import DSparkDrafter, dspark_config, dspark_hf_dict
+from .random_checkpoint import materialize_drafter, materialize_target
 from .target import Transformer
 
 # checkpoint ``architectures`` -> the drafter network class (DFlash / DFlash2: z-lab; DSpark: DeepSpec)
@@ -108,6 +109,13 @@ def cpu_matmul_layout(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _lazy_seed(config: dict) -> int | None:
+    """The seed of a lazy random checkpoint's config.json (``specpilot random-checkpoint --lazy``),
+    else None."""
+    rnd = config.get("specpilot_random")
+    return int(rnd.get("seed", 0)) if isinstance(rnd, dict) and rnd.get("lazy") else None
+
+
 def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Transformer:
     """Load a target checkpoint directory into our :class:`Transformer` (built by layer type).
@@ -124,7 +132,11 @@ def load_target(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     Raises:
         SpecpilotError: missing/corrupt checkpoint, unsupported layer type, tensor mismatch.
     """
-    cfg = TargetConfig.from_hf_dict(read_config(checkpoint_dir), f"{checkpoint_dir}/config.json")
+    raw = read_config(checkpoint_dir)
+    cfg = TargetConfig.from_hf_dict(raw, f"{checkpoint_dir}/config.json")
+    lazy = _lazy_seed(raw)
+    if lazy is not None:  # a lazy random checkpoint: the weights are drawn from the seed on the device
+        return cpu_matmul_layout(materialize_target(cfg, device, dtype, lazy))
     state = text_state(load_state(checkpoint_dir))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -180,6 +192,11 @@ def load_drafter(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     """
     d = read_config(checkpoint_dir)
     cfg = drafter_config(d, f"{checkpoint_dir}/config.json")
+    lazy = _lazy_seed(d)
+    if lazy is not None:
+        if cfg.architecture != "DFlashDraftModel":
+            raise SpecpilotError(f"{checkpoint_dir}: lazy random drafters are DFlash networks, not {cfg.architecture}")
+        return cpu_matmul_layout(materialize_drafter(cfg, device, dtype, lazy))
     with torch.device("meta"):
         model = network_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)

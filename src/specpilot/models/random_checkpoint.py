@@ -45,7 +45,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from safetensors.torch import save_file
+
 from ..errors import SpecpilotError
+from ..io import atomic_write_text
 from .config import TargetConfig
 from .dflash import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from .qwen3 import Transformer
@@ -180,9 +183,10 @@ def _norm_convention(cfg: TargetConfig):
         ZERO_CENTRED.reset(tok)
 
 
-def build_target(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Transformer:
-    """A random target built directly on ``device`` (no checkpoint files), as loading would give."""
-    cfg = target_config(shape)
+def materialize_target(cfg: TargetConfig, device="cpu", dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0) -> Transformer:
+    """A random target of config ``cfg`` built directly on ``device`` (no checkpoint files): the
+    tensors of :func:`random_tensor` drawn there (seconds for a 27B shape on a GPU)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device=device)
@@ -190,19 +194,28 @@ def build_target(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, 
         return fill_random_(model, seed).eval()
 
 
+def materialize_drafter(cfg: DrafterConfig, device="cpu", dtype: torch.dtype = torch.bfloat16,
+                        seed: int = 1) -> DFlashDrafter:
+    """A random DFlash drafter of config ``cfg`` built directly on ``device`` (``seed`` = its own)."""
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    return fill_random_(model, seed).eval()
+
+
+def build_target(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Transformer:
+    """A random target of a named shape built directly on ``device``, as loading would give."""
+    return materialize_target(target_config(shape), device, dtype, seed)
+
+
 def build_drafter(shape: str, device="cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                   block_size: int = 16) -> DFlashDrafter:
     """A random DFlash drafter of the shape's drafter config, built directly on ``device``."""
-    with torch.device("meta"):
-        model = DFlashDrafter(drafter_config(shape, block_size))
-    model = model.to(dtype).to_empty(device=device)
-    return fill_random_(model, seed + 1).eval()
+    return materialize_drafter(drafter_config(shape, block_size), device, dtype, seed + 1)
 
 
 def _write(module_factory, config: dict, out: Path, seed: int, dtype: torch.dtype, shard_bytes: int) -> list[str]:
     """Write config.json and the random tensors of ``module_factory()`` (a meta-device module) in shards."""
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         meta = module_factory()
@@ -238,22 +251,32 @@ def _write(module_factory, config: dict, out: Path, seed: int, dtype: torch.dtyp
 
 def write_random_checkpoint(shape: str, out: str | Path, drafter_out: str | Path | None = None,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                            shard_bytes: int = 4 * 2 ** 30) -> tuple[Path, Path]:
+                            shard_bytes: int = 4 * 2 ** 30, lazy: bool = False) -> tuple[Path, Path]:
     """Write the random target of ``shape`` to ``out`` and its random DFlash drafter to ``drafter_out``
-    (default ``{out}-drafter``). Returns both directories."""
+    (default ``{out}-drafter``). Returns both directories.
+
+    ``lazy``: write each config.json alone, marked ``specpilot_random.lazy``: the loader then
+    draws the weights from the seed on the device it loads to (:func:`materialize_target`), so a
+    27B / 30B shape costs kilobytes of disk and seconds, and every job that loads it gets the same
+    tensors (same seed, device kind and torch version)."""
     out = Path(out)
     dout = Path(drafter_out) if drafter_out else out.with_name(out.name + "-drafter")
     tcfg = target_config(shape)
     dname = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[dtype]
     config = hf_config(tcfg)
     config["torch_dtype"] = dname
-    config["specpilot_random"] = {"shape": shape, "seed": seed, "std": STD}
-    with _norm_convention(tcfg):
-        _write(lambda: Transformer(tcfg), config, out, seed, dtype, shard_bytes)
+    config["specpilot_random"] = {"shape": shape, "seed": seed, "std": STD, **({"lazy": True} if lazy else {})}
     dcfg = drafter_config(shape)
     dconf = dcfg.to_hf_dict()
     dconf["torch_dtype"] = dname
-    dconf["specpilot_random"] = {"shape": shape, "seed": seed + 1, "std": STD}
+    dconf["specpilot_random"] = {"shape": shape, "seed": seed + 1, "std": STD, **({"lazy": True} if lazy else {})}
+    if lazy:
+        for folder, conf in ((out, config), (dout, dconf)):
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / "config.json", json.dumps(conf, indent=2) + "\n")
+        return out, dout
+    with _norm_convention(tcfg):
+        _write(lambda: Transformer(tcfg), config, out, seed, dtype, shard_bytes)
     _write(lambda: DFlashDrafter(dcfg), dconf, dout, seed + 1, dtype, shard_bytes)
     return out, dout
 
@@ -265,11 +288,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors shard [GiB]")
+    p.add_argument("--lazy", action="store_true", help="write config.json only: the loader draws the weights from "
+                   "the seed on its device (kilobytes on disk; for GPU boxes without room for 50 GB checkpoints)")
 
 
 def run(args) -> int:
     t, d = write_random_checkpoint(args.shape, args.out, args.drafter_out, DTYPES[args.dtype], args.seed,
-                                   int(args.shard_gb * 2 ** 30))
+                                   int(args.shard_gb * 2 ** 30), args.lazy)
     print(json.dumps({"target": str(t), "drafter": str(d), "shape": args.shape, "dtype": args.dtype,
-                      "seed": args.seed}))
+                      "seed": args.seed, "lazy": args.lazy}))
     return 0

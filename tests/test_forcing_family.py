@@ -1,0 +1,102 @@
+"""Token forcing through the family kernels (issue 35, item 0): the teacher-forced pass of a hybrid
+(Gated DeltaNet) or Muse-Glimmer-style (sliding window ring + NoPE) target runs the Triton family
+step the engine ran, so an honest engine's margins are exactly 0, under Triton's CPU interpreter.
+
+The "engine" is the fast runner (row prefill, chain verify of scripted drafts + commit, decode
+steps), long enough that the sliding-window ring wraps; the negative control is an engine whose
+recurrent state goes stale (the commit's re-run switched off): its tokens are the argmax of wrong
+logits, which the teacher-forced pass must flag.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+CHECK = r'''
+import random
+from specpilot.engine.verify import accept_greedy
+from specpilot.forcing import force, teacher_forced_engine
+from specpilot.engine.backend import choose_backend
+from specpilot.records import Record
+from test_target_state import build, hybrid_config, muse_config
+
+V, WIDTH, NEW = 96, 6, 64
+POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16)
+cfgs = {"hybrid": hybrid_config(**POW2, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                     "linear_attention"], linear_key_head_dim=16, linear_value_head_dim=16),
+        "muse": muse_config(**POW2, sliding_window=8)}
+prompts = [[(5 * i + 3) % V for i in range(13)], [(7 * i + 1) % V for i in range(9)]]
+
+
+def engine(m, stale=False):
+    """Scripted speculative decoding (chain verify + commit, and plain decode steps) of NEW tokens."""
+    r = fast_runner(m, 2, 96)
+    if stale:
+        r.steps.fast.commit_recurrent = lambda counts: None
+    last, _, _ = r.prefill(prompts)
+    got = [[int(x)] for x in last.argmax(-1)]
+    rng = random.Random(3)
+    step = 0
+    while min(len(g) for g in got) < NEW:
+        step += 1
+        if step % 3 == 0:  # a decode step now and then
+            tok = r.decode(torch.tensor([g[-1] for g in got])).argmax(-1)
+            for b in range(2):
+                got[b].append(int(tok[b]))
+            continue
+        block = torch.tensor([[got[b][-1]] + [rng.randrange(V) for _ in range(WIDTH - 1)] for b in range(2)])
+        logits, _ = r.verify(block)
+        argm = logits.argmax(-1)
+        k = [rng.randrange(WIDTH) for _ in range(2)]  # plant the target's own tokens up to a random depth
+        for b in range(2):
+            for j in range(1, k[b] + 1):
+                block[b, j] = argm[b, j - 1]
+        logits, _ = r.verify(block)
+        acc, bonus = accept_greedy(block[:, 1:], logits)
+        r.commit(acc + 1)
+        for b in range(2):
+            got[b] += [int(t) for t in block[b, 1:int(acc[b]) + 1]] + [int(bonus[b])]
+    return [g[:NEW] for g in got], m.state.ring.R if m.state.ring is not None else 0
+
+
+def rec(i, out):
+    return Record(request_id=f"t/{i:04d}", benchmark="t", deployment="t", target="t", drafter="d", gpu="cpu",
+                  engine="stock", concurrency=2, prompt_tokens=len(prompts[i]), new_tokens=len(out), prefill_s=0.0,
+                  decode_s=0.0, verify_steps=len(out) - 1, committed_per_step=[1] * (len(out) - 1),
+                  output_ids=list(out), engine_config={"block_size": WIDTH})
+
+
+res = {}
+for kind, cfg in cfgs.items():
+    m = build(cfg)
+    outs, R = engine(m)
+    tf = teacher_forced_engine(choose_backend(m), prompts, outs, width=5)
+    v = force([rec(0, outs[0]), rec(1, outs[1])], {}, {f"t/{i:04d}": p for i, p in enumerate(prompts)}, m, 1e-4,
+              teacher_forced_path="triton")
+    res[kind] = {"ring_R": R, "top1_equal": [t == o for (t, _), o in zip(tf, outs)],
+                 "max_margin": max(max(mg) for _, mg in tf), "passed": v["passed"], "violations": v["violations"],
+                 "near_ties": v["near_ties"], "path": v["teacher_forced_path"]}
+m = build(cfgs["hybrid"])
+stale, _ = engine(m, stale=True)
+tf = teacher_forced_engine(choose_backend(m), prompts, stale, width=5)
+res["hybrid_stale"] = {"max_margin": max(max(mg) for _, mg in tf), "top1_equal": [t == o for (t, _), o in zip(tf, stale)]}
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_family_teacher_forced_pass_through_the_family_step_interpreted(tmp_path):
+    from triton_interp import run_interpreted
+
+    res = run_interpreted(tmp_path / "check.py", CHECK, Path(__file__).resolve().parents[1])
+    for kind in ("hybrid", "muse"):
+        r = res[kind]
+        assert r["top1_equal"] == [True, True] and r["max_margin"] == 0.0, r  # bit for bit the engine's logits
+        assert r["passed"] and r["violations"] == 0 and r["near_ties"] == 0 and r["path"] == "triton", r
+    assert res["muse"]["ring_R"] == 8 + 64 < 13 + 64  # window 8 + the default reserve 64: the ring wrapped
+    # negative control: a stale recurrent state in the engine is caught (its tokens are not the target's)
+    assert res["hybrid_stale"]["max_margin"] > 1e-3 and False in res["hybrid_stale"]["top1_equal"], res
