@@ -28,19 +28,32 @@ TINY_BUILD = "tiny"
 TINY_DRAFTERS = ("dflash", "dflash2", "dspark")
 
 
+def _definition_order():
+    """Deployment names in the order the config defines them: the workflow's own config file
+    first, then each --configfile in command-line order, then --config entries. Snakemake's merge
+    puts the command line's keys first; this order does not depend on it, so a deployment added
+    with --configfile comes last."""
+    from snakemake.common.configfile import load_configfile
+
+    cli = [Path(f).resolve() for f in workflow.overwrite_configfiles or []]
+    files = [Path(f).resolve() for f in workflow.configfiles if Path(f).resolve() not in cli] + cli
+    names = []
+    for f in files:
+        for name in (load_configfile(f) or {}).get("deployments") or {}:
+            if name not in names and name in config["deployments"]:
+                names.append(name)
+    return names + [n for n in config["deployments"] if n not in names]
+
+
 def _deployments():
-    """Available deployments (name -> settings); logs the ones marked available: false."""
+    """Available deployments (name -> settings) in definition order; logs the ones marked
+    available: false."""
     active = {}
-    for name, dep in config["deployments"].items():
+    for name in _definition_order():
+        dep = config["deployments"][name]
         if dep.get("available", True) is False:
             logger.info(f"specpilot: skipping deployment {name}: {dep.get('reason', 'no reason given')}")
             continue
-        if dep["target"] == TINY_TARGET and dep["drafter"] not in TINY_DRAFTERS:
-            raise ValueError(f"deployment {name}: target 'tiny' is built with drafters "
-                             f"{', '.join(TINY_DRAFTERS)}, not {dep['drafter']!r}")
-        if dep["target"] != TINY_TARGET and not dep.get("drafter_id"):
-            raise ValueError(f"deployment {name}: a real target needs drafter_id "
-                             f"(a local folder or Hugging Face Hub id of the drafter)")
         active[name] = dep
     return active
 
@@ -141,6 +154,20 @@ def deployment_dir(name):
     if name in DEPLOYMENTS and DEPLOYMENTS[name]["target"] == TINY_TARGET:
         return f"resources/deployments/{tiny_build(DEPLOYMENTS[name])}"
     return f"resources/deployments/{name}"
+
+
+def _check_deployments():
+    """Stop the plan (``snakemake -n`` included) when a deployment cannot run: one line per
+    problem naming the deployment, the key and the value (specpilot.validate)."""
+    from specpilot.validate import check_deployments
+
+    problems = check_deployments(DEPLOYMENTS, Path.cwd(), TINY_TARGET, TINY_DRAFTERS,
+                                 {d: Path(deployment_dir(d)) for d in TINY_DEPLOYMENTS})
+    if problems:
+        raise WorkflowError("\n".join(f"specpilot: {p}" for p in problems))
+
+
+_check_deployments()
 
 
 def build_marker(wildcards):

@@ -91,7 +91,8 @@ rule round_references:
 
 rule round_memory_start:
     input:
-        memory_sources,
+        snapshots=memory_sources,
+        build=build_marker,  # nothing of a deployment is written before the deployment exists
     output:
         f"{ROUNDS_DIR}/round-0/memory.jsonl",
     log:
@@ -99,7 +100,7 @@ rule round_memory_start:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m specpilot memory --snapshots {input} --out {output} 2>&1 | tee {log}"
+        "python -m specpilot memory --snapshots {input.snapshots} --out {output} 2>&1 | tee {log}"
 
 
 checkpoint round_plan:
