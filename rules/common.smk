@@ -65,8 +65,24 @@ LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] != TINY_T
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
 ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "concurrency": 1,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
-          "seed_memory": None, "llm": {}, **config.get("rounds", {})}
+          "chain": [], "seed_memory": None, "llm": {}, **config.get("rounds", {})}
 ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
+
+
+def _chain():
+    """The rounds' memory chain (rounds.transfer = chain): the deployments config rounds.chain
+    lists, in its order, then every other available deployment in definition order. A deployment
+    added later joins the end, so the deployments before it keep their inputs (and their results).
+    A listed name that no deployment has stops the run; one marked available: false is skipped."""
+    listed = list(ROUNDS["chain"])
+    unknown = [n for n in listed if n not in config["deployments"]]
+    if unknown:
+        raise WorkflowError(f"specpilot: config rounds.chain names {', '.join(map(repr, unknown))}, which "
+                            f"config deployments does not define (deployments: {', '.join(config['deployments'])})")
+    return [n for n in listed if n in DEPLOYMENTS] + [n for n in DEPLOYMENTS if n not in listed]
+
+
+CHAIN = _chain()
 
 # Engines whose cells are run: specpilot needs the engine config of at least one agent round.
 RUN_ENGINES = [e for e in config["engines"] if e != "specpilot" or ROUNDS["count"] > 0]
@@ -405,13 +421,13 @@ def memory_snapshot(gpu, deployment_name, k):
 
 def memory_sources(wildcards):
     """What a deployment's rounds start from (round-0 memory): config rounds.seed_memory if set,
-    and with rounds.transfer = chain the last memory of the deployment listed before it (so each
-    deployment learns from all before it, on the same GPU); with transfer = none only the seed."""
+    and with rounds.transfer = chain the last memory of the deployment before it in the chain
+    (CHAIN; so each deployment learns from all before it, on the same GPU); with transfer = none
+    only the seed."""
     src = [ROUNDS["seed_memory"]] if ROUNDS["seed_memory"] else []
-    names = list(DEPLOYMENTS)
-    i = names.index(wildcards.deployment)
+    i = CHAIN.index(wildcards.deployment)
     if ROUNDS["transfer"] == "chain" and i > 0:
-        src.append(memory_snapshot(wildcards.gpu, names[i - 1], ROUNDS["count"]))
+        src.append(memory_snapshot(wildcards.gpu, CHAIN[i - 1], ROUNDS["count"]))
     return src
 
 
