@@ -6,7 +6,11 @@ forcing tolerance excepted), every record is structurally consistent and its fir
 re-run to the same commits, and its requests and token counts equal the AR and stock references'
 exactly. It is the same function, with the same rule, that writes the table's verdict files.
 Its gain is the geometric mean over requests of base decode seconds / candidate decode seconds,
-each the minimum over ``repeats`` alternating runs (robust to a busy machine).
+each the minimum over ``repeats`` alternating runs (robust to a busy machine), with the interval the
+study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`: a seeded
+percentile bootstrap over requests and repeats).
+
+What the rounds do with a trial's gain and interval: :mod:`specpilot.agent.decide`.
 """
 
 from __future__ import annotations
