@@ -109,6 +109,62 @@ def _given_cores():
 TIMING_THREADS = max(1, min(_given_cores() or os.cpu_count() or 1, os.cpu_count() or 1))
 
 
+# ---- devices of a GPU run (specpilot.devices) ----
+# Each GPU job runs through the device wrapper, which gives it one device of the host for its
+# lifetime (a lock file per device, CUDA_VISIBLE_DEVICES for the job); so on a multi-GPU host the
+# GPU jobs run side by side on different devices and a timed cell never shares one. On cpu there is
+# no wrapper and nothing changes: timing jobs take every core and the one timing slot.
+
+def _host_devices():
+    """The host's CUDA devices (nvidia-smi; SPECPILOT_FAKE_DEVICES in tests) on a local run, else []."""
+    from specpilot.devices import host_devices
+    from specpilot.errors import SpecpilotError
+
+    if not workflow.local_exec:  # a cluster executor maps GPUs per job (SLURM --gpus)
+        return []
+    try:
+        return host_devices()
+    except SpecpilotError as e:
+        raise WorkflowError(f"specpilot: {e}") from None
+
+
+def _device_slots():
+    """How many GPU jobs run at once: --resources gpu=N, checked against the host's devices; without
+    it, one per device (registered as the gpu limit, so a job waits in Snakemake, not on a lock)."""
+    from specpilot.devices import POOL_ENV
+
+    devices = _host_devices()
+    os.environ.setdefault(POOL_ENV, ",".join(d.uuid for d in devices))  # a device gone later: one error
+    given = workflow.global_resources.get("gpu").value
+    if given is not None and workflow.local_exec and int(given) > len(devices):
+        listed = ", ".join(f"{d.index}: {d.name} ({d.uuid})" for d in devices) or "none"
+        raise WorkflowError(f"specpilot: --resources gpu={given}, but this host has {len(devices)} CUDA "
+                            f"device(s) ({listed}); ask for at most {len(devices)}")
+    if given is None and devices:
+        workflow.register_resource("gpu", len(devices))
+    return int(given) if given is not None else len(devices)
+
+
+DEVICE_SLOTS = _device_slots()
+
+
+def on_device(wildcards):
+    """Shell prefix of a GPU job: the device wrapper (one device of the pool for the job); nothing on cpu."""
+    return "" if wildcards.gpu == "cpu" else f"python -m specpilot.devices run --gpu {wildcards.gpu} --"
+
+
+def timing_threads(wildcards):
+    """threads: of a timing job: every core given on cpu (nothing runs beside a timed CPU cell); on a
+    GPU its device's share, so one timing job per device runs at once."""
+    return TIMING_THREADS if wildcards.gpu == "cpu" else max(1, TIMING_THREADS // max(1, DEVICE_SLOTS))
+
+
+def timing_slot(wildcards):
+    """resources: timing_slots -- 1 on cpu (the profile allows one at a time); 0 on a GPU, where the
+    job's own device isolates its timing."""
+    return 1 if wildcards.gpu == "cpu" else 0
+
+
 def names_regex(names):
     """A wildcard regex matching exactly these names ('(?!)' matches nothing)."""
     return "|".join(re.escape(n) for n in names) or "(?!)"
@@ -384,7 +440,15 @@ def table_inputs(wildcards):
             records.append(records_path(wildcards.gpu, d, b, e, c))
             if e != "ar":
                 forcing.append(forcing_path(wildcards.gpu, d, b, e, c))
-    return {"records": records, "forcing": forcing}
+    inputs = {"records": records, "forcing": forcing}
+    if wildcards.gpu != "cpu":
+        inputs["devices"] = f"results/{wildcards.gpu}/devices.json"
+    return inputs
+
+
+def devices_opt(wildcards, input):
+    """``--devices results/{gpu}/devices.json`` for a GPU table (speeds of the devices that timed it)."""
+    return f"--devices {input.devices}" if wildcards.gpu != "cpu" else ""
 
 
 def figure_paths(gpu):
