@@ -61,16 +61,7 @@ def block_gain(gains: dict[int, float]):
 
 def agent_run(gains: dict[int, float], seed: int) -> dict:
     ev = SyntheticTiming(block_gain(gains), seed)
-    return search(ev, dirs.REGISTRY["block_size"], {"block_size": 8}, 6, OfflinePolicy(), [], {}, _nowhere(),
-                  MIN_GAIN)
-
-
-class _nowhere:  # an evidence folder that is never written (the synthetic trials have no records to keep)
-    def mkdir(self, **_):
-        pass
-
-    def __truediv__(self, _):
-        return None
+    return search(ev, dirs.REGISTRY["block_size"], {"block_size": 8}, 6, OfflinePolicy(), [], {}, None, MIN_GAIN)
 
 
 def round_run(gains: dict[int, float], seed: int) -> tuple[dict, dict, dict, str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..aggregate import geomean
+from ..devices import device_identity
 from ..errors import SpecpilotError
 from ..io import read_json, write_json
 from ..records import read_records, write_records
@@ -46,7 +47,7 @@ from . import memory
 from .costmodel import analyze, report_text
 from .decide import choose, clears
 from .policies import grid_order, make_policy
-from .trial import Evaluator
+from .trial import Evaluator, Evidence
 
 log = logging.getLogger("specpilot.agent")
 
@@ -85,6 +86,7 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    if references else None)
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
     ctx["kernels"] = kernels
+    ctx["device"] = device_identity()  # which GPU timed this step (the device wrapper's)
     return ev, ctx
 
 
@@ -115,8 +117,7 @@ def plan(args) -> int:
     log.info("round %d plan for %s on %s: AR and stock references first", args.round, args.deployment, args.gpu)
     ev, ctx = _evaluator(args)
     out = Path(args.out)
-    evidence = Path(args.evidence)
-    evidence.mkdir(parents=True, exist_ok=True)
+    evidence = Evidence(args.evidence)
     base = _base_config(args)
     transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
@@ -126,7 +127,7 @@ def plan(args) -> int:
             if name not in applicable:
                 continue
             cand = dirs.REGISTRY[name].apply(base, entry["params"])
-            res = ev.trial(cand, base, evidence / f"memory-{name}.jsonl")
+            res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
             tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                           "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
                           "gain": res["gain"]})
@@ -153,6 +154,7 @@ def plan(args) -> int:
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
     base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
+    evidence.write()
     write_json(args.costmodel, analysis)
     Path(args.costmodel_text).write_text(report)
     write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
@@ -165,8 +167,8 @@ def plan(args) -> int:
     return 0
 
 
-def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], context: dict, evidence: Path,
-           min_gain: float) -> dict:
+def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], context: dict,
+           evidence: Evidence | None, min_gain: float) -> dict:
     """One direction's agent: ``policy`` trials candidates (``ev.trial``, token-forcing gate and
     timing) within ``budget``; the best is kept only when it clears ``min_gain``
     (:func:`specpilot.agent.decide.choose`, ties broken by the policy's grid order).
@@ -175,14 +177,12 @@ def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], co
         The agent file's content: trials, the ones token forcing rejected, and ``best`` (None when
         no candidate's interval is clear of ``min_gain``).
     """
-    evidence.mkdir(parents=True, exist_ok=True)
     half = ev.prompts[::2]
     counter = iter(range(10_000))
 
     def trial(params: dict, full: bool) -> dict:
         i = next(counter)
-        res = ev.trial(direction.apply(base, params), base, evidence / f"trial-{i:02d}.jsonl",
-                       None if full else half)
+        res = ev.trial(direction.apply(base, params), base, evidence, None if full else half, tag=f"trial-{i:02d}")
         verdict = ("rejected by token forcing" if not res["gate"]["passed"] else
                    f"gain {res['gain']:.3f} (95% interval {res['gain_lo']:.3f}-{res['gain_hi']:.3f})")
         log.info("trial %d %s: %s (tau %.2f)", i, json.dumps(params), verdict, res["tau"])
@@ -209,8 +209,9 @@ def agent(args) -> int:
     hints = [e["params"] for e in memory.valid_for(known, direction.name)]
     context = {"report": Path(args.costmodel_text).read_text(), "memory": sorted(known, key=lambda e: e["id"])[-20:]}
     policy = make_policy(json.loads(args.llm) if args.llm else None)
-    res = search(ev, direction, p["base_config"], args.budget, policy, hints, context, Path(args.evidence),
-                 args.min_gain)
+    evidence = Evidence(args.evidence)
+    res = search(ev, direction, p["base_config"], args.budget, policy, hints, context, evidence, args.min_gain)
+    evidence.write()
     write_json(args.out, res)
     best = res["best"]
     best_txt = ("none clear of min_gain %.3f" % args.min_gain if not best else "%s gain %.3f (95%% interval %.3f-%.3f)"
@@ -221,7 +222,7 @@ def agent(args) -> int:
 
 
 def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, confirm_factor: float,
-           evidence: Path | None) -> tuple[dict, dict, str]:
+           evidence: Evidence | None) -> tuple[dict, dict, str]:
     """The round's config from its agents' winners (``(direction, best trial)``, best gain first).
 
     The winners merged (the best last, so its exclusions hold) are kept when their gain clears
@@ -237,20 +238,20 @@ def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, con
         merged = dict(base)
         for name, w in reversed(winners):
             merged = dirs.REGISTRY[name].apply(merged, w["params"])
-        res = ev.trial(merged, base, evidence)
+        res = ev.trial(merged, base, evidence, tag="merged")
         if clears(res, min_gain) and res["gain"] >= confirm_factor * winners[0][1]["gain"]:
             chosen, result = merged, res
         else:
             single = dirs.REGISTRY[winners[0][0]].apply(base, winners[0][1]["params"])
             if single != merged:  # one winner: the merged config is the single one, measured already
-                res = ev.trial(single, base, evidence)
+                res = ev.trial(single, base, evidence, tag="single")
             if clears(res, min_gain):
                 chosen, result = single, res
         why = "the winners' config did not clear min_gain again" if result is None else why
     if result is not None:  # confirm on a fresh, longer measurement before it counts
         repeats, ev.repeats = ev.repeats, ev.repeats + 1
         try:
-            result = ev.trial(chosen, base, evidence)
+            result = ev.trial(chosen, base, evidence, tag="confirmation")
         finally:
             ev.repeats = repeats
         if clears(result, min_gain):
@@ -262,7 +263,7 @@ def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, con
                    f"{result['gain_hi']:.3f}, min_gain {min_gain})")
             chosen, result = base, None
     if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
-        result = ev.trial(base, base, evidence)
+        result = ev.trial(base, base, evidence, tag="base")
     return chosen, result, why
 
 
@@ -278,8 +279,9 @@ def integrate(args) -> int:
             winners.append((a["direction"], a["best"]))
     winners.sort(key=lambda w: (-w[1]["gain"], w[0]))
     ev, ctx = _evaluator(args)
-    evidence = Path(args.evidence)
+    evidence = Evidence(args.evidence)
     chosen, result, why = decide(ev, base, winners, args.min_gain, args.confirm_factor, evidence)
+    evidence.write()
     if not result["gate"]["passed"]:
         raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
     known = _invalidated(memory.read(args.memory), p)
@@ -288,7 +290,7 @@ def integrate(args) -> int:
             known = memory.record(known, {
                 "direction": name, "params": w["params"], "deployment": args.deployment, "gpu": args.gpu,
                 "target": ctx["target"], "drafter": ctx["drafter"], "gain": w["gain"], "round": args.round,
-                "evidence": [w["evidence"], str(evidence)]})
+                "evidence": [w["evidence"], result["evidence"]]})
     memory.write(args.memory_out, known)
     kept = chosen != base
     write_json(args.out, {"round": args.round, "config": chosen,
@@ -300,7 +302,8 @@ def integrate(args) -> int:
                           "gain_lo": result["gain_lo"] if kept else None, "gain_hi": result["gain_hi"] if kept else None,
                           "min_gain": args.min_gain, "decision": why,
                           "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
-                          "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"]})
+                          "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"],
+                          "device": ctx["device"]})
     print(f"round {args.round} integrated: {json.dumps(chosen)} ({why}; speedup vs AR {result['speedup_vs_ar']:.2f}, "
           f"tau {result['tau']:.2f}); memory: {len(known)} entries")
     return 0
@@ -344,7 +347,7 @@ _FILE_OPTIONS = {
     "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
     "--memory": "memory snapshot this round starts from (none = empty)",
     "--memory-out": "memory snapshot after this round (integrate)",
-    "--evidence": "trial records written as evidence (a folder for plan and agent, a records file for integrate)",
+    "--evidence": "the step's trial records, kept as evidence (one JSON-lines file, each record tagged with its trial)",
 }
 
 
