@@ -41,6 +41,7 @@ rule link_deployment:
         "logs/deployments/{deployment}.log",
     wildcard_constraints:
         deployment=names_regex(LINKED_DEPLOYMENTS),
+    priority: 100  # first: a download that cannot run stops the run before other jobs write results/
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
         target=lambda wildcards: deployment(wildcards)["target"],

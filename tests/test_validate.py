@@ -228,3 +228,38 @@ def test_failed_jobs_reach_the_console_as_their_one_line(tmp_path):
         "rule table failed (logs/cpu/table.log): see logs/cpu/table.log",
     ]
     assert failed_job_lines(tmp_path / "absent.log", tmp_path) == []
+
+
+def test_a_real_run_stops_before_writing_anything(tmp_path, ckpts):
+    """Not only the dry run: `snakemake --cores 1` with a missing target folder stops while planning."""
+    _, drafter = ckpts
+    work = tmp_path / "work"
+    work.mkdir()
+    extra = added(tmp_path, "real-8b", dep(tmp_path / "gone", drafter))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--directory", str(work), "--snakefile",
+                        str(ROOT / "Snakefile"), "--configfile", str(ROOT / "config" / "config.yaml"), str(extra)],
+                       text=True, capture_output=True, timeout=300)
+    assert r.returncode != 0 and "deployment real-8b: target" in r.stdout + r.stderr
+    assert not (work / "results").exists() and not (work / "resources").exists()
+
+
+def test_a_failed_download_reaches_the_console_as_one_line(tmp_path, ckpts):
+    """A Hub drafter that cannot be downloaded (offline): link_deployment fails first, the console
+    names the rule and the reason, and no other job wrote results/."""
+    target, _ = ckpts
+    work = tmp_path / "work"
+    work.mkdir()
+    off = {n: {"available": False, "reason": "test"} for n in ("tiny", "tiny-dflash2", "tiny-dspark")}
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(yaml.safe_dump({"gpu": "cpu", "engines": ["ar", "stock"], "benchmarks": ["gsm8k"], "deployments": {
+        **off, "hubdep": {**dep(target, "nosuch-org/nosuch-drafter"), "weight_format": "fp32"}}}))
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--directory", str(work), "--snakefile",
+                        str(ROOT / "Snakefile"), "--configfile", str(ROOT / "config" / "config.yaml"), str(cfg)],
+                       text=True, capture_output=True, timeout=600, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    [line] = [ln for ln in out.splitlines() if ln.startswith("specpilot: rule link_deployment failed")]
+    assert line.startswith("specpilot: rule link_deployment failed (logs/deployments/hubdep.log): could not "
+                           "download nosuch-org/nosuch-drafter from the Hugging Face Hub"), out[-3000:]
+    assert not (work / "results").exists()
