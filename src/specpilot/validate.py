@@ -20,7 +20,8 @@ each naming the deployment, the config key and the value:
   for (``block_size`` of its ``config.json``: the stock system runs the drafter as released);
 - tiny deployments sharing one build agree on ``quick`` (one build, one recipe).
 
-Only ``config.json`` files are read; torch is imported only to check a drafter config that exists.
+Only ``config.json`` files are read; torch is imported only to check a drafter config that exists
+(:mod:`specpilot.models.loading`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import json
 import re
 from pathlib import Path
 
+from .drafters import ARCHITECTURES
 from .errors import SpecpilotError
+from .models.config import TargetConfig
 
 # smallest block_size per drafter kind, in the kind's own counting (see the module docstring)
 MIN_BLOCK = {"dflash": 2, "dflash2": 2, "dspark": 1}
@@ -108,8 +111,6 @@ def _read(cfg: Path) -> dict:
 
 def target_problem(cfg: Path) -> str | None:
     """Why the engine cannot build the target of ``config.json`` (family, layer types, keys), or None."""
-    from .models.config import TargetConfig
-
     try:
         TargetConfig.from_hf_dict(_read(cfg), str(cfg))
     except SpecpilotError as e:
@@ -119,8 +120,6 @@ def target_problem(cfg: Path) -> str | None:
 
 def drafter_problems(cfg: Path, kind: str, block) -> list[str]:
     """Problems of a drafter ``config.json`` for a deployment of drafter ``kind`` and ``block`` size."""
-    from .drafters import ARCHITECTURES
-
     try:
         d = _read(cfg)
     except SpecpilotError as e:
