@@ -136,6 +136,8 @@ def _device_slots():
     devices = _host_devices()
     os.environ.setdefault(POOL_ENV, ",".join(d.uuid for d in devices))  # a device gone later: one error
     given = workflow.global_resources.get("gpu").value
+    if not workflow.is_main_process:  # a job of a cluster run re-reads the workflow: its node decides
+        return len(devices)
     if given is not None and workflow.local_exec and int(given) > len(devices):
         listed = ", ".join(f"{d.index}: {d.name} ({d.uuid})" for d in devices) or "none"
         raise WorkflowError(f"specpilot: --resources gpu={given}, but this host has {len(devices)} CUDA "
