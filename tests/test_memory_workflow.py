@@ -111,7 +111,7 @@ def test_an_added_deployment_plans_only_its_own_jobs(finished):
     (finished / "config" / "added.yaml").write_text(yaml.safe_dump(added))
     jobs = jobs_of(smk(finished, "-n", "--configfile", "config/test.yaml", "config/added.yaml"))
     assert jobs
-    shared = {"table", "figures", "rounds_figure", "memory"}
+    shared = {"all", "table", "figures", "rounds_figure", "memory"}
     assert not [(r, w) for r, w in jobs if r not in shared and "deployment=aaa-added" not in w], jobs
     assert {"round_memory_start", "round_plan", "run_engine", "force", "table", "memory"} <= {r for r, _ in jobs}
 
