@@ -52,6 +52,11 @@ onsuccess:
 
 
 onerror:
+    # each failed job's one clear line (its SpecpilotError, else its exception), not only its log
+    from specpilot.joblog import failed_job_lines
+
+    for line in failed_job_lines(log):
+        logger.error(f"specpilot: {line}")
     logger.error("specpilot: a job failed; its log is named above (logs/...)")
 
 

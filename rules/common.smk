@@ -28,19 +28,32 @@ TINY_BUILD = "tiny"
 TINY_DRAFTERS = ("dflash", "dflash2", "dspark")
 
 
+def _definition_order():
+    """Deployment names in the order the config defines them: the workflow's own config file
+    first, then each --configfile in command-line order, then --config entries. Snakemake's merge
+    puts the command line's keys first; this order does not depend on it, so a deployment added
+    with --configfile comes last."""
+    from snakemake.common.configfile import load_configfile
+
+    cli = [Path(f).resolve() for f in workflow.overwrite_configfiles or []]
+    files = [Path(f).resolve() for f in workflow.configfiles if Path(f).resolve() not in cli] + cli
+    names = []
+    for f in files:
+        for name in (load_configfile(f) or {}).get("deployments") or {}:
+            if name not in names and name in config["deployments"]:
+                names.append(name)
+    return names + [n for n in config["deployments"] if n not in names]
+
+
 def _deployments():
-    """Available deployments (name -> settings); logs the ones marked available: false."""
+    """Available deployments (name -> settings) in definition order; logs the ones marked
+    available: false."""
     active = {}
-    for name, dep in config["deployments"].items():
+    for name in _definition_order():
+        dep = config["deployments"][name]
         if dep.get("available", True) is False:
             logger.info(f"specpilot: skipping deployment {name}: {dep.get('reason', 'no reason given')}")
             continue
-        if dep["target"] == TINY_TARGET and dep["drafter"] not in TINY_DRAFTERS:
-            raise ValueError(f"deployment {name}: target 'tiny' is built with drafters "
-                             f"{', '.join(TINY_DRAFTERS)}, not {dep['drafter']!r}")
-        if dep["target"] != TINY_TARGET and not dep.get("drafter_id"):
-            raise ValueError(f"deployment {name}: a real target needs drafter_id "
-                             f"(a local folder or Hugging Face Hub id of the drafter)")
         active[name] = dep
     return active
 
@@ -52,8 +65,24 @@ LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] != TINY_T
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
 ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "concurrency": 1,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
-          "seed_memory": None, "llm": {}, **config.get("rounds", {})}
+          "chain": [], "seed_memory": None, "llm": {}, **config.get("rounds", {})}
 ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
+
+
+def _chain():
+    """The rounds' memory chain (rounds.transfer = chain): the deployments config rounds.chain
+    lists, in its order, then every other available deployment in definition order. A deployment
+    added later joins the end, so the deployments before it keep their inputs (and their results).
+    A listed name that no deployment has stops the run; one marked available: false is skipped."""
+    listed = list(ROUNDS["chain"])
+    unknown = [n for n in listed if n not in config["deployments"]]
+    if unknown:
+        raise WorkflowError(f"specpilot: config rounds.chain names {', '.join(map(repr, unknown))}, which "
+                            f"config deployments does not define (deployments: {', '.join(config['deployments'])})")
+    return [n for n in listed if n in DEPLOYMENTS] + [n for n in DEPLOYMENTS if n not in listed]
+
+
+CHAIN = _chain()
 
 # Engines whose cells are run: specpilot needs the engine config of at least one agent round.
 RUN_ENGINES = [e for e in config["engines"] if e != "specpilot" or ROUNDS["count"] > 0]
@@ -78,6 +107,64 @@ def _given_cores():
 
 
 TIMING_THREADS = max(1, min(_given_cores() or os.cpu_count() or 1, os.cpu_count() or 1))
+
+
+# ---- devices of a GPU run (specpilot.devices) ----
+# Each GPU job runs through the device wrapper, which gives it one device of the host for its
+# lifetime (a lock file per device, CUDA_VISIBLE_DEVICES for the job); so on a multi-GPU host the
+# GPU jobs run side by side on different devices and a timed cell never shares one. On cpu there is
+# no wrapper and nothing changes: timing jobs take every core and the one timing slot.
+
+def _host_devices():
+    """The host's CUDA devices (nvidia-smi; SPECPILOT_FAKE_DEVICES in tests) on a local run, else []."""
+    from specpilot.devices import host_devices
+    from specpilot.errors import SpecpilotError
+
+    if not workflow.local_exec:  # a cluster executor maps GPUs per job (SLURM --gpus)
+        return []
+    try:
+        return host_devices()
+    except SpecpilotError as e:
+        raise WorkflowError(f"specpilot: {e}") from None
+
+
+def _device_slots():
+    """How many GPU jobs run at once: --resources gpu=N, checked against the host's devices; without
+    it, one per device (registered as the gpu limit, so a job waits in Snakemake, not on a lock)."""
+    from specpilot.devices import POOL_ENV
+
+    devices = _host_devices()
+    os.environ.setdefault(POOL_ENV, ",".join(d.uuid for d in devices))  # a device gone later: one error
+    given = workflow.global_resources.get("gpu").value
+    if not workflow.is_main_process:  # a job of a cluster run re-reads the workflow: its node decides
+        return len(devices)
+    if given is not None and workflow.local_exec and int(given) > len(devices):
+        listed = ", ".join(f"{d.index}: {d.name} ({d.uuid})" for d in devices) or "none"
+        raise WorkflowError(f"specpilot: --resources gpu={given}, but this host has {len(devices)} CUDA "
+                            f"device(s) ({listed}); ask for at most {len(devices)}")
+    if given is None and devices:
+        workflow.register_resource("gpu", len(devices))
+    return int(given) if given is not None else len(devices)
+
+
+DEVICE_SLOTS = _device_slots()
+
+
+def on_device(wildcards):
+    """Shell prefix of a GPU job: the device wrapper (one device of the pool for the job); nothing on cpu."""
+    return "" if wildcards.gpu == "cpu" else f"python -m specpilot.devices run --gpu {wildcards.gpu} --"
+
+
+def timing_threads(wildcards):
+    """threads: of a timing job: every core given on cpu (nothing runs beside a timed CPU cell); on a
+    GPU its device's share, so one timing job per device runs at once."""
+    return TIMING_THREADS if wildcards.gpu == "cpu" else max(1, TIMING_THREADS // max(1, DEVICE_SLOTS))
+
+
+def timing_slot(wildcards):
+    """resources: timing_slots -- 1 on cpu (the profile allows one at a time); 0 on a GPU, where the
+    job's own device isolates its timing."""
+    return 1 if wildcards.gpu == "cpu" else 0
 
 
 def names_regex(names):
@@ -141,6 +228,20 @@ def deployment_dir(name):
     if name in DEPLOYMENTS and DEPLOYMENTS[name]["target"] == TINY_TARGET:
         return f"resources/deployments/{tiny_build(DEPLOYMENTS[name])}"
     return f"resources/deployments/{name}"
+
+
+def _check_deployments():
+    """Stop the plan (``snakemake -n`` included) when a deployment cannot run: one line per
+    problem naming the deployment, the key and the value (specpilot.validate)."""
+    from specpilot.validate import check_deployments
+
+    problems = check_deployments(DEPLOYMENTS, Path.cwd(), TINY_TARGET, TINY_DRAFTERS,
+                                 {d: Path(deployment_dir(d)) for d in TINY_DEPLOYMENTS})
+    if problems:
+        raise WorkflowError("\n".join(f"specpilot: {p}" for p in problems))
+
+
+_check_deployments()
 
 
 def build_marker(wildcards):
@@ -341,7 +442,15 @@ def table_inputs(wildcards):
             records.append(records_path(wildcards.gpu, d, b, e, c))
             if e != "ar":
                 forcing.append(forcing_path(wildcards.gpu, d, b, e, c))
-    return {"records": records, "forcing": forcing}
+    inputs = {"records": records, "forcing": forcing}
+    if wildcards.gpu != "cpu":
+        inputs["devices"] = f"results/{wildcards.gpu}/devices.json"
+    return inputs
+
+
+def devices_opt(wildcards, input):
+    """``--devices results/{gpu}/devices.json`` for a GPU table (speeds of the devices that timed it)."""
+    return f"--devices {input.devices}" if wildcards.gpu != "cpu" else ""
 
 
 def figure_paths(gpu):
@@ -378,13 +487,13 @@ def memory_snapshot(gpu, deployment_name, k):
 
 def memory_sources(wildcards):
     """What a deployment's rounds start from (round-0 memory): config rounds.seed_memory if set,
-    and with rounds.transfer = chain the last memory of the deployment listed before it (so each
-    deployment learns from all before it, on the same GPU); with transfer = none only the seed."""
+    and with rounds.transfer = chain the last memory of the deployment before it in the chain
+    (CHAIN; so each deployment learns from all before it, on the same GPU); with transfer = none
+    only the seed."""
     src = [ROUNDS["seed_memory"]] if ROUNDS["seed_memory"] else []
-    names = list(DEPLOYMENTS)
-    i = names.index(wildcards.deployment)
+    i = CHAIN.index(wildcards.deployment)
     if ROUNDS["transfer"] == "chain" and i > 0:
-        src.append(memory_snapshot(wildcards.gpu, names[i - 1], ROUNDS["count"]))
+        src.append(memory_snapshot(wildcards.gpu, CHAIN[i - 1], ROUNDS["count"]))
     return src
 
 

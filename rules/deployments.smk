@@ -27,7 +27,9 @@ rule build_tiny:
 
 
 # Real deployments: link a local folder or a Hugging Face Hub download (run on the submitting
-# machine, which has network access on a cluster).
+# machine, which has network access on a cluster). Both checkpoints were checked when the DAG was
+# built (specpilot.validate) where their config.json was at hand; a download is checked here,
+# before anything loads it.
 localrules:
     link_deployment,
 
@@ -39,14 +41,17 @@ rule link_deployment:
         "logs/deployments/{deployment}.log",
     wildcard_constraints:
         deployment=names_regex(LINKED_DEPLOYMENTS),
+    priority: 100  # first: a download that cannot run stops the run before other jobs write results/
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
         target=lambda wildcards: deployment(wildcards)["target"],
         drafter=lambda wildcards: deployment(wildcards)["drafter_id"],
         drafter_name=lambda wildcards: deployment(wildcards)["drafter"],
+        block_size=block_size,
+        weight_format=lambda wildcards: deployment(wildcards)["weight_format"],
     conda:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot.deployment_link --name {wildcards.deployment} --target {params.target:q}"
-        " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --out {params.out_dir}"
-        " > {log} 2>&1"
+        " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --block-size {params.block_size}"
+        " --weight-format {params.weight_format} --out {params.out_dir} > {log} 2>&1"

@@ -9,17 +9,36 @@ rule ceilings:
     log:
         "logs/{gpu}/ceilings.log",
     params:
+        on_device=on_device,
         device=torch_device,
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot ceilings --device {params.device} --expect-gpu {wildcards.gpu}"
+        "{params.on_device} python -m specpilot ceilings --device {params.device} --expect-gpu {wildcards.gpu}"
         " --threads {threads} --out {output} > {log} 2>&1"
+
+
+# The copy bandwidth of every device of a GPU's pool, measured on each in turn (GPU tables only: the
+# table warns when one comparison's cells ran on devices of different speed; specpilot.devices).
+rule device_speeds:
+    output:
+        "results/{gpu}/devices.json",
+    log:
+        "logs/{gpu}/devices.log",
+    wildcard_constraints:
+        gpu=r"(?!cpu$)[a-z0-9_]+",
+    resources:
+        gpu=1,
+        gpu_model=gpu_model,
+    conda:
+        "../envs/engine.yaml"
+    shell:
+        "python -m specpilot.devices bandwidth --gpu {wildcards.gpu} --out {output} > {log} 2>&1"
 
 
 # One cell: every engine (ar, stock, specpilot) over one benchmark's prompts at one concurrency
@@ -35,6 +54,7 @@ rule run_engine:
     log:
         "logs/{gpu}/{deployment}/{benchmark}/cell-c{concurrency}.log",
     params:
+        on_device=on_device,
         target=target_dir,
         target_name=target_name,
         drafter=drafter_dir,
@@ -50,16 +70,16 @@ rule run_engine:
         multi_turn="--multi-turn" if config.get("multi_turn") else "",
         eos="--stop-at-eos" if config.get("stop_at_eos") else "",
         repeats=config["timing"]["repeats"],
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=model_mem_mb(),
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot run --engine {params.engines} --target {params.target}"
+        "{params.on_device} python -m specpilot run --engine {params.engines} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --prompts {input.prompts} --out {params.outs} --deployment {wildcards.deployment}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"

@@ -24,6 +24,7 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
         log:
             "logs/{gpu}/{deployment}/{benchmark}/forcing-c{concurrency}.log",
         params:
+            on_device=on_device,
             candidates=lambda wildcards, input: ",".join(input.candidates),
             outs=lambda wildcards, output: ",".join(output[e] for e in FORCED_ENGINES),
             target=target_dir,
@@ -34,7 +35,7 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
             max_new_tokens=config["max_new_tokens"],
             device=torch_device,
             dtype=dtype_opt,
-        threads: TIMING_THREADS
+        threads: timing_threads
         resources:
             gpu=gpu_count,
             gpu_model=gpu_model,
@@ -42,7 +43,7 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
         conda:
             "../envs/engine.yaml"
         shell:
-            "python -m specpilot force --candidate {params.candidates} --reference {input.references}"
+            "{params.on_device} python -m specpilot force --candidate {params.candidates} --reference {input.references}"
             " --target {params.target} --prompts {input.prompts} --tolerance {params.tolerance}"
             " --device {params.device} {params.dtype} --drafter {params.drafter}"
             " --max-new-tokens {params.max_new_tokens} {params.engine_config}"

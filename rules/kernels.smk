@@ -17,6 +17,7 @@ rule kernels:
     log:
         "logs/{gpu}/kernels.log",
     params:
+        on_device=on_device,
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     resources:
         gpu=gpu_count,
@@ -24,7 +25,7 @@ rule kernels:
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot kernels --gpu {wildcards.gpu} --out-dir {params.out_dir} > {log} 2>&1"
+        "{params.on_device} python -m specpilot kernels --gpu {wildcards.gpu} --out-dir {params.out_dir} > {log} 2>&1"
 
 
 rule kernel_agent:
@@ -37,14 +38,15 @@ rule kernel_agent:
     log:
         "logs/{gpu}/{deployment}/kernel-agent.log",
     params:
+        on_device=on_device,
         target=target_dir,
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=model_mem_mb(),
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
+        "{params.on_device} python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
         " --ceilings {input.ceilings} --kernels-manifest {input.manifest} --out {output} > {log} 2>&1"

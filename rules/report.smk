@@ -15,11 +15,13 @@ rule table:
     params:
         specpilot_note=SPECPILOT_NOTE,
         max_spread=config["timing"]["max_spread"],
+        devices=devices_opt,
     conda:
         "../envs/report.yaml"
     shell:
         "python -m specpilot table --records {input.records} --forcing {input.forcing}"
-        " --specpilot-note {params.specpilot_note:q} --max-spread {params.max_spread} --out {output} > {log} 2>&1"
+        " --specpilot-note {params.specpilot_note:q} --max-spread {params.max_spread} {params.devices}"
+        " --out {output} > {log} 2>&1"
 
 
 rule figures:

@@ -11,7 +11,9 @@
 #
 # Every step reads only declared inputs: round k reads round k-1's memory snapshot and integrated
 # config, the plan's cost model and the references; finished agents are files, so a killed round
-# resumes without rerunning them. (paths: rules/common.smk)
+# resumes without rerunning them. Every file a step writes is a declared output (its trial records
+# are one evidence file per step, not a folder), so --list-untracked names nothing under results/.
+# (paths: rules/common.smk)
 
 
 rule calibration_prompts:
@@ -61,6 +63,7 @@ rule round_references:
     log:
         "logs/{gpu}/{deployment}/rounds/references.log",
     params:
+        on_device=on_device,
         target=target_dir,
         target_name=target_name,
         drafter=drafter_dir,
@@ -71,16 +74,16 @@ rule round_references:
         max_new_tokens=ROUNDS["max_new_tokens"],
         concurrency=ROUNDS["concurrency"],
         repeats=ROUNDS["timing_repeats"],
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=model_mem_mb(),
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round references --target {params.target} --target-name {params.target_name:q}"
+        "{params.on_device} python -m specpilot round references --target {params.target} --target-name {params.target_name:q}"
         " --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
@@ -91,7 +94,8 @@ rule round_references:
 
 rule round_memory_start:
     input:
-        memory_sources,
+        snapshots=memory_sources,
+        build=build_marker,  # nothing of a deployment is written before the deployment exists
     output:
         f"{ROUNDS_DIR}/round-0/memory.jsonl",
     log:
@@ -99,7 +103,7 @@ rule round_memory_start:
     conda:
         "../envs/report.yaml"
     shell:
-        "python -m specpilot memory --snapshots {input} --out {output} 2>&1 | tee {log}"
+        "python -m specpilot memory --snapshots {input.snapshots} --out {output} 2>&1 | tee {log}"
 
 
 checkpoint round_plan:
@@ -116,10 +120,11 @@ checkpoint round_plan:
         plan=f"{ROUND_DIR}/plan.json",
         costmodel=f"{ROUND_DIR}/costmodel.json",
         costmodel_text=f"{ROUND_DIR}/costmodel.txt",
-        evidence=directory(f"{ROUND_DIR}/plan-trials"),
+        evidence=f"{ROUND_DIR}/plan-trials.jsonl",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
     params:
+        on_device=on_device,
         target=target_dir,
         target_name=target_name,
         drafter=drafter_dir,
@@ -134,16 +139,16 @@ checkpoint round_plan:
         min_gain=ROUNDS["min_gain"],
         agents=ROUNDS["agents_per_round"],
         previous=previous_opt,
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=round_mem_mb,
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round plan --round {wildcards.k} --target {params.target}"
+        "{params.on_device} python -m specpilot round plan --round {wildcards.k} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
@@ -168,12 +173,13 @@ rule round_agent:
         costmodel_text=f"{ROUND_DIR}/costmodel.txt",
     output:
         agent=f"{ROUND_DIR}/agent-{{direction}}.json",
-        evidence=directory(f"{ROUND_DIR}/agent-{{direction}}"),
+        evidence=f"{ROUND_DIR}/agent-{{direction}}.trials.jsonl",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/agent-{direction}.log",
     wildcard_constraints:
         direction=r"[a-z0-9_]+",
     params:
+        on_device=on_device,
         target=target_dir,
         target_name=target_name,
         drafter=drafter_dir,
@@ -188,16 +194,16 @@ rule round_agent:
         min_gain=ROUNDS["min_gain"],
         budget=ROUNDS["budget"],
         llm=llm_opt,
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=round_mem_mb,
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
+        "{params.on_device} python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
         " --target {params.target} --target-name {params.target_name:q} --drafter {params.drafter}"
         " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --gpu {wildcards.gpu}"
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
@@ -228,6 +234,7 @@ rule round_integrate:
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
     params:
+        on_device=on_device,
         target=target_dir,
         target_name=target_name,
         drafter=drafter_dir,
@@ -241,16 +248,16 @@ rule round_integrate:
         repeats=ROUNDS["timing_repeats"],
         min_gain=ROUNDS["min_gain"],
         confirm_factor=ROUNDS["confirm_factor"],
-    threads: TIMING_THREADS
+    threads: timing_threads
     resources:
-        timing_slots=1,
+        timing_slots=timing_slot,
         gpu=gpu_count,
         gpu_model=gpu_model,
         mem_mb=round_mem_mb,
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round integrate --round {wildcards.k} --target {params.target}"
+        "{params.on_device} python -m specpilot round integrate --round {wildcards.k} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"

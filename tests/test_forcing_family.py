@@ -25,12 +25,12 @@ from specpilot.engine.backend import choose_backend
 from specpilot.records import Record
 from test_target_state import build, hybrid_config, muse_config
 
-V, WIDTH, NEW = 96, 6, 64
+V, WIDTH, NEW = 96, 6, 16
 POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16)
 cfgs = {"hybrid": hybrid_config(**POW2, layer_types=["linear_attention", "linear_attention", "full_attention",
                                                      "linear_attention"], linear_key_head_dim=16, linear_value_head_dim=16),
         "muse": muse_config(**POW2, sliding_window=8)}
-prompts = [[(5 * i + 3) % V for i in range(13)], [(7 * i + 1) % V for i in range(9)]]
+prompts = [[(5 * i + 3) % V for i in range(66)], [(7 * i + 1) % V for i in range(60)]]  # past window + 64: wraps
 
 
 def engine(m, stale=False):
@@ -97,6 +97,41 @@ def test_family_teacher_forced_pass_through_the_family_step_interpreted(tmp_path
         r = res[kind]
         assert r["top1_equal"] == [True, True] and r["max_margin"] == 0.0, r  # bit for bit the engine's logits
         assert r["passed"] and r["violations"] == 0 and r["near_ties"] == 0 and r["path"] == "triton", r
-    assert res["muse"]["ring_R"] == 8 + 64 < 13 + 64  # window 8 + the default reserve 64: the ring wrapped
+    assert res["muse"]["ring_R"] == 8 + 64 < 66 + 16  # window 8 + the default reserve 64: the ring wrapped
     # negative control: a stale recurrent state in the engine is caught (its tokens are not the target's)
     assert res["hybrid_stale"]["max_margin"] > 1e-3 and False in res["hybrid_stale"]["top1_equal"], res
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the family step runs on CUDA")
+@pytest.mark.parametrize("shape", ["tiny-hybrid", "tiny-muse"])
+def test_family_forcing_on_cuda_passes_an_honest_engine_and_fails_a_stale_one(shape):
+    """On a GPU, bf16: stock (a random DFlash drafter) and AR served through the family step under
+    CUDA graphs pass token forcing through the Triton teacher-forced path (auto picks it) with 0
+    violations and 0 near ties; an engine whose recurrent state goes stale fails it (hybrid)."""
+    import torch
+
+    from specpilot.deployment import Deployment
+    from specpilot.engine.config import EngineSpec
+    from specpilot.engine.serve import ServeOptions, serve
+    from specpilot.forcing import force
+    from specpilot.models.random_checkpoint import build_drafter, build_target
+
+    target = build_target(shape, device="cuda", dtype=torch.bfloat16, seed=3)
+    drafter = build_drafter(shape, device="cuda", dtype=torch.bfloat16, seed=3, block_size=8)
+    dep = Deployment.of(target, drafter)
+    assert dep.backend.path == "triton-family"
+    rows = [{"request_id": f"t/{i}", "benchmark": "t", "prompt_ids": list(range(3 + i, 90 + 7 * i))} for i in range(3)]
+    meta = {"deployment": "t", "target": shape, "drafter": "dflash", "gpu": "test"}
+    opts = ServeOptions(progress=False)
+    ar = serve(EngineSpec("ar"), dep, rows, 96, 2, meta, opts)
+    stock = serve(EngineSpec("stock", 8), dep, rows, 96, 2, meta, opts)
+    prompts = {r["request_id"]: r["prompt_ids"] for r in rows}
+    for cell in (ar, stock):
+        v = force(cell, {"ar": ar}, prompts, dep.backend, 0.1)
+        assert v["teacher_forced_path"] == "triton"
+        assert v["passed"] and v["violations"] == 0 and v["near_ties"] == 0, v["violation_list"][:3]
+    if shape == "tiny-hybrid":
+        dep.backend.fast.commit_recurrent = lambda counts: None  # the engine forgets its accepted tokens
+        stale = serve(EngineSpec("stock", 8), dep, rows, 96, 2, meta, opts)
+        v = force(stale, {}, prompts, dep.backend, 0.1)
+        assert not v["passed"] and v["violations"] > 0

@@ -86,12 +86,34 @@ def test_no_undeclared_file_under_results(finished):
         inputs.update(field(body, "input"))
         outputs.update(o for o in field(body, "output") if o.startswith("results/"))
     end = re.compile(r"results/(memory\.jsonl|cpu/table\.csv|cpu/figures/.*\.png)$")
-    evidence = re.compile(r".*/round-\d+/(plan-trials|agent-[a-z0-9_]+|integrated\.jsonl)$")
+    evidence = re.compile(r".*/round-\d+/(plan-trials\.jsonl|agent-[a-z0-9_]+\.trials\.jsonl|integrated\.jsonl)$")
     unread = {o for o in outputs - inputs if not end.match(o) and not evidence.match(o)}
     assert not unread, sorted(unread)
     assert {"results/cpu/tiny/rounds/round-1/costmodel.json", "results/cpu/tiny/rounds/round-1/costmodel.txt",
             "results/cpu/tiny/rounds/references/ar.jsonl", "results/cpu/kernels/tiny-b/kernel-agent.json",
             "results/cpu/kernels/manifest.json"} <= inputs
+
+
+def test_list_untracked_names_nothing_under_results(finished):
+    """Every file the run wrote under results/ is a file of the DAG (issue 34 item 5): agent files
+    and trial records of every deployment's rounds included (no directory() outputs)."""
+    out = smk(finished, "--list-untracked", timeout=600)
+    assert not [ln for ln in out.splitlines() if ln.startswith("results/")], out[-3000:]
+    assert (finished / "results/cpu/tiny-b/rounds/round-1/agent-block_size.trials.jsonl").is_file()
+
+
+def test_an_added_deployment_plans_only_its_own_jobs(finished):
+    """A deployment added with --configfile to the finished run (a name that sorts first) joins the
+    end of the memory chain: the dry run plans its jobs, the table, figures and merged memory, and
+    no job of the finished deployments (issue 34 item 3)."""
+    added = {"deployments": {"aaa-added": {"target": "tiny", "drafter": "dflash", "weight_format": "fp32",
+                                           "block_size": 6, "quick": True}}}
+    (finished / "config" / "added.yaml").write_text(yaml.safe_dump(added))
+    jobs = jobs_of(smk(finished, "-n", "--configfile", "config/test.yaml", "config/added.yaml"))
+    assert jobs
+    shared = {"all", "table", "figures", "rounds_figure", "memory"}
+    assert not [(r, w) for r, w in jobs if r not in shared and "deployment=aaa-added" not in w], jobs
+    assert {"round_memory_start", "round_plan", "run_engine", "force", "table", "memory"} <= {r for r, _ in jobs}
 
 
 def test_changed_memory_reruns_only_what_depends_on_it(finished):

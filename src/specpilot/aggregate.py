@@ -56,6 +56,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from .devices import table_warnings
 from .errors import SpecpilotError
 from .io import atomic_write_text, read_json
 from .records import Record, read_records
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-spread", type=float, default=MAX_SPREAD,
                         help="relative spread of a request's repeated decode times above which a cell is flagged "
                              f"as timed on a loaded machine (default {MAX_SPREAD})")
+    parser.add_argument("--devices", help="results/{gpu}/devices.json: warn when a comparison mixes device speeds")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,6 +491,7 @@ def run(args: argparse.Namespace) -> int:
     df = build_table(records, read_forcing(args.forcing), args.specpilot_note,
                      getattr(args, "max_spread", MAX_SPREAD))
     write_table(df, args.out)
+    for w in table_warnings(args.records, getattr(args, "devices", None)): log.warning(w)  # noqa: E701 (issue 40)
     n_cells = int((df["benchmark"] != SUMMARY).sum())
     print(f"{n_cells} cells, {len(df) - n_cells} summary rows -> {args.out}")
     return 0

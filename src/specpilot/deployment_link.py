@@ -6,6 +6,11 @@ id (downloaded with ``huggingface_hub.snapshot_download`` into the usual Hub cac
 ``HF_HOME`` / ``HF_HUB_CACHE``), makes ``DIR/target`` and ``DIR/drafter-{N}`` symlinks to them, and
 writes ``DIR/build.json`` last: the workflow's marker that the deployment is ready.
 
+Before linking, both checkpoints' ``config.json`` are checked as at planning time
+(:mod:`specpilot.validate`: a target the engine can build, a drafter of the deployment's kind with
+a supported architecture, a block size that fits it), so a Hub download that turns out unusable
+stops here, with one line, before any job that loads it.
+
 So every later step finds any deployment at the same two paths, whether built (tiny) or linked.
 """
 
@@ -31,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", required=True, help="drafter checkpoint: local folder or Hub id")
     parser.add_argument("--out", required=True, help="resources/deployments/{deployment}")
     parser.add_argument("--weight-format", default=None, help="recorded in build.json")
-    parser.add_argument("--block-size", type=int, default=None, help="recorded in build.json")
+    parser.add_argument("--block-size", default=None,
+                        help="the deployment's block_size (an integer or 'auto'): checked against the drafter, "
+                             "recorded in build.json")
     parser.add_argument("--revision", default=None, help="Hub revision for both downloads")
 
 
@@ -69,11 +76,42 @@ def _link(link: Path, to: Path) -> None:
     os.replace(tmp, link)
 
 
+def check(name: str, target: Path, drafter: Path, drafter_name: str, block_size: str | int | None) -> None:
+    """The planning-time checks of :mod:`specpilot.validate` on the resolved folders.
+
+    Raises:
+        SpecpilotError: the first problem, naming the deployment and the folder.
+    """
+    from .validate import drafter_problems, target_problem
+
+    problems = []
+    for what, folder in (("target", target), ("drafter", drafter)):
+        if not (folder / "config.json").is_file():
+            problems.append(f"{what} {folder} holds no config.json")
+    if not problems:
+        problems = ([p for p in [target_problem(target / "config.json")] if p]
+                    + drafter_problems(drafter / "config.json", drafter_name, block_size))
+    if problems:
+        raise SpecpilotError(f"deployment {name}: {problems[0]}")
+
+
+def _block(value: str | None) -> int | str | None:
+    """--block-size as an int, or "auto" / None as given."""
+    if value in (None, "auto"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecpilotError(f"--block-size must be an integer or 'auto', got {value!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    args.block_size = _block(args.block_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, target_how = resolve(args.target, args.revision)
     drafter, drafter_how = resolve(args.drafter, args.revision)
+    check(args.name, target, drafter, args.drafter_name, args.block_size)
     _link(out / "target", target)
     _link(out / f"drafter-{args.drafter_name}", drafter)
     write_json(out / "build.json", {

@@ -2,7 +2,8 @@
 
 - :class:`OfflinePolicy` (default): successive halving (Jamieson & Talwalkar 2016) over the
   direction's grid: many candidates on half the calibration prompts, the better half again on
-  all of them.
+  all of them (better by :func:`specpilot.agent.decide.rank`: candidates whose gains the
+  measurement cannot tell apart go on in grid order, not in the order noise put them).
 - :class:`LLMPolicy`: any OpenAI-compatible endpoint through the ``openai`` package. The model
   sees the cost report, the direction's JSON schema, memory entries and past trials, and must
   answer with JSON ``{"params": {...}, "rationale": "..."}`` whose params validate against the
@@ -22,14 +23,17 @@ from typing import Callable
 import jsonschema
 
 from .directions import Direction
+from .decide import rank
 
 log = logging.getLogger("specpilot.agent")
 
 Trial = Callable[[dict, bool], dict]  # (params, full) -> trial result with "gain" (None = rejected)
 
 
-def _order(direction: Direction, base: dict, hints: list[dict]) -> list[dict]:
-    """Grid points ordered: memory hints first, then by distance from the base config."""
+def grid_order(direction: Direction, base: dict, hints: list[dict]) -> list[dict]:
+    """The direction's grid points in a fixed order (no timing in it): memory hints first, then by
+    distance from the base config, then in grid order. Ties the measurement cannot resolve are
+    broken in this order (:func:`specpilot.agent.decide.rank`)."""
     grid = direction.candidates()
 
     def dist(c):
@@ -52,7 +56,7 @@ class OfflinePolicy:
 
     def search(self, direction: Direction, base: dict, budget: int, trial: Trial, hints: list[dict],
                context: dict) -> list[dict]:
-        order = [c for c in _order(direction, base, hints) if direction.apply(base, c) != base]
+        order = [c for c in grid_order(direction, base, hints) if direction.apply(base, c) != base]
         if not order or budget < 1:
             return []
         n_full = max(1, budget // 3)
@@ -61,8 +65,7 @@ class OfflinePolicy:
         if n_half > n_full:
             first = [dict(trial(c, False), params=c, rung=0) for c in order[:n_half]]
             results += first
-            ok = sorted((r for r in first if r["gain"] is not None), key=lambda r: -r["gain"])
-            survivors = [r["params"] for r in ok[:n_full]]
+            survivors = [r["params"] for r in rank(first, lambda r: order.index(r["params"]))[:n_full]]
         else:
             survivors = order[:n_full]
         results += [dict(trial(c, True), params=c, rung=1) for c in survivors]

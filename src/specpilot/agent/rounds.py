@@ -17,13 +17,14 @@ is a declared output:
 ``final`` copies the last round's integrated config to ``specpilot.json``; ``kernels`` is the kernel
 sub-agent (:mod:`specpilot.agent.kernel_agent`).
 
-Method parameters (command-line options, from config ``rounds``): ``min_gain`` (a candidate must
-beat its base by this factor, geometric mean over requests of decode-time ratios, to count as a
-win), ``confirm_factor`` (the merged config of several winners is kept only when its gain is at
-least this fraction of the best single winner's), ``repeats`` (alternating timing repeats per trial;
-integration confirms with one more). The confirmation keeps the integrated config only when its
-gain is >= ``min_gain`` and the lower end of the gain's 95 % bootstrap interval over requests and
-repeats is above 1 (timing noise alone does not explain the gain); otherwise the base stays.
+Method parameters (command-line options, from config ``rounds``): ``min_gain`` (a candidate
+counts as a win only when the lower end of its gain's 95 % interval, the interval the table uses:
+seeded bootstrap over requests and repeats, is at least this factor; :mod:`specpilot.agent.decide`),
+``confirm_factor`` (the merged config of several winners is kept only when its gain is at least this
+fraction of the best single winner's), ``repeats`` (alternating timing repeats per trial). The
+integration confirms its choice on a fresh measurement with one more repeat (the winners' own
+trials picked them, so their timings are biased upwards) and keeps it only when that interval is
+clear of ``min_gain`` too; otherwise the base stays. Every decision records its interval.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from ..aggregate import geomean
 from ..deployment import load_deployment
 from ..device import pick_device, pick_dtype
+from ..devices import device_identity
 from ..errors import SpecpilotError
 from ..io import read_json, read_prompts, write_json
 from ..kernels_build import engine_tables, use_kernel_outputs
@@ -47,9 +49,10 @@ from ..records import read_records, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
+from .decide import choose, clears
 from .kernel_agent import tune
-from .policies import make_policy
-from .trial import Evaluator
+from .policies import grid_order, make_policy
+from .trial import Evaluator, Evidence
 
 log = logging.getLogger("specpilot.agent")
 
@@ -82,6 +85,7 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    if references else None)
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
     ctx["kernels"] = kernels
+    ctx["device"] = device_identity()  # which GPU timed this step (the device wrapper's)
     return ev, ctx
 
 
@@ -112,8 +116,7 @@ def plan(args) -> int:
     log.info("round %d plan for %s on %s: AR and stock references first", args.round, args.deployment, args.gpu)
     ev, ctx = _evaluator(args)
     out = Path(args.out)
-    evidence = Path(args.evidence)
-    evidence.mkdir(parents=True, exist_ok=True)
+    evidence = Evidence(args.evidence)
     base = _base_config(args)
     transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
@@ -123,7 +126,7 @@ def plan(args) -> int:
             if name not in applicable:
                 continue
             cand = dirs.REGISTRY[name].apply(base, entry["params"])
-            res = ev.trial(cand, base, evidence / f"memory-{name}.jsonl")
+            res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
             tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                           "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
                           "gain": res["gain"]})
@@ -131,7 +134,7 @@ def plan(args) -> int:
                 invalidated.append({"entry": entry["id"],
                                     "reason": f"failed token forcing on {args.deployment}/{args.gpu}"})
                 log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
-            elif res["gain"] >= args.min_gain:
+            elif clears(res, args.min_gain):
                 base = cand
                 transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                                     "gain": res["gain"]})
@@ -150,6 +153,7 @@ def plan(args) -> int:
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
     base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
+    evidence.write()
     write_json(args.costmodel, analysis)
     Path(args.costmodel_text).write_text(report)
     write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
@@ -162,6 +166,37 @@ def plan(args) -> int:
     return 0
 
 
+def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], context: dict,
+           evidence: Evidence | None, min_gain: float) -> dict:
+    """One direction's agent: ``policy`` trials candidates (``ev.trial``, token-forcing gate and
+    timing) within ``budget``; the best is kept only when it clears ``min_gain``
+    (:func:`specpilot.agent.decide.choose`, ties broken by the policy's grid order).
+
+    Returns:
+        The agent file's content: trials, the ones token forcing rejected, and ``best`` (None when
+        no candidate's interval is clear of ``min_gain``).
+    """
+    half = ev.prompts[::2]
+    counter = iter(range(10_000))
+
+    def trial(params: dict, full: bool) -> dict:
+        i = next(counter)
+        res = ev.trial(direction.apply(base, params), base, evidence, None if full else half, tag=f"trial-{i:02d}")
+        verdict = ("rejected by token forcing" if not res["gate"]["passed"] else
+                   f"gain {res['gain']:.3f} (95% interval {res['gain_lo']:.3f}-{res['gain_hi']:.3f})")
+        log.info("trial %d %s: %s (tau %.2f)", i, json.dumps(params), verdict, res["tau"])
+        return res
+
+    trials = policy.search(direction, base, budget, trial, hints, context)
+    order = grid_order(direction, base, hints)
+    full = [t for t in trials if t.get("rung") == 1 and t["gain"] is not None]
+    best = choose(full, lambda t: order.index(t["params"]) if t["params"] in order else len(order), min_gain)
+    rejected = [{"params": t["params"], "gate": t["gate"], "evidence": t["evidence"]}
+                for t in trials if not t["gate"]["passed"]]
+    return {"direction": direction.name, "cost_term": direction.cost_term, "policy": policy.name,
+            "base_config": base, "min_gain": min_gain, "trials": trials, "rejected": rejected, "best": best}
+
+
 def agent(args) -> int:
     """One direction's agent: policy-driven trials behind the token-forcing gate."""
     p = read_json(args.plan)
@@ -169,40 +204,70 @@ def agent(args) -> int:
         raise SpecpilotError(f"unknown direction {args.direction!r}; registered: {', '.join(dirs.REGISTRY)}")
     direction = dirs.REGISTRY[args.direction]
     ev, ctx = _evaluator(args)
-    base = p["base_config"]
-    out = Path(args.out)
-    evid = Path(args.evidence)
-    evid.mkdir(parents=True, exist_ok=True)
-    half = ev.prompts[::2]
-    counter = iter(range(10_000))
-
-    def trial(params: dict, full: bool) -> dict:
-        i = next(counter)
-        res = ev.trial(direction.apply(base, params), base, evid / f"trial-{i:02d}.jsonl",
-                       None if full else half)
-        verdict = "rejected by token forcing" if not res["gate"]["passed"] else f"gain {res['gain']:.3f}"
-        log.info("trial %d %s: %s (tau %.2f)", i, json.dumps(params), verdict, res["tau"])
-        return res
-
     known = _invalidated(memory.read(args.memory), p)
     hints = [e["params"] for e in memory.valid_for(known, direction.name)]
     context = {"report": Path(args.costmodel_text).read_text(), "memory": sorted(known, key=lambda e: e["id"])[-20:]}
     policy = make_policy(json.loads(args.llm) if args.llm else None)
-    trials = policy.search(direction, base, args.budget, trial, hints, context)
-    full = [t for t in trials if t.get("rung") == 1 and t["gain"] is not None]
-    best = max(full, key=lambda t: t["gain"], default=None)
-    rejected = [{"params": t["params"], "gate": t["gate"], "evidence": t["evidence"]}
-                for t in trials if not t["gate"]["passed"]]
-    write_json(out, {"direction": direction.name, "cost_term": direction.cost_term, "policy": policy.name,
-                     "base_config": base, "min_gain": args.min_gain, "trials": trials, "rejected": rejected,
-                     "best": best if best and best["gain"] >= args.min_gain else None})
-    best_txt = "none" if not best else "%s gain %.3f" % (json.dumps(best["params"]), best["gain"])
-    print(f"agent {direction.name}: {len(trials)} trials, {len(rejected)} rejected by token forcing, best {best_txt}")
+    evidence = Evidence(args.evidence)
+    res = search(ev, direction, p["base_config"], args.budget, policy, hints, context, evidence, args.min_gain)
+    evidence.write()
+    write_json(args.out, res)
+    best = res["best"]
+    best_txt = ("none clear of min_gain %.3f" % args.min_gain if not best else "%s gain %.3f (95%% interval %.3f-%.3f)"
+                % (json.dumps(best["params"]), best["gain"], best["gain_lo"], best["gain_hi"]))
+    print(f"agent {direction.name}: {len(res['trials'])} trials, {len(res['rejected'])} rejected by token forcing, "
+          f"best {best_txt}")
     return 0
 
 
+def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, confirm_factor: float,
+           evidence: Evidence | None) -> tuple[dict, dict, str]:
+    """The round's config from its agents' winners (``(direction, best trial)``, best gain first).
+
+    The winners merged (the best last, so its exclusions hold) are kept when their gain clears
+    ``min_gain`` and is at least ``confirm_factor`` x the best single winner's; else the best single
+    winner alone when it clears ``min_gain``. The choice is then confirmed on a fresh measurement
+    with one more repeat (``ev.repeats`` + 1): it stays only when that interval clears ``min_gain``.
+
+    Returns:
+        (config, its trial against ``base``, why): with nothing kept, ``base`` re-measured.
+    """
+    chosen, result, why = base, None, "no agent found a candidate clear of min_gain"
+    if winners:
+        merged = dict(base)
+        for name, w in reversed(winners):
+            merged = dirs.REGISTRY[name].apply(merged, w["params"])
+        res = ev.trial(merged, base, evidence, tag="merged")
+        if clears(res, min_gain) and res["gain"] >= confirm_factor * winners[0][1]["gain"]:
+            chosen, result = merged, res
+        else:
+            single = dirs.REGISTRY[winners[0][0]].apply(base, winners[0][1]["params"])
+            if single != merged:  # one winner: the merged config is the single one, measured already
+                res = ev.trial(single, base, evidence, tag="single")
+            if clears(res, min_gain):
+                chosen, result = single, res
+        why = "the winners' config did not clear min_gain again" if result is None else why
+    if result is not None:  # confirm on a fresh, longer measurement before it counts
+        repeats, ev.repeats = ev.repeats, ev.repeats + 1
+        try:
+            result = ev.trial(chosen, base, evidence, tag="confirmation")
+        finally:
+            ev.repeats = repeats
+        if clears(result, min_gain):
+            why = "confirmed: gain interval clear of min_gain on a fresh measurement"
+        else:
+            log.info("config %s not confirmed (gain %s, 95%% interval %.3f-%.3f, min_gain %.3f): the base stays",
+                     chosen, result["gain"], result["gain_lo"], result["gain_hi"], min_gain)
+            why = (f"not confirmed on a fresh measurement (gain interval {result['gain_lo']:.3f}-"
+                   f"{result['gain_hi']:.3f}, min_gain {min_gain})")
+            chosen, result = base, None
+    if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
+        result = ev.trial(base, base, evidence, tag="base")
+    return chosen, result, why
+
+
 def integrate(args) -> int:
-    """Merge the agents' winners, re-validate and re-measure, write the round's memory snapshot."""
+    """Merge the agents' winners, confirm, write the round's config and memory snapshot."""
     p = read_json(args.plan)
     terms = {t["term"]: t["gap_s_per_token"] for t in read_json(args.costmodel)["terms"]}
     base = p["base_config"]
@@ -211,33 +276,11 @@ def integrate(args) -> int:
         a = read_json(f)
         if a.get("best"):
             winners.append((a["direction"], a["best"]))
-    winners.sort(key=lambda w: -w[1]["gain"])
+    winners.sort(key=lambda w: (-w[1]["gain"], w[0]))
     ev, ctx = _evaluator(args)
-    out = Path(args.out)
-    evidence = Path(args.evidence)
-    chosen, result = base, None
-    if winners:
-        merged = dict(base)
-        for name, w in reversed(winners):  # the best winner last: its exclusions (Direction.excludes) hold
-            merged = dirs.REGISTRY[name].apply(merged, w["params"])
-        res = ev.trial(merged, base, evidence)
-        best_single = winners[0][1]
-        if res["gate"]["passed"] and res["gain"] >= max(args.min_gain, args.confirm_factor * best_single["gain"]):
-            chosen, result = merged, res
-        else:
-            single = dirs.REGISTRY[winners[0][0]].apply(base, best_single["params"])
-            res = ev.trial(single, base, evidence)
-            if res["gate"]["passed"] and res["gain"] >= args.min_gain:
-                chosen, result = single, res
-    if result is not None:  # confirm on a fresh, longer measurement before it counts
-        ev.repeats = args.repeats + 1
-        result = ev.trial(chosen, base, evidence)
-        if not (result["gate"]["passed"] and result["gain"] >= args.min_gain and result["gain_lo"] > 1.0):
-            log.info("integrated config %s not confirmed (gain %s, 95%% interval %.3f-%.3f): the base stays",
-                     chosen, result["gain"], result["gain_lo"], result["gain_hi"])
-            chosen, result = base, None
-    if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
-        result = ev.trial(base, base, evidence)
+    evidence = Evidence(args.evidence)
+    chosen, result, why = decide(ev, base, winners, args.min_gain, args.confirm_factor, evidence)
+    evidence.write()
     if not result["gate"]["passed"]:
         raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
     known = _invalidated(memory.read(args.memory), p)
@@ -246,16 +289,21 @@ def integrate(args) -> int:
             known = memory.record(known, {
                 "direction": name, "params": w["params"], "deployment": args.deployment, "gpu": args.gpu,
                 "target": ctx["target"], "drafter": ctx["drafter"], "gain": w["gain"], "round": args.round,
-                "evidence": [w["evidence"], str(evidence)]})
+                "evidence": [w["evidence"], result["evidence"]]})
     memory.write(args.memory_out, known)
-    write_json(out, {"round": args.round, "config": chosen,
-                     "winners": [{"direction": n, "params": w["params"], "gain": w["gain"],
-                                  "cost_term": dirs.REGISTRY[n].cost_term,
-                                  "gap_s_per_token": terms.get(dirs.REGISTRY[n].cost_term)} for n, w in winners],
-                     "gain_vs_base": result["gain"] if chosen != base else 1.0,
-                     "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
-                     "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"]})
-    print(f"round {args.round} integrated: {json.dumps(chosen)} (speedup vs AR {result['speedup_vs_ar']:.2f}, "
+    kept = chosen != base
+    write_json(args.out, {"round": args.round, "config": chosen,
+                          "winners": [{"direction": n, "params": w["params"], "gain": w["gain"],
+                                       "gain_lo": w.get("gain_lo"), "gain_hi": w.get("gain_hi"),
+                                       "cost_term": dirs.REGISTRY[n].cost_term,
+                                       "gap_s_per_token": terms.get(dirs.REGISTRY[n].cost_term)} for n, w in winners],
+                          "gain_vs_base": result["gain"] if kept else 1.0,
+                          "gain_lo": result["gain_lo"] if kept else None, "gain_hi": result["gain_hi"] if kept else None,
+                          "min_gain": args.min_gain, "decision": why,
+                          "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
+                          "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"],
+                          "device": ctx["device"]})
+    print(f"round {args.round} integrated: {json.dumps(chosen)} ({why}; speedup vs AR {result['speedup_vs_ar']:.2f}, "
           f"tau {result['tau']:.2f}); memory: {len(known)} entries")
     return 0
 
@@ -296,7 +344,7 @@ _FILE_OPTIONS = {
     "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
     "--memory": "memory snapshot this round starts from (none = empty)",
     "--memory-out": "memory snapshot after this round (integrate)",
-    "--evidence": "trial records written as evidence (a folder for plan and agent, a records file for integrate)",
+    "--evidence": "the step's trial records, kept as evidence (one JSON-lines file, each record tagged with its trial)",
 }
 
 

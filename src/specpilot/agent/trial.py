@@ -6,7 +6,11 @@ forcing tolerance excepted), every record is structurally consistent and its fir
 re-run to the same commits, and its requests and token counts equal the AR and stock references'
 exactly. It is the same function, with the same rule, that writes the table's verdict files.
 Its gain is the geometric mean over requests of base decode seconds / candidate decode seconds,
-each the minimum over ``repeats`` alternating runs (robust to a busy machine).
+each the minimum over ``repeats`` alternating runs (robust to a busy machine), with the interval the
+study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`: a seeded
+percentile bootstrap over requests and repeats).
+
+What the rounds do with a trial's gain and interval: :mod:`specpilot.agent.decide`.
 """
 
 from __future__ import annotations
@@ -23,11 +27,33 @@ from ..engine.config import EngineSpec
 from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
 from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
+from ..io import write_jsonl
 from ..records import Record, write_records
 from ..w12 import apply_w12
 
 
 log = logging.getLogger("specpilot.agent")
+
+
+class Evidence:
+    """The trial records of one round step, in one declared JSON-lines file: each line a record
+    (:class:`specpilot.records.Record` fields) plus ``trial``, the tag of the trial it belongs to.
+
+    One file per step, not a folder of files, so Snakemake knows every file a run writes
+    (``--list-untracked`` looks at files, and a ``directory()`` output's contents are not files
+    of the DAG). :meth:`write` writes it atomically once the step has decided.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path, self.rows = Path(path), []
+
+    def add(self, tag: str, records: list[Record]) -> str:
+        """Keep ``records`` under ``tag``; returns the reference ``PATH#TAG`` a result names."""
+        self.rows += [{**r.to_dict(), "trial": tag} for r in records]
+        return f"{self.path}#{tag}"
+
+    def write(self) -> None:
+        write_jsonl(self.path, self.rows)
 
 
 class Evaluator:
@@ -155,9 +181,10 @@ class Evaluator:
                 "replay_reproduced": f"{v['replay']['reproduced']}/{v['replay']['requests']}",
                 "mismatches": listed[:10]}
 
-    def trial(self, config: dict, base: dict, evidence: Path | None = None,
-              prompts: list[dict] | None = None) -> dict:
-        """Gate and measure a candidate against ``base``; write its records as evidence.
+    def trial(self, config: dict, base: dict, evidence: "Evidence | Path | None" = None,
+              prompts: list[dict] | None = None, tag: str = "trial") -> dict:
+        """Gate and measure a candidate against ``base``; keep its records as evidence (``tag``'s
+        part of an :class:`Evidence` file, or a records file of their own at a path).
 
         Returns ``gain`` (geomean over requests of base / candidate fastest decode time; None when
         token forcing failed), ``gain_lo``/``gain_hi`` (its 95 % bootstrap interval over requests
@@ -165,8 +192,13 @@ class Evaluator:
         over AR and tau."""
         cand, base_recs = self.measure(config, base, prompts)
         verdict = self.gate(cand, prompts)
-        if evidence is not None:
+        if isinstance(evidence, Evidence):
+            ref = evidence.add(tag, cand)
+        elif evidence is not None:
             write_records(evidence, cand)
+            ref = str(evidence)
+        else:
+            ref = None
         by_id = {r.request_id: r for r in base_recs}
         ar = {r.request_id: r for r in self.ar}
         gain = geomean([by_id[r.request_id].decode_s / r.decode_s for r in cand])
@@ -176,4 +208,4 @@ class Evaluator:
                 "raw_gain": gain, "gain_lo": lo, "gain_hi": hi,
                 "speedup_vs_ar": geomean([ar[r.request_id].decode_s / r.decode_s for r in cand]),
                 "tau": sum(sum(r.committed_per_step) for r in cand) / max(steps, 1),
-                "requests": len(cand), "evidence": str(evidence) if evidence else None}
+                "requests": len(cand), "evidence": ref}
