@@ -19,6 +19,7 @@ import torch
 
 from ..deployment import Deployment, load_deployment
 from ..device import pick_device, pick_dtype
+from ..devices import device_identity
 from ..drafters.replay import load_profile
 from ..errors import SpecpilotError
 from ..io import comma_list, one_out_each, read_json, read_prompts
@@ -271,8 +272,11 @@ def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: 
         records = merge_repeats(runs[sp.engine])
         # the checked-cuBLAS selection of the fast steps on this GPU (tuning.select)
         chosen = cells.dep(sp).backend.matmul_choices()
-        if args.kernels_manifest or args.kernel_agent:
-            for r in records:
+        device = device_identity()  # which physical device timed the cell (issue 40)
+        for r in records:
+            r.device_index, r.device_uuid, r.device_name = device["device_index"], device["device_uuid"], \
+                device["device_name"]
+            if args.kernels_manifest or args.kernel_agent:
                 r.engine_config["kernels"] = dict(kernel_outputs, **({"matmul": chosen} if chosen else {}))
         write_records(out, records)
         taus = [t for r in records for t in r.committed_per_step]

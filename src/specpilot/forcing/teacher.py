@@ -303,6 +303,7 @@ def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: l
     B, P = len(prompts), [len(p) for p in prompts]
     seqs = [list(o[:-1]) for o in outputs]  # position P_b + i holds output[i]; its logits predict output[i + 1]
     total = max(len(x) for x in seqs)
+    target = backend.model
     dev = target.lm_head.weight.device
     top1: list[list[int]] = [[] for _ in range(B)]
     margin: list[list[float]] = [[] for _ in range(B)]
