@@ -151,6 +151,7 @@ def test_family_fast_path_on_cuda(shape):
 
     from specpilot.engine.loop import generate, generate_ar
     from specpilot.drafters.dflash import DFlashProposer
+    from specpilot.engine.backend import choose_backend
     from specpilot.engine.runner import TargetRunner
     from specpilot.models.random_checkpoint import build_drafter, build_target
 

@@ -240,7 +240,7 @@ def _family_pass(backend: Backend, fast, prompts: list[list[int]], outputs: list
         W = min(W, ring.reserve)
     dev = runner.device
     for b, p in enumerate(prompts):
-        lg = runner.prefill_row(b, list(p), 0).float()
+        lg = runner.prefill_row(b, list(p), 0)[0].float()
         top1[b].append(int(lg.argmax()))
         margin[b].append((lg.max() - lg[outputs[b][0]]).item())
     for s in range(0, total, W):
