@@ -54,3 +54,13 @@ def quick_prompts(tmp_path_factory, quick_deployment, data_dir) -> list[dict]:
     for b in BENCHMARKS:
         rows += write_prompt_file(b, quick_deployment / "target", out / f"{b}.jsonl", 2, data_dir=data_dir)
     return rows
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) each worker takes its share of the cores for torch's threads:
+    N workers each starting one thread per core would wait on each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

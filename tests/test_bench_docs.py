@@ -70,8 +70,9 @@ def test_readme_first_screen():
     assert "speculative-decoding" in head
     assert "pip install torch==2.13.0 && pip install -e . && snakemake --cores all" in head
     ci = (REPO / ".ci" / "run").read_text()
-    assert "SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks)" in ci and "\npytest -q\n" in ci
-    assert "SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks) pytest -q" in head
+    command = "pytest -q -n 2 --dist loadfile"
+    assert "SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks)" in ci and f"step \"pytest\" {command}\n" in ci
+    assert f"SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks) {command}\n" in head
 
 
 def test_benchmarks_page_opens_with_current_numbers():

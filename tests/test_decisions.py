@@ -44,7 +44,7 @@ class SyntheticTiming(Evaluator):
         self.base_s = {p["request_id"]: 0.5 + 0.25 * i for i, p in enumerate(prompts)}
         ar = [record(p["request_id"], "ar", 2 * self.base_s[p["request_id"]]) for p in prompts]
         stock = [record(p["request_id"], "stock", self.base_s[p["request_id"]]) for p in prompts]
-        super().__init__(None, None, prompts, 3, 1, {}, 8, 1e-3, repeats=repeats, references=(ar, stock))
+        super().__init__(None, prompts, 3, 1, {}, 8, 1e-3, repeats=repeats, references=(ar, stock))
 
     def run(self, engine, config, prompts=None):
         g = self.gain(config)

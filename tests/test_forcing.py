@@ -55,7 +55,7 @@ def cell(quick_deployment, quick_prompts, tmp_path_factory):
 def reexecution_for(cell):
     from specpilot.forcing import REEXECUTION_TOKENS, Reexecution, serve_reexecution
 
-    return Reexecution(serve_reexecution(lambda config: cell.target, cell.drafter, META), REEXECUTION_TOKENS, N)
+    return Reexecution(serve_reexecution(lambda config: Deployment.of(cell.target, cell.drafter), META), REEXECUTION_TOKENS, N)
 
 
 def force_cli(cell, candidate: list[Record], *extra: str) -> tuple[dict, int]:

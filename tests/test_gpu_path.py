@@ -773,6 +773,7 @@ def test_row_tiles_and_config_tables():
     pytest.importorskip("triton")
     from specpilot.kernels import step as K
     from specpilot.fastpath.dense import FastTarget
+    from specpilot.fastpath.tables import config_tiers
 
     assert [K.row_tile(m, 128) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 384)] == \
         [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
@@ -783,17 +784,17 @@ def test_row_tiles_and_config_tables():
     assert c.key() == "bn128-bk64-w8-s3-p-m128" and K.LinearConfig.parse("bn64-bk256-w4-s3").bm == 16
     with pytest.raises(ValueError, match="bm must be"):
         K.LinearConfig.parse("bn64-bk256-w4-s3-m48")
+    t = config_tiers({"64": "bn32-bk256-w4-s4-m64", "16": "bn64-bk256-w4-s3", "384": "cublas"})
     fast = FastTarget.__new__(FastTarget)  # table logic only, no model
-    fast.k = K
-    t = fast._tiers({"64": "bn32-bk256-w4-s4-m64", "16": "bn64-bk256-w4-s3", "384": "cublas"})
     fast.configs = {"qkv": t}
     assert [fast.config_for("qkv", n) if n > 64 else fast.config_for("qkv", n).key() for n in (1, 16, 17, 64)] == \
         ["bn64-bk256-w4-s3", "bn64-bk256-w4-s3", "bn32-bk256-w4-s4-m64", "bn32-bk256-w4-s4-m64"]
     assert fast.config_for("qkv", 65) == "cublas" and fast.config_for("qkv", 1000) == "cublas"
+    assert fast.config_keys() == {"qkv": {"16": "bn64-bk256-w4-s3", "64": "bn32-bk256-w4-s4-m64", "384": "cublas"}}
     with pytest.raises(SpecpilotError, match="row counts"):
-        fast._tiers({"many": "bn64-bk256-w4-s3"})
+        config_tiers({"many": "bn64-bk256-w4-s3"})
     with pytest.raises(SpecpilotError, match="bad matmul config"):
-        fast._tiers({"16": "bn64"})
+        config_tiers({"16": "bn64"})
 
 
 def test_decode_configs_merge_into_tables():

@@ -161,7 +161,7 @@ def test_bad_inputs(pair):
         sched.run([Request([1, 2, 3], 20)])
     with pytest.raises(SpecpilotError, match="empty prompt"):
         sched.run([Request([], 4)])
-    with pytest.raises(SpecpilotError, match="no reset_slot"):
+    with pytest.raises(SpecpilotError, match="object is not a specpilot.drafters.base.Proposer"):
         Scheduler(runner, object())
 
 

@@ -111,5 +111,5 @@ def test_static_tree_engine_equals_ar_and_beats_the_chain(quick_deployment, quic
     assert sum(t.verify_steps for t in tree) <= sum(c.verify_steps for c in chain)
     with pytest.raises(SpecpilotError, match="tree_nodes"):
         serve(EngineSpec("specpilot", 6, {"tree_nodes": 12, "tree_branch": 2}), Deployment.of(target, drafter), quick_prompts[:1], 8, 1, meta, ServeOptions(progress=False))
-    with pytest.raises(SpecpilotError, match="positive integer"):
+    with pytest.raises(SpecpilotError, match=r"tree_nodes = '12' \(a string\) is not allowed"):
         serve(EngineSpec("specpilot", 6, {"tree_nodes": "12"}), Deployment.of(target, drafter), quick_prompts[:1], 8, 1, meta, ServeOptions(progress=False))

@@ -106,6 +106,7 @@ def test_loaded_machine_warning_from_repeated_timings(tmp_path, caplog):
     table = pd.read_csv(tmp_path / "t.csv", keep_default_na=False, na_values=[""])
     marked = per_benchmark(table, "speedup", "x", "t", tmp_path / "s.png", 1.0)
     assert marked == [("tiny", "mbpp", "stock"), ("tiny", "geomean", "stock")]  # and the summary covering it
+    assert per_benchmark(table, "tau", "x", "t", tmp_path / "t.png", 1.0) == []  # tau is not timed: no mark
 
 
 def test_merge_repeats_keeps_fastest_and_checks_tokens():

@@ -400,7 +400,7 @@ def test_engine_with_w12_passes_token_forcing_against_bf16(quick_deployment, qui
     bf16 = load_deployment(quick_deployment / "target", quick_deployment / "drafter-dflash",
                            torch.device("cpu"), torch.bfloat16)
     w12 = load_deployment(quick_deployment / "target", quick_deployment / "drafter-dflash",
-                          torch.device("cpu"), torch.bfloat16, config={"weight_format": "w12"})
+                          torch.device("cpu"), torch.bfloat16, weight_format="w12")
     assert any(type(m).__name__ == "W12Linear" for m in w12.target.modules())
     ref = serve(EngineSpec("stock", 4), Deployment.of(bf16.target, bf16.drafter), quick_prompts[:4], 24, 1, meta, ServeOptions(progress=False))
     cand = serve(EngineSpec("specpilot", 4, {"weight_format": "w12"}), Deployment.of(w12.target, w12.drafter), quick_prompts[:4], 24, 1, meta, ServeOptions(progress=False))

@@ -50,10 +50,12 @@ import argparse
 import logging
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 
 from .devices import table_warnings
@@ -252,8 +254,6 @@ def bootstrap_interval(groups: list[list[tuple[list[float], list[float]]]], leve
     request's fastest run; seeded, so the table is reproducible (Efron & Tibshirani, An
     Introduction to the Bootstrap, 1993, ch. 13).
     """
-    import numpy as np
-
     if not groups or any(not g for g in groups):
         return math.nan, math.nan
     rng = np.random.default_rng(seed)
@@ -481,8 +481,6 @@ def write_table(df: pd.DataFrame, path: str | Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     records: list[Record] = []

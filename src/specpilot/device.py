@@ -9,49 +9,11 @@ folders, so the name must be stable across driver versions and board variants (`
 
 from __future__ import annotations
 
-import re
 
 import torch
 
+from .devices import normalize_gpu_name  # noqa: F401  (torch-free home; re-exported)
 from .errors import SpecpilotError
-
-# (pattern on the lowercased device name, normalized name); first match wins, so more specific
-# names come before the names they contain.
-_KNOWN: list[tuple[str, str]] = [
-    (r"\bgh200\b", "gh200"),
-    (r"\bgb200\b", "gb200"),
-    (r"\bh200\b", "h200"),
-    (r"\bh100\b", "h100"),
-    (r"\bh800\b", "h800"),
-    (r"\bh20\b", "h20"),
-    (r"\bb200\b", "b200"),
-    (r"\bb300\b", "b300"),
-    (r"\ba100\b", "a100"),
-    (r"\ba800\b", "a800"),
-    (r"\bl40s\b", "l40s"),
-    (r"\bl40\b", "l40"),
-    (r"\bl4\b", "l4"),
-    (r"\brtx pro 6000\b", "rtx_pro_6000"),
-    (r"\brtx 6000 ada\b", "rtx_6000_ada"),
-]
-
-
-def normalize_gpu_name(name: str) -> str:
-    """Map a CUDA device name to the ``{gpu}`` wildcard value.
-
-    Known families map to short names (``"NVIDIA H100 80GB HBM3"`` -> ``h100``,
-    ``"NVIDIA RTX PRO 6000 Blackwell Server Edition"`` -> ``rtx_pro_6000``). Anything else becomes
-    the name lowercased, without a leading ``NVIDIA``, with every run of other characters turned
-    into one underscore (``"NVIDIA GeForce RTX 4090"`` -> ``geforce_rtx_4090``).
-    """
-    low = " ".join(name.lower().split())
-    for pattern, short in _KNOWN:
-        if re.search(pattern, low):
-            return short
-    low = re.sub(r"^nvidia\b", "", low)
-    slug = re.sub(r"[^a-z0-9]+", "_", low).strip("_")
-    return slug or "unknown_gpu"
-
 
 def detect_gpu() -> str:
     """``"cpu"`` when CUDA is unavailable, else the normalized name of CUDA device 0."""

@@ -16,7 +16,7 @@ failure and kill (SIGKILL included). Every GPU job holds its device exclusively:
 never shares a GPU with another job, and other jobs run on the other devices meanwhile.
 
 The pool: the host's devices from ``nvidia-smi`` whose normalized name is the job's ``{gpu}``
-(:func:`specpilot.device.normalize_gpu_name`; a host with H100s and A100s gives ``h100`` jobs only
+(:func:`normalize_gpu_name`; a host with H100s and A100s gives ``h100`` jobs only
 H100s), restricted to ``CUDA_VISIBLE_DEVICES`` when the run was started with it (or SLURM set it).
 The workflow records the pool's UUIDs when it plans the run (``SPECPILOT_DEVICE_POOL``); a device
 of it that is gone when a job starts stops that job with one error naming it. Lock files live in
@@ -37,6 +37,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,13 +48,51 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .device import normalize_gpu_name
 from .errors import SpecpilotError
+from .io import read_json, read_jsonl, write_json
 
 FAKE_ENV = "SPECPILOT_FAKE_DEVICES"
 DIR_ENV = "SPECPILOT_DEVICE_DIR"
 POOL_ENV = "SPECPILOT_DEVICE_POOL"
 INDEX_ENV, UUID_ENV, NAME_ENV = "SPECPILOT_DEVICE_INDEX", "SPECPILOT_DEVICE_UUID", "SPECPILOT_DEVICE_NAME"
+
+
+# (pattern on the lowercased device name, normalized name); first match wins, so more specific
+# names come before the names they contain.
+_KNOWN: list[tuple[str, str]] = [
+    (r"\bgh200\b", "gh200"),
+    (r"\bgb200\b", "gb200"),
+    (r"\bh200\b", "h200"),
+    (r"\bh100\b", "h100"),
+    (r"\bh800\b", "h800"),
+    (r"\bh20\b", "h20"),
+    (r"\bb200\b", "b200"),
+    (r"\bb300\b", "b300"),
+    (r"\ba100\b", "a100"),
+    (r"\ba800\b", "a800"),
+    (r"\bl40s\b", "l40s"),
+    (r"\bl40\b", "l40"),
+    (r"\bl4\b", "l4"),
+    (r"\brtx pro 6000\b", "rtx_pro_6000"),
+    (r"\brtx 6000 ada\b", "rtx_6000_ada"),
+]
+
+
+def normalize_gpu_name(name: str) -> str:
+    """Map a CUDA device name to the ``{gpu}`` wildcard value.
+
+    Known families map to short names (``"NVIDIA H100 80GB HBM3"`` -> ``h100``,
+    ``"NVIDIA RTX PRO 6000 Blackwell Server Edition"`` -> ``rtx_pro_6000``). Anything else becomes
+    the name lowercased, without a leading ``NVIDIA``, with every run of other characters turned
+    into one underscore (``"NVIDIA GeForce RTX 4090"`` -> ``geforce_rtx_4090``).
+    """
+    low = " ".join(name.lower().split())
+    for pattern, short in _KNOWN:
+        if re.search(pattern, low):
+            return short
+    low = re.sub(r"^nvidia\b", "", low)
+    slug = re.sub(r"[^a-z0-9]+", "_", low).strip("_")
+    return slug or "unknown_gpu"
 
 
 @dataclass(frozen=True)
@@ -272,8 +311,6 @@ def measure_pool(gpu: str, out: str | Path, poll_s: float = 0.5) -> dict:
     Raises:
         SpecpilotError: no ``gpu`` device, a device of the run's pool gone, or a measurement failed.
     """
-    from .io import write_json
-
     devices = pool(gpu)
     check_pool(gpu, devices, os.environ.get(POOL_ENV))
     rows = []
@@ -335,8 +372,6 @@ def speed_warnings(records: list[dict], speeds: dict[str, float], tolerance: flo
 def table_warnings(record_paths: list[str], devices_json: str | None) -> list[str]:
     """:func:`speed_warnings` for the table's records files and ``results/{gpu}/devices.json``
     (None: no speeds known, so any two devices in one comparison are named)."""
-    from .io import read_json, read_jsonl
-
     speeds = {}
     if devices_json:
         speeds = {d["uuid"]: d["copy_bandwidth"] for d in read_json(devices_json)["devices"]}

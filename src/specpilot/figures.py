@@ -13,13 +13,19 @@ absent, labelled ``n/a`` or ``FAIL``, never as zero. A value from a cell timed o
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
+
+matplotlib.use("Agg")  # files only, no display; before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
 
 from .errors import SpecpilotError
 
+TIMED = {"speedup", "throughput", "tok_s"}  # metrics a loaded machine can disturb (tau is a token count)
 ENGINE_STYLE = {
     # engine: (face gray, hatch, line style, marker)
     "stock": ("0.45", "//", "-", "o"),
@@ -35,11 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plt.rcParams.update({"font.size": 9, "hatch.linewidth": 0.6, "savefig.dpi": 150})
     return plt
 
@@ -88,7 +89,8 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
                   baseline: float | None) -> list[tuple[str, str, str]]:
     """Grouped bars per benchmark (+ geomean), one panel per deployment, at the lowest concurrency.
 
-    Returns the (deployment, benchmark, engine) bars marked ``!`` (loaded machine).
+    Returns the (deployment, benchmark, engine) bars marked ``!`` (loaded machine); only timed
+    metrics (:data:`TIMED`) carry the mark: tau does not depend on the clock.
     """
     marked = []
     plt = _plt()
@@ -113,7 +115,7 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
                            label=None if labelled else engine)
                     labelled = True
                     top = max(top, v)
-                    if _warned(row):
+                    if metric in TIMED and _warned(row):  # tau counts tokens: no clock reads it
                         ax.text(x, v, "!", ha="center", va="bottom", fontsize=9, fontweight="bold")
                         marked.append((dep, row["benchmark"], engine))
                 else:
@@ -234,8 +236,6 @@ def rounds_figure(integrated: list[str | Path], path: str | Path) -> Path:
 
     ``integrated``: paths ``results/{gpu}/{deployment}/rounds/round-{k}/integrated.json``.
     """
-    import json
-
     series: dict[str, dict[int, float]] = {}
     for f in integrated:
         f = Path(f)

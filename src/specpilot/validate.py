@@ -30,9 +30,14 @@ import json
 import re
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
 from .drafters import ARCHITECTURES
 from .errors import SpecpilotError
 from .models.config import TargetConfig
+from .models.loading import drafter_config
 
 # smallest block_size per drafter kind, in the kind's own counting (see the module docstring)
 MIN_BLOCK = {"dflash": 2, "dflash2": 2, "dspark": 1}
@@ -48,16 +53,10 @@ def hub_id_problem(value: str) -> str | None:
     """Why ``value`` is not a Hugging Face Hub model id of the form ``owner/name``, or None.
 
     Uses ``huggingface_hub.utils.validate_repo_id`` (the Hub's own rules: characters, ``--``/``..``,
-    length) when the package is installed; without it only the ``owner/name`` shape is checked.
+    length) after the ``owner/name`` shape.
     """
     if value.count("/") != 1:
         return "not a Hugging Face Hub id (owner/name)"
-    try:
-        from huggingface_hub.errors import HFValidationError
-        from huggingface_hub.utils import validate_repo_id
-    except ImportError:
-        ok = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", value)
-        return None if ok else "not a well-formed Hugging Face Hub id (owner/name)"
     try:
         validate_repo_id(value)
     except HFValidationError as e:
@@ -67,10 +66,6 @@ def hub_id_problem(value: str) -> str | None:
 
 def cached_hub_config(repo_id: str) -> Path | None:
     """The ``config.json`` of a Hub checkpoint if it is in the local Hub cache (no network), else None."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
     try:
         found = try_to_load_from_cache(repo_id, "config.json")
     except Exception:  # a malformed cache entry is the download's business, not the plan's
@@ -129,8 +124,6 @@ def drafter_problems(cfg: Path, kind: str, block) -> list[str]:
         return [f"{cfg}: unsupported drafter architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"]
     if ARCHITECTURES[arch] != kind:
         return [f"{cfg} holds a {ARCHITECTURES[arch]} drafter ({arch}), but the deployment's drafter is {kind!r}"]
-    from .models.loading import drafter_config  # imports torch: only for a config that exists
-
     try:
         trained = drafter_config(d, str(cfg)).block_size
     except SpecpilotError as e:

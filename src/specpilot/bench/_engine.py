@@ -23,6 +23,7 @@ from ..engine.loop import generate, generate_ar
 from ..engine.proposers import make_proposer
 from ..engine.runner import TargetRunner
 from ..engine.verify import compact_path_, tree_inputs
+from ..fastpath import graphs
 from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS
 from ..fastpath.w12 import parse_choice
 from ..kernels_build import use_w12_library
@@ -52,7 +53,7 @@ def triton_step():
 
 def fastpath():
     """The fast path's step modules (dense, family, drafter, graphs; they import Triton, so only when asked)."""
-    from ..fastpath import dense, drafter, family, graphs
+    from ..fastpath import dense, drafter, family  # Triton: an optional dependency
 
     return dense, family, drafter, graphs
 

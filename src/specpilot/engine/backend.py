@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecpilotError
+from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
 from ..fastpath.tables import KERNELS, TREE_FAST_NODES
 from ..fastpath.w12 import to_plain_linears
@@ -198,8 +199,6 @@ class Backend:
 
 def _dense(model, kernels: str, asked: str, w12_choice: dict | None) -> Backend:
     """The backend of a dense target under CUDA graphs with resolved ``kernels``."""
-    from ..fastpath.graphs import StepGraphs
-
     why = dense_support(model)
     if w12_choice and kernels == "triton" and why is not None:
         to_plain_linears(model)  # lossless: W12Linear -> its exact bf16 linear
@@ -253,7 +252,6 @@ def choose_backend(model, graphs: bool | None = None, kernels: str | None = "aut
     if why:
         return Backend(model, "eager", f"hybrid / sliding-window target off the family step: {why}", True, asked)
     from ..fastpath.family import FastFamilyTarget  # Triton: an optional dependency
-    from ..fastpath.graphs import StepGraphs
 
     return Backend(model, "triton-family", "Triton family step", True, asked, StepGraphs(model, FastFamilyTarget(model)))
 

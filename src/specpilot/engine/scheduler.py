@@ -162,6 +162,9 @@ class Scheduler:
         self.runner = runner
         self.overlap = bool(overlap)
         self.prefill_beside = prefill_beside
+        if drafter is not None and not isinstance(drafter, Proposer):
+            raise SpecpilotError(f"drafter {type(drafter).__name__} is not a specpilot.drafters.base.Proposer: "
+                                 "the scheduler calls its continuous-batching hooks (reset_slot, observe_row)")
         self.drafter = drafter if drafter is not None else ARProposer()
         self.accept, self.eos_id, self.profile, self.on_step = accept, eos_id, profile, on_step
         self.bucket = int(prefill_bucket or (64 if runner.steps is not None else 1))

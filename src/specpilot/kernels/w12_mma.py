@@ -44,7 +44,10 @@ PyTorch's current stream (CUDA-graph capture works as for any kernel on that str
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,9 +230,6 @@ def build(arch: str, out_dir: str | os.PathLike, nvcc: str = "nvcc", pipe: int |
     Raises:
         SpecpilotError: nvcc missing or the compile failing (its output included).
     """
-    import shutil
-    import subprocess
-
     if pipe not in (None, 0, 1, 2):
         raise SpecpilotError(f"w12 mma: pipe must be 0, 1 or 2, got {pipe!r}")
     if shutil.which(nvcc) is None:
@@ -262,8 +262,6 @@ def load(build_dir: str | os.PathLike | None = None):
     global _LIB
     if _LIB is not None:
         return _LIB
-    import ctypes
-
     if not torch.cuda.is_available():
         raise SpecpilotError("w12 mma: the kernel needs a CUDA device")
     major, minor = torch.cuda.get_device_capability()

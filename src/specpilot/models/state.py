@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecpilotError
-from .gdn import step
+from .gdn import conv_gather_index, step
 
 
 @dataclass
@@ -58,8 +58,6 @@ class StepContext:
     def conv_index(self, K: int) -> torch.Tensor:
         """Cached :func:`gdn.conv_gather_index` for this block."""
         if K not in self._conv:
-            from .gdn import conv_gather_index
-
             self._conv[K] = conv_gather_index(self.node_depth(), self.parents, K)
         return self._conv[K]
 

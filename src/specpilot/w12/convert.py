@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ..errors import SpecpilotError
 from ..io import read_json, write_json
@@ -79,8 +80,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, include_lm_head: boo
         SpecpilotError: ``src`` lacks config.json or safetensors files, a tensor name repeats across
             shards, a packable weight is fp16, or a verification fails.
     """
-    from safetensors import safe_open
-
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise SpecpilotError(f"convert-w12: no config.json in {src}")

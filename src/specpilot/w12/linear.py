@@ -29,9 +29,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from ..errors import SpecpilotError
-from .format import GROUP, W12Tensor, escape_csr, nbytes, pack, unpack
+from .format import GROUP, W12Tensor, _check_w12, escape_csr, nbytes, pack, unpack
 
 FUSED_MAX_M = 256
 SUFFIXES = ("w12_mant", "w12_codes", "w12_esc_idx", "w12_esc_val", "w12_base")
@@ -225,8 +226,6 @@ def w12_from_tensors(prefix: str, tensors: dict[str, torch.Tensor], shape: tuple
     n, k = shape or tuple(mant.shape)
     t = W12Tensor(mant, tensors[f"{prefix}.w12_codes"], int(tensors[f"{prefix}.w12_base"].reshape(-1)[0]),
                   tensors[f"{prefix}.w12_esc_idx"].to(torch.int64), tensors[f"{prefix}.w12_esc_val"], (n, k))
-    from .format import _check_w12
-
     _check_w12(t)
     return t
 
@@ -234,8 +233,6 @@ def w12_from_tensors(prefix: str, tensors: dict[str, torch.Tensor], shape: tuple
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
                             metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file`` to a temp file in the same folder, then ``os.replace``."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -284,8 +281,6 @@ def load_w12_state(model: nn.Module, path: str | os.PathLike, strict: bool = Tru
         SpecpilotError: the file is missing, a w12 group names no module or a module of another
             shape, or (``strict``) keys are missing or unexpected.
     """
-    from safetensors.torch import load_file
-
     if not Path(path).is_file():
         raise SpecpilotError(f"w12 checkpoint not found: {path}")
     tensors = load_file(str(path))
