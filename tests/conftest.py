@@ -64,3 +64,17 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+# The test files that take minutes on 2 cores (Triton's CPU interpreter, whole workflow runs),
+# longest first: collected first, so that under pytest-xdist (`--dist loadfile`) they start at
+# once on the two workers and the short files fill in around them, instead of a long file starting
+# last and running alone at the end.
+LONG_FILES = ["test_forcing_family.py", "test_family_fast.py", "test_workflow_rerun.py", "test_gpu_path.py",
+              "test_rounds_workflow.py", "test_memory_workflow.py", "test_paper_shaped.py", "test_w12_triton.py",
+              "test_traps_engine.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: file order kept otherwise
