@@ -35,6 +35,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "and the eager W12Linear kernel against bf16 per shape"),
     "ranks": ("ranks", "per-position rank recall of a built drafter against its target, written as a replay "
                        "profile with rank_recall, and trees' measured tau against the tau it predicts (CPU)"),
+    "trees": ("trees", "tau against node budget of static, spine and DFlash2 lattice trees on a built deployment's "
+                       "drafters (every output against AR and the teacher-forced pass), the lattice bound, and the "
+                       "measured lattice behaviour as a replay profile (CPU)"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
 }

@@ -15,21 +15,25 @@ import weakref
 import torch
 
 from ..drafters.dflash import DFlashProposer
+from ..drafters.lattice import lattice_beams, lattice_paths, prefix_ranks
 from ..drafters.proposal import spine_tree_parents
 from ..drafters.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
 from ..drafters.static_tree import optimal_tree
 from ..engine.backend import Backend, choose_backend
 from ..engine.loop import generate, generate_ar
-from ..engine.proposers import make_proposer
+from ..engine.config import EngineSpec
+from ..engine.proposers import make_engine_proposer, make_proposer
 from ..engine.runner import TargetRunner
 from ..engine.verify import compact_path_, tree_inputs
 from ..fastpath import graphs
 from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS
 from ..fastpath.w12 import parse_choice
+from ..forcing.teacher import teacher_forced
 from ..kernels_build import use_w12_library
 from ..tuning.w12 import plant_escapes, tune_w12_choice
 from ..models.dflash import DFlashDrafter
-from ..models.layers import chain_ancestors
+from ..models.dflash2 import DFlash2Drafter
+from ..models.layers import chain_ancestors, tree_ancestors
 from ..models.loading import load_drafter, load_target
 from ..models.random_checkpoint import build_drafter, build_target, drafter_config, fill_random_, hf_config, target_config
 from ..models.target import Transformer
@@ -42,6 +46,8 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
+    "EngineSpec", "make_engine_proposer", "lattice_beams", "lattice_paths", "prefix_ranks", "teacher_forced",
+    "tree_ancestors",
 ]
 
 def triton_step():
@@ -126,17 +132,21 @@ def dry_target(shape: str = "tiny", layers: int | None = None, dtype: torch.dtyp
 
 
 def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> DFlashDrafter:
-    """The random DFlash drafter of ``shape`` for a :func:`dry_target` (its sizes, its first and
-    last layers captured)."""
+                seed: int = 0, kind: str = "dflash") -> DFlashDrafter:
+    """The random DFlash (or, ``kind`` "dflash2", DFlash2: convolutions of kernel 2 and group 16, a
+    selector of rank 8 and top 4) drafter of ``shape`` for a :func:`dry_target` (its sizes, its
+    first and last layers captured)."""
     t, n = target.config, target.config.num_hidden_layers
     sizes = {k: getattr(t, k) for k in DRY_SIZES} if shape == "tiny" else {}
     if sizes:
         sizes["mask_token_id"] = t.vocab_size - 1
     cfg = dataclasses.replace(drafter_config(shape, block_size), num_target_layers=n,
                               target_layer_ids=sorted({0, n - 1}), **sizes)
+    if kind == "dflash2":
+        cfg = dataclasses.replace(cfg, architecture="DFlash2DraftModel", extra=dict(
+            conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4))
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = DFlash2Drafter(cfg) if kind == "dflash2" else DFlashDrafter(cfg)
     return fill_random_(model.to(dtype).to_empty(device="cpu"), seed + 1).eval()
 
 

@@ -69,6 +69,7 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "tree_depth": (1, _int(0), "draft positions that get side branches"),
     "tree_nodes": (0, _int(0), "nodes of a static tree from the drafter's rank profile (0: off)"),
     "tree_profile": (None, _name(), "rank profile of the static tree (packaged name or path)"),
+    "tree_lattice": (0, _int(0), "nodes of a path-conditioned tree from DFlash2's candidate lattice (0: off)"),
     "second_level": (0, _int(0), "two-level drafting: drafts of a second block appended (0: off)"),
     "verify_budget": ("off", _choice(VERIFY_BUDGETS), "load-aware verify length per request"),
     "overlap": (False, _bool(), "overlap scheduling: the next draft before the host's bookkeeping"),
@@ -144,9 +145,9 @@ class EngineConfig:
     def verify_width(self, block_size: int) -> int:
         """An upper bound of a speculative engine's tokens per verify forward: block + 1 + the tree's
         side leaves (``tree_branch`` x min(``tree_depth``, block)) + ``second_level``; a static tree
-        (``tree_nodes`` N) verifies N + 1 tokens."""
-        if self.tree_nodes:
-            return max(block_size + 1, self.tree_nodes + 1)
+        (``tree_nodes`` N) and a lattice tree (``tree_lattice`` N) verify N + 1 tokens."""
+        if self.tree_nodes or self.tree_lattice:
+            return max(block_size + 1, max(self.tree_nodes, self.tree_lattice) + 1)
         return block_size + 1 + self.tree_branch * min(self.tree_depth, block_size) + self.second_level
 
 
@@ -156,10 +157,11 @@ def tree_width_of(cfg: dict) -> int:
     counts as wider than any fast-path tree (token forcing then checks it eagerly)."""
     too_wide = 1 << 30
     ints = all(isinstance(cfg.get(k, 0), int) and not isinstance(cfg.get(k, 0), bool)
-               for k in ("tree_branch", "second_level", "tree_nodes", "tree_depth"))
+               for k in ("tree_branch", "second_level", "tree_nodes", "tree_lattice", "tree_depth"))
     if not ints:
         return too_wide
-    nodes, branch, second = cfg.get("tree_nodes") or 0, cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
+    nodes = max(cfg.get("tree_nodes") or 0, cfg.get("tree_lattice") or 0)
+    branch, second = cfg.get("tree_branch") or 0, cfg.get("second_level") or 0
     if nodes > 0:
         return nodes + 1
     if branch <= 0 and second <= 0:

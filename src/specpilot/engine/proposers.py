@@ -7,6 +7,8 @@ from ..drafters.base import Proposer
 from ..drafters.dflash import DFlashProposer
 from ..drafters.dflash2 import DFlash2Proposer
 from ..drafters.dspark import DSparkProposer
+from ..drafters.lattice import LatticeTreeProposer, lattice_tree_for
+from ..drafters.lattice_profile import LatticeReplayProposer
 from ..drafters.lookup import LookupProposer
 from ..drafters.replay import ReplayProposer
 from ..drafters.static_tree import static_tree_for
@@ -42,13 +44,23 @@ def make_proposer(network, block_size: int | None = None, config: EngineConfig |
 
 def _replay_proposer(spec: EngineSpec, target, drafter, replay, references) -> Proposer:
     """The replay drafter of ``spec`` (``references`` = per row the AR output ids), running
-    ``drafter``'s proposer for its cost; a static tree when ``tree_nodes`` is set."""
+    ``drafter``'s proposer for its cost; a static tree when ``tree_nodes`` is set, a lattice tree
+    (the profile's measured lattice behaviour; a DFlash2 drafter drafts the lattice tree for its
+    cost, any other its chain) when ``tree_lattice`` is."""
     cfg = spec.config
     if cfg.second_level:
         raise SpecpilotError("the replay drafter models chains and spine + side-branch trees; "
                              "second_level is not modeled")
     net = make_proposer(drafter, spec.block_size) if drafter is not None else None
     width = net.verify_width if net is not None else spec.block_size  # the drafter's counting (a chain)
+    if cfg.tree_lattice:
+        others = [k for k in ("tree_nodes", "tree_branch") if getattr(cfg, k)]
+        if others:
+            raise SpecpilotError(f"tree_lattice (a lattice tree) cannot be combined with {', '.join(others)}")
+        if net is not None and net.kind == "dflash2":  # the lattice tree's own draft cost
+            net = LatticeTreeProposer(drafter, block_size=spec.block_size, nodes=cfg.tree_lattice)
+        return LatticeReplayProposer(references, replay, target.config.vocab_size, net, seed=cfg.replay_seed,
+                                     block_size=width, nodes=cfg.tree_lattice)
     rp = ReplayProposer(references, replay, target.config.vocab_size, net, seed=cfg.replay_seed, block_size=width,
                         tree_branch=cfg.tree_branch, tree_depth=cfg.tree_depth, rank_draws=bool(cfg.tree_nodes))
     return static_tree_for(rp, cfg, replay) if cfg.tree_nodes else rp
@@ -59,10 +71,12 @@ def make_engine_proposer(spec: EngineSpec, target, drafter, replay=None,
     """The proposer of engine ``spec`` (None for AR): the replay drafter (``replay`` = its
     :class:`~specpilot.drafters.replay.AcceptanceProfile`, ``references`` = per row the AR output
     ids), prompt lookup, or the drafter network's proposer with the config's tree builder
-    (``tree_nodes``: a static tree) and verify-length policy (``verify_budget``).
+    (``tree_nodes``: a static tree; ``tree_lattice``: a lattice tree, DFlash2 only) and
+    verify-length policy (``verify_budget``).
 
     Raises:
-        SpecpilotError: a drafter-based engine without a drafter; a static tree with a verify budget.
+        SpecpilotError: a drafter-based engine without a drafter; a static tree with a verify budget;
+        a lattice tree with a drafter without a candidate selector or with another tree builder.
     """
     if spec.engine == "ar":
         return None
@@ -70,9 +84,13 @@ def make_engine_proposer(spec: EngineSpec, target, drafter, replay=None,
         return _replay_proposer(spec, target, drafter, replay, references)
     cfg = spec.config
     if spec.engine == "lookup":
+        if cfg.tree_lattice:
+            raise SpecpilotError("tree_lattice needs a drafter with a candidate selector (DFlash2); lookup has none")
         return LookupProposer(cfg.max_ngram, spec.block_size)
     if drafter is None:
         raise SpecpilotError(f"engine {spec.engine!r} needs a drafter (--drafter)")
+    if cfg.tree_lattice:
+        return lattice_tree_for(make_proposer(drafter, spec.block_size), cfg)
     proposer = make_proposer(drafter, spec.block_size, cfg)
     if cfg.tree_nodes:
         if cfg.verify_budget != "off":

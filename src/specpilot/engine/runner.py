@@ -54,7 +54,7 @@ class TargetRunner:
         self._bound = 0  # host upper bound of max(length)
         self._pending = 0  # entries written by the last verify, not yet committed
         self._grew = 0  # how much the last commit raised the bound (settle() may lower it)
-        self._tree_key, self._tree = None, None  # the last tree's parents (key) and its mask or Triton inputs
+        self._tree_key, self._tree = None, None  # (the last tree's parents tensor, fast) and its mask or Triton inputs
 
     def _check_room(self, n: int) -> None:
         if self._bound + n <= self.max_seq:
@@ -206,10 +206,12 @@ class TargetRunner:
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
             return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
-        # the tree shape is static within a generation: build its mask (or bits) once
+        # a static tree shape reuses one parents tensor every step: its mask (or bits) is built
+        # once. The key holds the tensor itself (identity, not its address: a dynamic tree's new
+        # parents tensor may reuse a freed one's memory)
         fast = self.tree_fast and N <= TREE_FAST_NODES
-        key = (parents.data_ptr(), tuple(parents.shape), fast)
-        if self._tree_key != key:
+        key = (parents, fast)
+        if self._tree_key is None or self._tree_key[0] is not parents or self._tree_key[1] != fast:
             if fast:
                 self._tree_key, self._tree = key, tree_inputs(parents)
             else:

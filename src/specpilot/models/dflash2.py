@@ -137,6 +137,28 @@ class CandidateSelector(nn.Module):
             scores.append(sc)
         return torch.stack(path, 1), cands, torch.stack(scores, 1)
 
+    def lattice(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+        """The whole candidate lattice of a block: every slot's K candidates and every transition
+        score between adjacent slots' candidates (what the walk reads one row of per slot; vLLM PR
+        #52816 computes the same K x K tables in parallel before its walk).
+
+        Args:
+            hidden: [B, k, hidden] drafter states of the draft slots; logits [B, k, V]; anchor int64 [B].
+        Returns:
+            cands int64 [B, k, K] (sorted by unary, descending), unary [B, k, K] (their draft
+            logits), first [B, K] (edge from the anchor to slot 1's candidates) and trans
+            [B, k - 1, K, K] (``trans[:, j, a, c]``: edge from candidate a of slot j + 1 to candidate
+            c of slot j + 2, 1-based slots). Scores are float32; the selector's score of a
+            transition is unary + edge.
+        """
+        unary, cands = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        hp = self.hidden_projection(hidden).float()  # [B, k, r]
+        succ = self.successor_codebook(cands).float()  # [B, k, K, r]
+        pred = self.predecessor_codebook(cands[:, :-1]).float() * hp[:, 1:, None, :]  # [B, k-1, K, r]
+        first = torch.einsum("br,bkr->bk", self.predecessor_codebook(anchor).float() * hp[:, 0], succ[:, 0])
+        trans = torch.einsum("bjar,bjcr->bjac", pred, succ[:, 1:])
+        return cands, unary, first, trans
+
 
 class DFlash2Drafter(DFlashDrafter):
     """The DFlash2 network; ``draft`` returns the selector walk and full-vocab scores (-inf
@@ -172,6 +194,16 @@ class DFlash2Drafter(DFlashDrafter):
         path, cands, scores = self.candidate_selector.walk(hidden, logits, anchor)
         full = torch.full_like(logits, float("-inf")).scatter(-1, cands, scores.to(logits.dtype))
         return path, full
+
+    def draft_lattice(self, anchor, start, embed, lm_head, block_size):
+        """One block forward and its candidate lattice (:meth:`CandidateSelector.lattice`):
+        (cands int64 [B, k, K], unary [B, k, K], first [B, K], trans [B, k - 1, K, K]) with
+        k = block_size - 1, for path-conditioned trees (:mod:`specpilot.drafters.lattice`)."""
+        B = anchor.shape[0]
+        block = torch.full((B, block_size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
+        block[:, 0] = anchor
+        hidden = self.block_hidden(block, start, embed)[:, 1:]
+        return self.candidate_selector.lattice(hidden, self.logits(hidden, lm_head), anchor)
 
     def draft_logits(self, anchor, start, embed, lm_head, block_size):
         """The unary draft logits [B, block_size - 1, V] (before the selector), for parity tests."""

@@ -103,14 +103,19 @@ def tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             for the root. A chain is ``[-1, 0, 1, ...]``.
     Returns:
         ancestors bool [B, T, T] (node sees itself and its ancestors) and depth int64 [B, T].
+
+    Pointer jumping: every node follows its parent pointers one level per iteration, so a tree of
+    depth D costs D iterations (one host read each, to stop), not one per node.
     """
     B, T = parents.shape
     anc = torch.eye(T, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
     depth = torch.zeros(B, T, dtype=torch.long, device=parents.device)
-    for i in range(1, T):
-        p = parents[:, i]
+    p = parents.clone()
+    for _ in range(T - 1):
         has = p >= 0
-        pc = p.clamp(min=0)
-        anc[:, i] |= anc[torch.arange(B), pc] & has[:, None]
-        depth[:, i] = torch.where(has, depth[torch.arange(B), pc] + 1, 0)
+        if not bool(has.any()):
+            break
+        anc |= torch.zeros_like(anc).scatter_(2, p.clamp(min=0)[..., None], has[..., None])
+        depth += has.long()
+        p = torch.where(has, parents.gather(1, p.clamp(min=0)), -1)
     return anc, depth

@@ -1,0 +1,226 @@
+"""Path-conditioned lattice trees from DFlash2's selector (drafters.lattice): the best-first tree is
+the exact top-N of all lattice paths and ancestor-closed, the prefix ranks say which trees hold the
+correct path, the lattice reproduces the selector's walk, the engine's outputs equal AR, the
+config refuses what it cannot run, and the replay drafter emulates a measured lattice profile."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from specpilot.deployment import Deployment
+from specpilot.drafters.lattice import (LatticeTreeProposer, best_first_tree, lattice_beams, lattice_paths,
+                                        prefix_ranks, select_nodes, transition_logprobs)
+from specpilot.drafters.lattice_profile import LatticeProfile, LatticeReplayProposer, shape_parents
+from specpilot.drafters.replay import AcceptanceProfile
+from specpilot.engine.config import EngineConfig, EngineSpec, tree_width_of
+from specpilot.engine.serve import ServeOptions, serve
+from specpilot.errors import SpecpilotError
+
+
+def _random_lattice(B=3, k=4, K=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp1 = torch.randn(B, K, generator=g).mul(2).log_softmax(-1)
+    lpT = torch.randn(B, k - 1, K, K, generator=g).mul(2).log_softmax(-1)
+    cands = torch.stack([torch.randperm(50, generator=g)[: k * K].view(k, K) for _ in range(B)])
+    return cands, lp1, lpT
+
+
+def _all_paths(lp1, lpT, b):
+    """Every lattice path of row b as (log-probability, candidate indices)."""
+    K, k = lp1.shape[1], lpT.shape[1] + 1
+    out = []
+    for d in range(1, k + 1):
+        for path in itertools.product(range(K), repeat=d):
+            lp = float(lp1[b, path[0]]) + sum(float(lpT[b, j, path[j], path[j + 1]]) for j in range(d - 1))
+            out.append((lp, path))
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 5, 17, 60])
+def test_best_first_tree_is_the_top_n_of_all_paths_and_ancestor_closed(nodes):
+    cands, lp1, lpT = _random_lattice()
+    prop = best_first_tree(cands, lp1, lpT, torch.tensor([7, 8, 9]), nodes)
+    assert prop.tokens.shape == (3, nodes + 1) and prop.parents.shape == (3, nodes + 1)
+    for b in range(3):
+        paths = sorted(_all_paths(lp1, lpT, b), key=lambda t: -t[0])
+        want = sorted(lp for lp, _ in paths[:nodes])
+        got = sorted(prop.scores[b, 1:].tolist())
+        assert got == pytest.approx(want, abs=1e-5)
+        par = prop.parents[b].tolist()
+        assert par[0] == -1 and all(0 <= par[i] < i for i in range(1, nodes + 1))
+        # every node's score = its parent's + the transition into its token, and siblings differ
+        depth = [0] * (nodes + 1)
+        for i in range(1, nodes + 1):
+            depth[i] = depth[par[i]] + 1
+            sib = [j for j in range(1, nodes + 1) if par[j] == par[i] and j != i]
+            assert all(prop.tokens[b, j] != prop.tokens[b, i] for j in sib)
+            assert prop.scores[b, i] <= prop.scores[b, par[i]] + 1e-6
+            assert int(prop.tokens[b, i]) in cands[b, depth[i] - 1].tolist()
+
+
+def test_prefix_ranks_say_which_trees_hold_the_correct_path():
+    cands, lp1, lpT = _random_lattice(B=4, k=4, K=3, seed=1)
+    g = torch.Generator().manual_seed(5)
+    truth = torch.stack([cands[b, torch.arange(4), torch.randint(0, 3, (4,), generator=g)] for b in range(4)])
+    truth[3, 2] = 999  # not a candidate: the path leaves the lattice at depth 3
+    path = lattice_paths(cands, truth)
+    assert path[3, 2] == -1 and (path[:3] >= 0).all()
+    ranks = prefix_ranks(lattice_beams(lp1, lpT, 200), path)
+    assert (ranks[3, 2:] == 0).all()
+    for n in (1, 3, 10, 40):
+        prop = best_first_tree(cands, lp1, lpT, torch.zeros(4, dtype=torch.long), n)
+        for b in range(4):
+            toks, par = prop.tokens[b].tolist(), prop.parents[b].tolist()
+            held, node = 0, 0
+            for d in range(4):  # walk the tree along the true path
+                nxt = next((i for i in range(1, n + 1) if par[i] == node and toks[i] == int(truth[b, d])), None)
+                if nxt is None:
+                    break
+                held, node = d + 1, nxt
+            assert held == int(((ranks[b] > 0) & (ranks[b] <= n)).sum()), (n, b)
+    # ranks grow along the path (a child comes after its parent); beyond the width: 0
+    r = prefix_ranks(lattice_beams(lp1, lpT, 2), path)
+    assert ((r == 0) | (r <= 2)).all()
+
+
+def test_select_nodes_refuses_a_budget_beyond_the_lattice():
+    cands, lp1, lpT = _random_lattice(B=1, k=2, K=2)
+    assert select_nodes(lattice_beams(lp1, lpT, 6), 6)[2].shape == (1, 7)  # 2 + 2 x 2 paths: all of them
+    with pytest.raises(SpecpilotError, match="7 nodes asked of a lattice of 6 paths"):
+        select_nodes(lattice_beams(lp1, lpT, 7), 7)
+
+
+def test_lattice_tables_reproduce_the_selector_walk(quick_deployment):
+    from specpilot.models.loading import load_drafter
+
+    drafter = load_drafter(quick_deployment / "drafter-dflash2")
+    sel = drafter.candidate_selector
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, drafter.config.hidden_size, generator=g)
+    logits = torch.randn(2, 5, drafter.config.vocab_size, generator=g)
+    anchor = torch.tensor([3, 4])
+    path, cands, scores = sel.walk(hidden, logits, anchor)
+    c2, unary, first, trans = sel.lattice(hidden, logits, anchor)
+    assert torch.equal(cands, c2)
+    assert torch.allclose(scores[:, 0], unary[:, 0] + first, atol=1e-5)
+    idx = (cands == path[..., None]).long().argmax(-1)  # the walk's candidate index per slot
+    for j in range(1, 5):
+        row = trans[torch.arange(2), j - 1, idx[:, j - 1]]
+        assert torch.allclose(scores[:, j], unary[:, j] + row, atol=1e-5)
+    lp1, lpT = transition_logprobs(unary, first, trans)
+    greedy = best_first_tree(cands, lp1, lpT, anchor, 1)  # the best single node: the walk's first step
+    assert torch.equal(greedy.tokens[:, 1], path[:, 0])
+
+
+def _meta():
+    return {"deployment": "quick", "target": "t", "drafter": "dflash2", "gpu": "cpu"}
+
+
+def test_lattice_engine_equals_ar(quick_deployment, quick_prompts):
+    from specpilot.models.loading import load_drafter, load_target
+
+    target = load_target(quick_deployment / "target")
+    drafter = load_drafter(quick_deployment / "drafter-dflash2")
+    dep, opts = Deployment.of(target, drafter), ServeOptions(progress=False)
+    prompts = quick_prompts[:6]
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), prompts, 32, 2, _meta(), opts)
+    chain = serve(EngineSpec("stock", 8), dep, prompts, 32, 2, _meta(), opts)
+    for n in (9, 40):
+        spec = EngineSpec("specpilot", 8, {"tree_lattice": n})
+        assert spec.verify_width == n + 1
+        tree = serve(spec, dep, prompts, 32, 2, _meta(), opts)
+        assert [t.output_ids for t in tree] == [a.output_ids for a in ar]
+        assert max(c for t in tree for c in t.committed_per_step) <= 8
+    assert sum(t.verify_steps for t in tree) < sum(c.verify_steps for c in chain)
+
+
+def test_lattice_config_refuses_what_it_cannot_run(quick_deployment, quick_prompts):
+    from specpilot.models.loading import load_drafter, load_target
+
+    assert EngineConfig.parse({"tree_lattice": 127}).verify_width(12) == 128
+    assert tree_width_of({"tree_lattice": 255, "block_size": 12}) == 256
+    with pytest.raises(SpecpilotError, match=r"tree_lattice = 1.5 \(a number\) is not allowed"):
+        EngineConfig.parse({"tree_lattice": 1.5})
+    target = load_target(quick_deployment / "target")
+    opts, p = ServeOptions(progress=False), quick_prompts[:1]
+    dflash = Deployment.of(target, load_drafter(quick_deployment / "drafter-dflash"))
+    with pytest.raises(SpecpilotError, match="tree_lattice needs a drafter with a candidate selector .* 'dflash'"):
+        serve(EngineSpec("specpilot", 8, {"tree_lattice": 15}), dflash, p, 8, 1, _meta(), opts)
+    dflash2 = Deployment.of(target, load_drafter(quick_deployment / "drafter-dflash2"))
+    for extra in ({"tree_nodes": 15}, {"tree_branch": 2}, {"second_level": 2}, {"verify_budget": "load_aware"}):
+        key = next(iter(extra))
+        with pytest.raises(SpecpilotError, match=f"tree_lattice .* cannot be combined with {key}"):
+            serve(EngineSpec("specpilot", 8, {"tree_lattice": 15, **extra}), dflash2, p, 8, 1, _meta(), opts)
+    with pytest.raises(SpecpilotError, match=r"tree_lattice must lie in 1\.\.21844 .* 7 slots x 4 candidates"):
+        LatticeTreeProposer(dflash2.drafter, nodes=30000)
+
+
+def _lattice_profile(k=5):
+    """A consistent lattice profile: prefix ranks of depth d drawn as a growing sequence."""
+    rng = random.Random(0)
+    grid = [1, 2, 4, 8, 16, 32, 64]
+    samples = []
+    for _ in range(4000):
+        r, row = 0, []
+        for _d in range(k):
+            r += 1 + int(rng.expovariate(0.3))
+            row.append(r if rng.random() < 0.97 else 0)
+            if row[-1] == 0:
+                row += [0] * (k - len(row))
+                break
+        samples.append(row)
+    recall = [[sum(1 for s in samples if 0 < s[d] <= n) / len(samples) for n in grid] for d in range(k)]
+    shapes = {"8": [3, 2, 1.5, 1, 0.5], "32": [10, 8, 7, 4, 3]}
+    return LatticeProfile(grid, recall, shapes, oracle=[0.97 ** (d + 1) for d in range(k)], samples=len(samples))
+
+
+def test_lattice_profile_checks_and_shapes():
+    lat = _lattice_profile()
+    assert lat.expected_tau(1) < lat.expected_tau(8) < lat.expected_tau(64)
+    assert lat.recall(2, 12) == pytest.approx((lat.recall(2, 8) + lat.recall(2, 16)) / 2)
+    for n in (1, 3, 8, 20, 32, 100):
+        c = lat.counts(n)
+        assert sum(c) == n and len(c) == 5
+        first_zero = next((d for d, x in enumerate(c) if x == 0), 5)
+        assert all(x == 0 for x in c[first_zero:])
+        parents, spine = shape_parents(c)
+        assert len(parents) == n + 1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+        assert [parents[s] for s in spine] == [0] + spine[:-1]
+    with pytest.raises(SpecpilotError, match="depth 2 exceeds"):
+        LatticeProfile([1, 2], [[0.5, 0.6], [0.7, 0.8]])
+    with pytest.raises(SpecpilotError, match="non-decreasing"):
+        LatticeProfile([1, 2], [[0.5, 0.4]])
+    with pytest.raises(SpecpilotError, match="summing to 8"):
+        LatticeProfile([1, 2], [[0.5, 0.6]], {"8": [3]})
+
+
+def test_lattice_replay_commits_what_the_profile_predicts():
+    lat = _lattice_profile()
+    prof = AcceptanceProfile("t", [0.8] * 5, block_size=6, extra={"lattice": lat.to_dict()})
+    ref = list(range(100, 100 + 40000))
+    for n in (8, 32):
+        rp = LatticeReplayProposer([ref], prof, vocab_size=50_000, block_size=6, nodes=n)
+        rp.device = torch.device("cpu")
+        rp.pos, rp.rngs = [1], [random.Random(4)]
+        total, steps = 0, 4000
+        for _ in range(steps):
+            prop = rp.propose(torch.tensor([ref[0]]), torch.tensor([0]))
+            toks, par = prop.tokens[0].tolist(), prop.parents[0].tolist()
+            depth, ok = [0] * len(toks), [True] + [False] * (len(toks) - 1)
+            for i in range(1, len(toks)):
+                depth[i] = depth[par[i]] + 1
+                ok[i] = ok[par[i]] and toks[i] == ref[depth[i]]
+            total += 1 + max(d for d, o in zip(depth, ok) if o)
+        assert rp.verify_width == n + 1 and prop.tokens.shape[1] == n + 1
+        assert total / steps == pytest.approx(lat.expected_tau(n), rel=0.03)
+    with pytest.raises(SpecpilotError, match="measured over 5 draft positions"):
+        LatticeReplayProposer([ref], prof, vocab_size=50_000, block_size=8, nodes=8)
+    with pytest.raises(SpecpilotError, match="has none"):
+        LatticeReplayProposer([ref], AcceptanceProfile("p", [0.8] * 5, block_size=6), vocab_size=50_000,
+                              block_size=6, nodes=8)
+    assert math.isclose(lat.expected_tau(10 ** 6), 1 + sum(lat.prefix_recall[d][-1] for d in range(5)))
