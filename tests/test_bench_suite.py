@@ -180,3 +180,24 @@ def test_tree_bound_dry_run(tmp_path):
         assert all(x <= y + 1e-9 for x, y in zip(taus, taus[1:])) and taus[0] >= b["stock_tau"] - 1e-9
     # issue 16 under study_stock: no tree of up to 4,095 nodes doubles tau or reaches 1.5x stock
     assert max(x["tau_vs_stock"] for x in b["rows"]) < 2.0 and 1.0 < b["bound"]["speedup_vs_stock_bound"] < 1.5
+
+
+def test_trees_dry_run(tmp_path):
+    prof = tmp_path / "lattice_profile.json"
+    r = bench(tmp_path, "trees", "--profile-out", str(prof))
+    assert r["errors"] == []
+    t = r["trees"]
+    assert t["forcing_violations_ar"] == 0 and set(t["drafters"]) == {"dflash", "dflash2"}
+    d2 = t["drafters"]["dflash2"]
+    assert set(d2["curves"]) == {"chain", "static", "spine", "lattice"}
+    for curve in d2["curves"].values():  # every output of every builder equals AR, forcing passes
+        assert all(c["outputs_equal_ar"] == "4/4" and c["forcing_violations"] == 0 for c in curve)
+    lat = d2["curves"]["lattice"]
+    assert [c["nodes"] for c in lat] == [3, 9] and all(c["tau"] for c in lat)
+    assert d2["lattice"]["max_fit_error"] < 0.2 and d2["lattice"]["profile"]["samples"] > 0
+    p = json.loads(prof.read_text())  # a replay profile the replay drafter loads, with its lattice
+    from specpilot.drafters.replay import load_profile
+    from specpilot.drafters.lattice_profile import lattice_of
+    lp = lattice_of(load_profile(prof))
+    assert lp.depth == d2["block"] - 1 == len(p["conditional_acceptance"])
+    assert lp.expected_tau(9) == pytest.approx(d2["lattice"]["fit"]["9"]["predicted"], abs=1e-3)

@@ -178,15 +178,16 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
     m = build_target("tiny", dtype=torch.bfloat16).cuda()
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0)]) == "triton"
-    # trees of up to 64 nodes run in the Triton step (its ancestor bits); wider ones eager
+    # trees of up to 256 nodes run in the Triton step (ancestor bits or paths); wider ones eager
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
-    wide = {"block_size": 16, "tree_branch": 3, "tree_depth": 16}
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 12, "tree_lattice": 255})]) == "triton"
+    wide = {"block_size": 16, "tree_nodes": 300}
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
 
 
 def test_tree_width_bound_follows_the_verify_width():
-    """The bound of a config's tree width that decides Triton (<= 64 nodes) or eager forcing."""
+    """The bound of a config's tree width that decides Triton (<= 256 nodes) or eager forcing."""
     from specpilot.fastpath.tables import TREE_FAST_NODES
     from specpilot.engine.config import EngineSpec
     from specpilot.engine.config import tree_width_of as _tree_width_bound
@@ -196,5 +197,7 @@ def test_tree_width_bound_follows_the_verify_width():
                 {"block_size": 12, "second_level": 6}, {"block_size": 16, "tree_branch": 3, "tree_depth": 16}):
         spec = EngineSpec("specpilot", cfg["block_size"], config=cfg)
         assert _tree_width_bound(cfg) == spec.verify_width
-    assert _tree_width_bound({"block_size": 16, "tree_branch": 3, "tree_depth": 16}) > TREE_FAST_NODES
+    assert _tree_width_bound({"block_size": 16, "tree_branch": 3, "tree_depth": 16}) == 65 <= TREE_FAST_NODES
+    assert _tree_width_bound({"block_size": 12, "tree_lattice": 255}) == 256 == TREE_FAST_NODES
+    assert _tree_width_bound({"block_size": 16, "tree_nodes": 300}) > TREE_FAST_NODES
     assert _tree_width_bound({"tree_branch": 2}) > TREE_FAST_NODES  # no block size: eager

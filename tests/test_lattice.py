@@ -5,9 +5,11 @@ config refuses what it cannot run, and the replay drafter emulates a measured la
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from specpilot.drafters.replay import AcceptanceProfile
 from specpilot.engine.config import EngineConfig, EngineSpec, tree_width_of
 from specpilot.engine.serve import ServeOptions, serve
 from specpilot.errors import SpecpilotError
+
+REPO = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def _random_lattice(B=3, k=4, K=3, seed=0):
@@ -224,3 +229,80 @@ def test_lattice_replay_commits_what_the_profile_predicts():
         LatticeReplayProposer([ref], AcceptanceProfile("p", [0.8] * 5, block_size=6), vocab_size=50_000,
                               block_size=6, nodes=8)
     assert math.isclose(lat.expected_tau(10 ** 6), 1 + sum(lat.prefix_recall[d][-1] for d in range(5)))
+
+
+# Under Triton's CPU interpreter: (1) a lattice-shaped tree (40 nodes, parents scattered, built as a
+# tree that changes every step: max_depth given, so the path form without a host read) verified in
+# the Triton step: each checked node's logits are bit-equal to the same node with its ancestors at
+# the slots of their depths (the ancestor-bits form, whose attention sums the keys in a decode's
+# tiles), at two block starts; (2) the engine's lattice trees through the Triton step (runner:
+# tree inputs every step, path form) give AR's outputs.
+LATTICE_STEP_CHECK = r"""
+from specpilot.bench import _engine as E
+from specpilot.drafters.lattice import LatticeTreeProposer
+from specpilot.engine.verify import tree_inputs
+from specpilot.fastpath.dense import FastTarget
+from specpilot.models.config import TargetConfig
+from specpilot.models.layers import chain_ancestors
+from specpilot.models.qwen3 import Transformer
+from specpilot.models.random_checkpoint import fill_random_
+
+cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+m = fill_random_(Transformer(cfg), 3).eval()
+B, S, W = 1, 224, 40
+m.setup_cache(B, S)
+fast = FastTarget(m)
+g = torch.Generator().manual_seed(0)
+par, depth = [-1], [0]
+for i in range(1, W):
+    cands = [j for j in range(i) if depth[j] < 6]
+    p = cands[int(torch.randint(0, len(cands), (1,), generator=g))]
+    par.append(p); depth.append(depth[p] + 1)
+res = {"nodes": 0, "equal": True, "scattered": 0}
+check = [t for t in range(1, W) if depth[t] >= 3 and t > depth[t]][:3]
+with torch.inference_mode():
+    m(torch.randint(0, 128, (B, 200), generator=g), torch.zeros(B, dtype=torch.long), chain_ancestors(B, 200, "cpu"))
+    tin = tree_inputs(torch.tensor([par]), max_depth=6)
+    res["form"] = len(tin)
+    for st in (120, 60):
+        start = torch.tensor([st])
+        tok = torch.randint(0, 128, (B, W), generator=g)
+        lt = fast.forward(tok, start, tree=tin)[0].clone()
+        for t in check:
+            path, n = [], t
+            while n > 0:
+                n = par[n]; path.append(n)
+            path, d = path[::-1], depth[t]
+            res["scattered"] += int(path != list(range(d)))
+            rp = [-1] + [j - 1 for j in range(1, d)] + [0] * (W - d)
+            rp[t] = d - 1
+            rt = torch.randint(0, 128, (B, W), generator=g)
+            rt[0, :d] = tok[0, path]
+            rt[0, t] = tok[0, t]
+            ref_in = tree_inputs(torch.tensor([rp]))
+            res["ref_form"] = len(ref_in)
+            lr = fast.forward(rt, start, tree=ref_in)[0]
+            res["nodes"] += 1
+            res["equal"] &= bool(torch.equal(lt[:, t], lr[:, t]))
+    target = E.dry_target(seed=1)
+    drafter = E.dry_drafter(target, block_size=6, seed=2, kind="dflash2")
+    prompts = [torch.randint(0, 256, (9,), generator=g).tolist(), torch.randint(0, 256, (13,), generator=g).tolist()]
+    ar = [r.output_ids for r in E.generate_ar(fast_runner(target, 2, 40), prompts, 6)]
+    prop = LatticeTreeProposer(drafter, nodes=20)
+    runner = fast_runner(target, 2, 60, prop.capture)
+    rows = E.generate(runner, prop, prompts, 6)
+    res["engine_equal"] = [r.output_ids == x for r, x in zip(rows, ar)]
+    res["engine_form"] = len(runner._tree)
+print("RESULT " + json.dumps(res))
+"""
+
+
+@needs_triton
+def test_lattice_trees_in_the_triton_step_interpreted(tmp_path):
+    from triton_interp import run_interpreted
+
+    res = run_interpreted(tmp_path / "check.py", LATTICE_STEP_CHECK, REPO)
+    assert res["form"] == 3 and res["ref_form"] == 2 and res["nodes"] == 6 and res["scattered"] >= 2, res
+    assert res["equal"], res
+    assert res["engine_equal"] == [True, True] and res["engine_form"] == 3, res

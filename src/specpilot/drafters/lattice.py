@@ -156,7 +156,7 @@ def best_first_tree(cands: torch.Tensor, lp1: torch.Tensor, lpT: torch.Tensor, a
     depth, cand, parents, logp = select_nodes(beams, nodes)
     tokens = cands.reshape(B, k * K).gather(1, (depth - 1) * K + cand)
     return Proposal(torch.cat([anchor[:, None], tokens], 1), parents, None,
-                    torch.cat([logp.new_zeros(B, 1), logp], 1))
+                    torch.cat([logp.new_zeros(B, 1), logp], 1), max_depth=k)
 
 
 def prefix_ranks(beams: Beams, path: torch.Tensor) -> torch.Tensor:

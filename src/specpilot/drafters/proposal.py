@@ -33,6 +33,9 @@ class Proposal:
         lengths: int64 [B] valid nodes per row (root included, 1..N), or None = all N valid.
         scores: float [B, N] drafter score per node (log-probability; root 0), optional.
         confidence: float32 [B, N] conditional survival probability per node (root 1), optional.
+        max_depth: for a tree whose shape changes every step (a lattice tree), a bound of its
+            depth: the verify builds its ancestor inputs with no host synchronization; None for
+            chains and static trees (one parents tensor reused every step).
     """
 
     tokens: torch.Tensor
@@ -40,6 +43,7 @@ class Proposal:
     lengths: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    max_depth: int | None = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2 or self.tokens.shape[1] < 1:

@@ -187,9 +187,11 @@ class TargetRunner:
         self._bound = max(self._bound, length)
 
     @torch.inference_mode()
-    def verify(self, block: torch.Tensor, parents: torch.Tensor | None = None):
+    def verify(self, block: torch.Tensor, parents: torch.Tensor | None = None, max_depth: int | None = None):
         """Run candidates [B, N] (chain, or a tree given parents [B, N]) at the committed lengths.
 
+        ``max_depth``: a tree that changes every step (:attr:`~specpilot.drafters.proposal.Proposal.max_depth`):
+        its ancestor inputs are built every step with no host synchronization.
         The cache holds their K/V afterwards, but ``length`` does not move: call :meth:`commit`.
         Returns logits [B, N, vocab] and captured features [B, N, F] (or None).
         """
@@ -213,9 +215,9 @@ class TargetRunner:
         key = (parents, fast)
         if self._tree_key is None or self._tree_key[0] is not parents or self._tree_key[1] != fast:
             if fast:
-                self._tree_key, self._tree = key, tree_inputs(parents)
+                self._tree_key, self._tree = key, tree_inputs(parents, max_depth)
             else:
-                self._tree_key, self._tree = key, tree_ancestors(parents)
+                self._tree_key, self._tree = key, tree_ancestors(parents, max_depth)
         if fast:  # the Triton step with the ancestor bits, replayed like a chain verify
             self._tree_pending = True
             return self.steps.run(block, self.length, self.capture, tree=self._tree)
@@ -225,7 +227,8 @@ class TargetRunner:
     @property
     def tree_fast(self) -> bool:
         """True when tree verification runs in the Triton step under CUDA graphs (the backend's
-        dense Triton path, trees of <= 64 nodes); else trees run eager."""
+        dense Triton path, trees of <= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes);
+        else trees run eager."""
         return self.backend.tree_fast
 
     @torch.inference_mode()

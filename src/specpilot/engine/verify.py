@@ -26,6 +26,7 @@ import torch
 
 from ..drafters.proposal import Proposal
 from ..errors import SpecpilotError
+from ..fastpath.tables import TREE_BIT_NODES, TREE_FAST_NODES
 from ..models.layers import tree_ancestors
 from ..tuning.timing import PhaseTimer
 
@@ -183,7 +184,7 @@ def step(runner, drafter, last: torch.Tensor, accept: Callable = accept_greedy, 
     if prop.tokens.shape[0] != B:
         raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
     timer.mark()
-    logits, feats = runner.verify(prop.tokens, prop.parents)
+    logits, feats = runner.verify(prop.tokens, prop.parents, prop.max_depth)
     out = decide(prop, logits, accept)
     ta, tb, tc = timer.finish()
     return Step(prop, out, feats, ta, tb, tc)
@@ -208,17 +209,19 @@ def advance(runner, drafter, st: Step, counts: list[int], committed: list[list[i
     return torch.tensor(st.bonus, dtype=torch.long, device=dev)
 
 
+PATH_DEPTH = 64  # ancestors per node the path table holds: trees at most this deep
+
+
 def tree_paths(ancestors: torch.Tensor) -> torch.Tensor:
     """Per node its ancestors in the order of depth: int32 [B, T, 64] whose entry [b, t, d] is the
     block index of t's ancestor at depth d (d < depth of t; 0 past it), from an ancestor mask
-    bool [B, T, T] (t itself included, T <= 64; parents before children, so an ancestor's index
-    grows with its depth). Raises ValueError for trees of more than 64 nodes."""
+    bool [B, T, T] (t itself included; parents before children, so an ancestor's index grows with
+    its depth). Any number of nodes; a node deeper than :data:`PATH_DEPTH` keeps only its first
+    64 ancestors (no host read here: callers bound the depth, a block's drafts)."""
     B, T, _ = ancestors.shape
-    if T > 64:
-        raise ValueError(f"tree blocks of at most 64 nodes fit the path table, got {T}")
     eye = torch.eye(T, dtype=torch.bool, device=ancestors.device)
     anc = ancestors.bool() & ~eye
-    rank = torch.where(anc, anc.long().cumsum(-1) - 1, 64)
+    rank = torch.where(anc, (anc.long().cumsum(-1) - 1).clamp(max=PATH_DEPTH), PATH_DEPTH)
     out = torch.zeros(B, T, 65, dtype=torch.int64, device=ancestors.device)
     idx = torch.arange(T, device=ancestors.device).expand(B, T, T)
     out.scatter_(2, rank, idx)
@@ -238,22 +241,36 @@ def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
     return (ancestors.to(torch.int64) * w).sum(-1)
 
 
-def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def tree_inputs(parents: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, ...]:
     """(ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32 [B, T, 64]) of a
     token tree for :meth:`~specpilot.fastpath.dense.FastTarget.forward` (the attention reads each node's ancestors in the
-    order of their positions: :func:`tree_paths`). A tree whose
+    order of their positions: :func:`tree_paths`). A tree of at most 64 nodes whose
     nodes have their ancestors at the slots of their depths (chains, spine + side-leaf trees)
     gets the first two only: its ancestor bits sum the keys in the decode's tiles already, at the
     chain verify's cost (one program per row tile, not per node).
 
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
-    (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
+    (:func:`specpilot.models.layers.tree_ancestors`). T <= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`
+    (raises SpecpilotError otherwise). ``max_depth``: a bound of the depth (a tree that changes
+    every step, e.g. a lattice tree): built with no host synchronization, always in the path form.
+    Above 64 nodes the bits are not built (a zero placeholder; the path form never reads them);
+    a tree deeper than :data:`PATH_DEPTH` is refused (its paths would not fit the table).
     """
-    if parents.shape[1] > 64:
-        raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
-    anc, depth = tree_ancestors(parents)
-    bits, depth = tree_bits(anc), depth.to(torch.int32).contiguous()
+    T = parents.shape[1]
+    if T > TREE_FAST_NODES:
+        raise SpecpilotError(f"tree blocks in the fast path hold at most {TREE_FAST_NODES} nodes, got {T}")
+    if max_depth is not None and max_depth > PATH_DEPTH:
+        raise SpecpilotError(f"trees in the fast path are at most {PATH_DEPTH} deep, got a bound of {max_depth}")
+    anc, depth = tree_ancestors(parents, max_depth)
+    if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
+        raise SpecpilotError(f"trees in the fast path are at most {PATH_DEPTH} deep, got {int(depth.max())}")
+    depth = depth.to(torch.int32).contiguous()
     paths = tree_paths(anc)
+    if T > TREE_BIT_NODES or max_depth is not None:
+        bits = tree_bits(anc) if T <= TREE_BIT_NODES else torch.zeros(parents.shape, dtype=torch.int64,
+                                                                        device=parents.device)
+        return bits, depth, paths
+    bits = tree_bits(anc)
     # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
     # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
     on_slots = torch.arange(64, device=parents.device, dtype=torch.int32)[None, None, :] < depth[..., None]

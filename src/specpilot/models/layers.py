@@ -95,25 +95,28 @@ def chain_ancestors(batch: int, length: int, device: torch.device | str) -> torc
     return torch.ones(length, length, dtype=torch.bool, device=device).tril().expand(batch, length, length)
 
 
-def tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_ancestors(parents: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ancestor mask and depth of a token tree given parent indices.
 
     Args:
         parents: int64 [B, T]; ``parents[b, i]`` is the block index of node i's parent (< i), or -1
             for the root. A chain is ``[-1, 0, 1, ...]``.
+        max_depth: a bound of the tree's depth known to the caller: exactly that many iterations
+            and no host synchronization (None: iterate until no node has an ancestor left).
     Returns:
         ancestors bool [B, T, T] (node sees itself and its ancestors) and depth int64 [B, T].
 
     Pointer jumping: every node follows its parent pointers one level per iteration, so a tree of
-    depth D costs D iterations (one host read each, to stop), not one per node.
+    depth D costs D iterations (one host read each, to stop, unless ``max_depth`` is given), not
+    one per node.
     """
     B, T = parents.shape
     anc = torch.eye(T, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
     depth = torch.zeros(B, T, dtype=torch.long, device=parents.device)
     p = parents.clone()
-    for _ in range(T - 1):
+    for _ in range(T - 1 if max_depth is None else max_depth):
         has = p >= 0
-        if not bool(has.any()):
+        if max_depth is None and not bool(has.any()):
             break
         anc |= torch.zeros_like(anc).scatter_(2, p.clamp(min=0)[..., None], has[..., None])
         depth += has.long()
