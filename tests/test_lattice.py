@@ -306,3 +306,38 @@ def test_lattice_trees_in_the_triton_step_interpreted(tmp_path):
     assert res["form"] == 3 and res["ref_form"] == 2 and res["nodes"] == 6 and res["scattered"] >= 2, res
     assert res["equal"], res
     assert res["engine_equal"] == [True, True] and res["engine_form"] == 3, res
+
+
+def test_tree_budget_ranks_budgets_by_tokens_per_ms(quick_deployment, quick_prompts):
+    """The plan's cost model for lattice budgets: a tau curve from one recorded run (its own budget
+    predicted within a few percent of what the run measured) and a verify-cost curve on this device."""
+    from specpilot.agent import directions as dirs
+    from specpilot.agent.tree_budget import rank_budgets, tau_curve, verify_ms
+    from specpilot.engine.loop import generate, generate_ar
+    from specpilot.engine.runner import TargetRunner
+    from specpilot.models.loading import load_drafter, load_target
+
+    ranked = rank_budgets({15: 6.0, 63: 7.0, 255: 7.2}, {15: 5.0, 63: 5.5, 255: 9.0}, 1.0)
+    assert [r["nodes"] for r in ranked] == [63, 15, 255] and ranked[0]["tokens_per_ms"] == pytest.approx(7 / 6.5, abs=1e-5)
+    d = dirs.REGISTRY["tree_lattice"]
+    assert d.applies({"drafter": "dflash2", "gpu": "h200"}) and not d.applies({"drafter": "dflash2", "gpu": "cpu"})
+    assert not d.applies({"drafter": "dflash", "gpu": "h200"})
+    assert d.apply({"block_size": 8, "tree_branch": 2, "tree_depth": 3}, {"tree_lattice": 63}) == \
+        {"block_size": 8, "tree_lattice": 63}
+    assert dirs.REGISTRY["tree_verify"].apply({"tree_lattice": 63}, {"tree_branch": 2, "tree_depth": 1}) == \
+        {"tree_branch": 2, "tree_depth": 1}
+
+    target = load_target(quick_deployment / "target")
+    dep = Deployment.of(target, load_drafter(quick_deployment / "drafter-dflash2"))
+    prompts = [p["prompt_ids"] for p in quick_prompts[:4]]
+    S = max(map(len, prompts)) + 90
+    refs = [r.output_ids for r in generate_ar(TargetRunner(target, 4, S), prompts, 40)]
+    lat = tau_curve(dep, prompts, refs, 8, 40)
+    assert lat.samples > 0 and sum(lat.shapes["40"]) == pytest.approx(40)
+    assert lat.expected_tau(1) <= lat.expected_tau(10) <= lat.expected_tau(40) <= 8
+    prop = LatticeTreeProposer(dep.drafter, block_size=8, nodes=40)
+    rows = generate(TargetRunner(target, 4, S, prop.capture), prop, prompts, 40)
+    steps = [c for r in rows for c in r.committed_per_step[:-1]]
+    assert lat.expected_tau(40) == pytest.approx(sum(steps) / len(steps), rel=0.08)
+    ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2)
+    assert set(ms) == {7, 40} and all(v > 0 for v in ms.values())

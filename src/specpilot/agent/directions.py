@@ -58,7 +58,7 @@ class Direction:
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
             "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
-            "tree_nodes": (0,)}
+            "tree_nodes": (0,), "tree_lattice": (0,)}
 
 
 def normalize(config: dict) -> dict:
@@ -87,9 +87,19 @@ register(Direction(
     "block_size", "acceptance", {"block_size": [3, 4, 5, 6, 8, 10, 12, 16]},
     "verification length: tokens per verify step (anchor + drafts); trades verify cost for acceptance"))
 register(Direction(
+    "tree_lattice", "acceptance", {"tree_lattice": [0, 15, 31, 63, 127, 255]},
+    "path-conditioned tree of N nodes from DFlash2's candidate lattice (the N most probable paths by the "
+    "selector's transition probabilities; drafters.lattice); verify width N + 1; GPU only (on a CPU a "
+    "verify row costs about what it saves). The plan ranks the budgets by predicted tokens per ms "
+    "(agent.tree_budget: tau curve x verify-cost curve measured on this device)",
+    applies=lambda ctx: ctx.get("drafter") == "dflash2" and ctx.get("gpu", "cpu") != "cpu",
+    excludes=("tree_branch", "tree_depth", "tree_nodes", "second_level", "verify_budget")))
+
+
+register(Direction(
     "tree_verify", "acceptance", {"tree_branch": [0, 1, 2, 3], "tree_depth": [1, 2, 3]},
     "tree verification: the drafter's next-best tokens at the first positions as side branches",
-    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"), excludes=("tree_nodes",)))
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"), excludes=("tree_nodes", "tree_lattice")))
 
 
 def _w12_applies(ctx: dict) -> bool:
@@ -107,7 +117,8 @@ register(Direction(
     "load-aware verify length (DSpark Algorithm 1): per step, verify the (request, position) slots of "
     "highest survival while expected committed tokens per second (profiled step-cost table) rises; "
     "outputs unchanged, only verify width changes",
-    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup") and int(ctx.get("concurrency", 1)) > 1))
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup") and int(ctx.get("concurrency", 1)) > 1,
+    excludes=("tree_nodes", "tree_lattice")))
 
 
 register(Direction(
@@ -123,11 +134,11 @@ register(Direction(
     "static token tree of N nodes chosen from the drafter's rank profile (Sequoia's positional-acceptance "
     "tree: the N most probable rank paths; drafters.static_tree); verify width N + 1",
     applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"),
-    excludes=("tree_branch", "tree_depth", "second_level")))
+    excludes=("tree_branch", "tree_depth", "second_level", "tree_lattice")))
 
 
 register(Direction(
     "two_level", "acceptance", {"second_level": [0, 2, 4, 7]},
     "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
     "pass, so a step can commit more than a block (verify width block + second_level)",
-    applies=lambda ctx: ctx.get("drafter") == "dflash", excludes=("tree_nodes",)))
+    applies=lambda ctx: ctx.get("drafter") == "dflash", excludes=("tree_nodes", "tree_lattice")))

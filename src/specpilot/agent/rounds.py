@@ -49,6 +49,7 @@ from ..records import read_records, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
+from .tree_budget import plan_order
 from .decide import choose, clears
 from .kernel_agent import tune
 from .policies import grid_order, make_policy
@@ -150,6 +151,10 @@ def plan(args) -> int:
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
     ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
     chosen = [d.name for d in ranked if gaps.get(d.cost_term, 0.0) > 0][: args.agents]
+    order = {}
+    if "tree_lattice" in chosen:  # the budgets ranked by the cost model (tau curve x verify cost, this device)
+        log.info("tree budgets: the lattice tau curve and the verify-cost curve")
+        order["tree_lattice"] = plan_order(ev, base, analysis, dirs.REGISTRY["tree_lattice"].space["tree_lattice"])
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
     base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
@@ -160,7 +165,7 @@ def plan(args) -> int:
                      "directions": chosen, "ranked_terms": [t["term"] for t in analysis["terms"]],
                      "memory_tried": tried, "memory_transferred": transferred, "memory_invalidated": invalidated,
                      "stock_speedup_vs_ar": stock_speedup, "base_speedup_vs_ar": base_speedup,
-                     "base_tau": analysis["tau"], "context": ctx})
+                     "base_tau": analysis["tau"], "context": ctx, "candidate_order": order})
     print(report, end="")
     print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}")
     return 0
@@ -206,6 +211,8 @@ def agent(args) -> int:
     ev, ctx = _evaluator(args)
     known = _invalidated(memory.read(args.memory), p)
     hints = [e["params"] for e in memory.valid_for(known, direction.name)]
+    ranked = (p.get("candidate_order") or {}).get(direction.name, {}).get("order", [])
+    hints += [c for c in ranked if c not in hints]  # after memory: the plan's cost-model order
     context = {"report": Path(args.costmodel_text).read_text(), "memory": sorted(known, key=lambda e: e["id"])[-20:]}
     policy = make_policy(json.loads(args.llm) if args.llm else None)
     evidence = Evidence(args.evidence)

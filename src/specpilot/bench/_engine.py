@@ -15,7 +15,6 @@ import weakref
 import torch
 
 from ..drafters.dflash import DFlashProposer
-from ..drafters.lattice import lattice_beams, lattice_paths, prefix_ranks
 from ..drafters.proposal import spine_tree_parents
 from ..drafters.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
 from ..drafters.static_tree import optimal_tree
@@ -33,7 +32,7 @@ from ..kernels_build import use_w12_library
 from ..tuning.w12 import plant_escapes, tune_w12_choice
 from ..models.dflash import DFlashDrafter
 from ..models.dflash2 import DFlash2Drafter
-from ..models.layers import chain_ancestors, tree_ancestors
+from ..models.layers import chain_ancestors
 from ..models.loading import load_drafter, load_target
 from ..models.random_checkpoint import build_drafter, build_target, drafter_config, fill_random_, hf_config, target_config
 from ..models.target import Transformer
@@ -46,8 +45,7 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
-    "EngineSpec", "make_engine_proposer", "lattice_beams", "lattice_paths", "prefix_ranks", "teacher_forced",
-    "tree_ancestors",
+    "EngineSpec", "make_engine_proposer", "teacher_forced",
 ]
 
 def triton_step():

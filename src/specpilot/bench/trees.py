@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.lattice_profile import RANK_GRID, LatticeProfile
+from ..drafters.lattice_profile import LatticeRecorder, pooled_profile
 from ..errors import SpecpilotError
 from ..io import write_json
 from ..prompts import BENCHMARKS, write_prompt_file
@@ -151,50 +151,6 @@ def spine_shape(nodes: int, k: int, K: int) -> tuple[int, int]:
     return b, min(k, extra // b)
 
 
-class LatticeLog:
-    """Per measured step and row: the prefix ranks and the oracle (the prefix is in the lattice) of
-    a lattice proposer's trees, from its :attr:`last` lattice (the module docstring)."""
-
-    def __init__(self, prompts: list[list[int]], ref: list[list[int]], width: int):
-        self.plen = [len(p) for p in prompts]
-        self.ref, self.width = ref, width
-        self.seen = [-1] * len(prompts)
-        self.ranks: list[list[int]] = []
-        self.oracle: list[list[int]] = []
-        self.depths: list[list[int]] = []
-
-    def wrap(self, prop) -> None:
-        orig = prop.propose
-
-        def propose(last, start):
-            out = orig(last, start)
-            self.record(prop, out, start)
-            return out
-
-        prop.propose = propose
-
-    def record(self, prop, proposal, start: torch.Tensor) -> None:
-        cands, lp1, lpT = prop.last
-        k = cands.shape[1]
-        rows, toks = [], []
-        for b, s in enumerate(start.tolist()):
-            a = s - self.plen[b]  # output index of the step's anchor
-            if a == self.seen[b] or a + k >= len(self.ref[b]):
-                continue
-            self.seen[b] = a
-            rows.append(b)
-            toks.append(self.ref[b][a + 1:a + 1 + k])
-        if not rows:
-            return
-        idx = torch.tensor(rows)
-        path = E.lattice_paths(cands[idx], torch.tensor(toks))
-        beams = E.lattice_beams(lp1[idx], lpT[idx], self.width)
-        self.ranks += E.prefix_ranks(beams, path).tolist()
-        self.oracle += (path >= 0).long().cumprod(1).tolist()
-        depth = E.tree_ancestors(proposal.parents[idx])[1][:, 1:]
-        self.depths += [[int((d == j).sum()) for j in range(1, k + 1)] for d in depth]
-
-
 def _forcing(target, prompts, outputs, ar_outputs, ar_verdict) -> int:
     """Violations (margin > the fp32 tolerance) of the teacher-forced pass over ``outputs``: an output
     equal to AR's has AR's count."""
@@ -253,7 +209,7 @@ def measure(a: argparse.Namespace) -> dict:
         if kind == "dflash2" and "dflash2-lattice" in a.builders:
             logs = []
             for n in a.nodes:
-                logs.append(LatticeLog(prompts, ar, a.rank_width))
+                logs.append(LatticeRecorder(prompts, ar, a.rank_width))
                 record("lattice", n, {"tree_lattice": n}, wrap=logs[-1].wrap)
             entry["lattice"] = lattice_summary(logs, entry["curves"]["lattice"], k)
         chain = entry["curves"]["chain"][0]["geomean"]
@@ -264,19 +220,11 @@ def measure(a: argparse.Namespace) -> dict:
     return res
 
 
-def lattice_summary(logs: list[LatticeLog], runs: list[dict], k: int) -> dict:
-    """The lattice section (:class:`LatticeProfile` fields) from the pooled logs of the lattice
-    runs (one log per run), with its predicted tau beside each run's pooled measured tau."""
-    ranks = [r for log in logs for r in log.ranks]
-    oracle = [o for log in logs for o in log.oracle]
-    n = len(ranks)
-    if not n:
-        raise SpecpilotError("trees: no lattice step was measured (too few new tokens for the block)")
-    recall = [[round(sum(1 for r in ranks if 0 < r[d] <= g) / n, 6) for g in RANK_GRID] for d in range(k)]
-    shapes = {str(c["nodes"]): [round(sum(r[d] for r in log.depths) / len(log.depths), 3) for d in range(k)]
-              for c, log in zip(runs, logs) if log.depths}
-    prof = LatticeProfile(ranks=list(RANK_GRID), prefix_recall=recall, shapes=shapes,
-                          oracle=[round(sum(o[d] for o in oracle) / n, 6) for d in range(k)], samples=n)
+def lattice_summary(logs: list[LatticeRecorder], runs: list[dict], k: int) -> dict:
+    """The lattice section from the pooled recorders of the lattice runs (one per run), with its
+    predicted tau beside each run's pooled measured tau."""
+    shapes = {str(c["nodes"]): log.mean_shape(k) for c, log in zip(runs, logs) if log.depths}
+    prof = pooled_profile(logs, k, shapes)
     fit = {}
     for c in runs:
         pred = round(prof.expected_tau(c["nodes"]), 4)

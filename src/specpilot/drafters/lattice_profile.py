@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecpilotError
+from ..models.layers import tree_ancestors
+from .lattice import lattice_beams, lattice_paths, prefix_ranks
 from .proposal import Proposal
 from .replay import AcceptanceProfile, ReplayProposer
 
@@ -156,6 +158,78 @@ class LatticeProfile:
                        oracle=[float(x) for x in d.get("oracle") or []], samples=int(d.get("samples") or 0))
         except (KeyError, TypeError, ValueError) as e:
             raise SpecpilotError(f"{where}: a lattice section needs ranks and prefix_recall lists ({e})") from None
+
+
+class LatticeRecorder:
+    """Measures a lattice proposer's trees (:class:`~specpilot.drafters.lattice.LatticeTreeProposer`)
+    against the AR references while it runs: per step and row, the prefix ranks up to ``width``
+    (:func:`~specpilot.drafters.lattice.prefix_ranks`), the oracle (the prefix is in the lattice)
+    and the proposed tree's nodes per depth. A row's step is counted once (a finished row keeps
+    proposing at the same anchor) and only while the reference holds all its block's drafts.
+
+    Args:
+        prompts: per row the prompt ids; references: per row the AR output ids; width: >= 1.
+    """
+
+    def __init__(self, prompts: list[list[int]], references: list[list[int]], width: int = 1024):
+        self.plen = [len(p) for p in prompts]
+        self.ref, self.width = references, int(width)
+        self.seen = [-1] * len(prompts)
+        self.ranks: list[list[int]] = []
+        self.oracle: list[list[int]] = []
+        self.depths: list[list[int]] = []
+
+    def wrap(self, prop) -> None:
+        """Record every proposal of ``prop`` from now on."""
+        orig = prop.propose
+
+        def propose(last, start):
+            out = orig(last, start)
+            self.record(prop, out, start)
+            return out
+
+        prop.propose = propose
+
+    def record(self, prop, proposal: Proposal, start: torch.Tensor) -> None:
+        """One step: ``prop.last`` (cands, lp1, lpT) and its ``proposal`` at ``start`` int64 [B]."""
+        cands, lp1, lpT = prop.last
+        k = cands.shape[1]
+        rows, toks = [], []
+        for b, s in enumerate(start.tolist()):
+            a = s - self.plen[b]  # output index of the step's anchor
+            if a == self.seen[b] or a + k >= len(self.ref[b]):
+                continue
+            self.seen[b] = a
+            rows.append(b)
+            toks.append(self.ref[b][a + 1:a + 1 + k])
+        if not rows:
+            return
+        idx = torch.tensor(rows, device=cands.device)
+        path = lattice_paths(cands[idx], torch.tensor(toks, device=cands.device))
+        self.ranks += prefix_ranks(lattice_beams(lp1[idx], lpT[idx], self.width), path).tolist()
+        self.oracle += (path >= 0).long().cumprod(1).tolist()
+        depth = tree_ancestors(proposal.parents[idx], k)[1][:, 1:]
+        self.depths += [[int((d == j).sum()) for j in range(1, k + 1)] for d in depth]
+
+    def mean_shape(self, k: int) -> list[float] | None:
+        """Mean nodes per depth of the recorded trees (None before any step)."""
+        if not self.depths:
+            return None
+        return [round(sum(r[d] for r in self.depths) / len(self.depths), 3) for d in range(k)]
+
+
+def pooled_profile(recorders: list[LatticeRecorder], k: int, shapes: dict[str, list[float]] | None = None
+                   ) -> LatticeProfile:
+    """The :class:`LatticeProfile` of the recorders' pooled steps over ``k`` draft positions, on
+    :data:`RANK_GRID`. Raises SpecpilotError when no step was recorded."""
+    ranks = [r for rec in recorders for r in rec.ranks]
+    oracle = [o for rec in recorders for o in rec.oracle]
+    n = len(ranks)
+    if not n:
+        raise SpecpilotError("lattice profile: no step was measured (too few new tokens for the block)")
+    recall = [[round(sum(1 for r in ranks if 0 < r[d] <= g) / n, 6) for g in RANK_GRID] for d in range(k)]
+    return LatticeProfile(ranks=list(RANK_GRID), prefix_recall=recall, shapes=shapes or {},
+                          oracle=[round(sum(o[d] for o in oracle) / n, 6) for d in range(k)], samples=n)
 
 
 def lattice_of(profile: AcceptanceProfile) -> LatticeProfile | None:
