@@ -93,6 +93,10 @@ def test_verify_dry_run(tmp_path):
     c = t["checks"]["tree8_s4"]  # fp32 under the interpreter: near, not necessarily bits
     assert c["tree_logits_finite"] and c["spine_max_abs_diff"] < 1e-4
     assert c["leaves_checked"] == 1 and c["leaf_max_abs_diff"] < 1e-4 and set(c["per_start"]) == {"59"}
+    lat = t["trees"]["lattice20"]  # a lattice tree in the measured profile's geometry: its nodes against their paths
+    assert lat["nodes"] == 21 and lat["lattice"] and lat["parents"][lat["spine"][0]] == 0
+    c = t["checks"]["lattice20"]
+    assert c["tree_logits_finite"] and c["leaves_checked"] == 1 and c["leaf_max_abs_diff"] < 1e-4  # --max-leaves 1
 
 
 @needs_triton

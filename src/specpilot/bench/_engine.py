@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from ..drafters.dflash import DFlashProposer
+from ..drafters.lattice_profile import lattice_of, shape_parents
 from ..drafters.proposal import spine_tree_parents
 from ..drafters.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
 from ..drafters.static_tree import optimal_tree
@@ -45,7 +46,7 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
-    "EngineSpec", "make_engine_proposer", "teacher_forced",
+    "EngineSpec", "make_engine_proposer", "teacher_forced", "lattice_of", "shape_parents",
 ]
 
 def triton_step():

@@ -16,8 +16,9 @@ All through ``specpilot`` subcommands (each in its own process, as the workflow 
    ``force`` of the ``--ar-force`` cells against the ``--ar-reference`` cell on those requests;
 5. per cell: per-request speedup (geometric mean over requests of AR decode_s / engine decode_s),
    tau, aggregate tok/s (output tokens from first arrival to last finish; lock-step batches for
-   ``--regime static``), step ms (decode_s / verify steps) with its draft and verify parts, and
-   the forcing verdict.
+   ``--regime static``), step ms (decode_s / verify steps) with its draft and verify parts and the
+   host rest (``host_ms``: decode time outside the draft and the verify + acceptance decision, per
+   step: commit, context injection, bookkeeping, refills), and the forcing verdict.
 
 The records and verdicts are kept beside the result (``<out>_records/``). Replaces
 gpu_bench/bench_serving_cli.py.
@@ -208,6 +209,8 @@ class Serving:
                 "step_ms": sum(r["decode_s"] for r in S.values()) / max(steps, 1) * 1e3,
                 "draft_ms": sum(r.get("draft_s", 0.0) for r in S.values()) / max(steps, 1) * 1e3,
                 "verify_ms": sum(r.get("verify_s", 0.0) for r in S.values()) / max(steps, 1) * 1e3,
+                "host_ms": (sum(r["decode_s"] - r.get("draft_s", 0.0) - r.get("verify_s", 0.0) for r in S.values())
+                            / max(steps, 1) * 1e3),
                 "forcing": verdict(vf),
                 "matmul": next((json.loads(ln).get("matmul") for ln in run_out.splitlines()
                                 if ln.startswith('{"engine"')), None)}
@@ -237,7 +240,7 @@ class Serving:
 
 
 def table(R: dict) -> list[str]:
-    L = ["cell engine            n  speedup  tau   = AR   agg tok/s (AR)    step ms (draft/verify)  forcing"]
+    L = ["cell engine            n  speedup  tau   = AR   agg tok/s (AR)    step ms (draft/verify/host)  forcing"]
     for k, cell in R.get("cells", {}).items():
         for name, v in cell.items():
             if not isinstance(v, dict) or "speedup_geomean" not in v:
@@ -246,7 +249,7 @@ def table(R: dict) -> list[str]:
             L.append(f"{k:<4} {name:<14} {v['n_requests']:>4}  {fmt(v['speedup_geomean'])}x {fmt(v['tau'], '{:.2f}')} "
                      f"{v['equal_outputs']}/{v['n_requests']}  {fmt(v['tok_s_aggregate'], '{:.0f}')} "
                      f"({fmt(cell['ar_tok_s_aggregate'], '{:.0f}')})  {fmt(v['step_ms'], '{:.2f}')} "
-                     f"({fmt(v['draft_ms'], '{:.2f}')}/{fmt(v['verify_ms'], '{:.2f}')})  "
+                     f"({fmt(v['draft_ms'], '{:.2f}')}/{fmt(v['verify_ms'], '{:.2f}')}/{fmt(v.get('host_ms'), '{:.3f}')})  "
                      f"{'pass' if f.get('passed') else 'FAIL'} ({f.get('violations')} violations, "
                      f"{f.get('near_ties')} near ties, {f.get('teacher_forced_path')})")
     for k, d in R.get("ar_equality", {}).items():

@@ -28,11 +28,16 @@ from ..tuning import timing
 from . import _engine as E
 from ._common import Run, fmt
 
-# (name, DFlash block B = spine nodes, branch, depth); branch 0 = a chain of B tokens
+# (name, DFlash block B = spine nodes, branch, depth); branch 0 = a chain of B tokens; branch -1 = a
+# lattice tree of ``depth`` nodes over B - 1 drafts in the geometry of the packaged measured lattice
+# profile (LATTICE_PROFILE's mean nodes per depth; the path form, as the engine runs a lattice tree)
 SHAPES = (("chain16", 16, 0, 0), ("chain32", 32, 0, 0), ("chain64", 64, 0, 0),
-          ("tree32_s16", 16, 2, 8), ("tree61_s16", 16, 3, 15), ("tree64_s16", 16, 4, 12), ("tree64_s32", 32, 2, 16))
-DRY_SHAPES = (("chain4", 4, 0, 0), ("tree8_s4", 4, 2, 2))
-BARS = {"tree32_s16": 1.10, "tree64_s16": 1.25, "tree64_s32": 1.25}  # issue 16's bar per tree size
+          ("tree32_s16", 16, 2, 8), ("tree61_s16", 16, 3, 15), ("tree64_s16", 16, 4, 12), ("tree64_s32", 32, 2, 16),
+          ("lattice63", 12, -1, 63), ("lattice127", 12, -1, 127), ("lattice255", 12, -1, 255))
+DRY_SHAPES = (("chain4", 4, 0, 0), ("tree8_s4", 4, 2, 2), ("lattice20", 12, -1, 20))
+BARS = {"tree32_s16": 1.10, "tree64_s16": 1.25, "tree64_s32": 1.25,  # issue 16's bar per tree size
+        "lattice127": 1.25, "lattice255": 1.60}  # issue 47's
+LATTICE_PROFILE = "tiny_dflash2_lattice"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +61,7 @@ class Trees:
         self.fast = E.fastpath()[0].FastTarget(model, checked_cublas=run.cuda)
         n = model.config.num_hidden_layers  # the drafter's captured target layers (a dry run: first, last)
         self.capture = (0, n - 1) if run.dry else tuple(E.drafter_config(args.shape).target_layer_ids)
-        S = max(args.context, *args.check_starts) + 128  # room for a 64-node block at every start
+        S = max(args.context, *args.check_starts) + 384  # room for a 256-node block at every start
         model.setup_cache(1, S)
         g = torch.Generator(device=self.dev).manual_seed(args.seed + 1)
         for buf in (model.cache.k, model.cache.v):  # the context: random K/V, never zeros
@@ -74,7 +79,12 @@ class Trees:
         """One step per shape (a CUDA graph on the GPU), its static token buffer and its output."""
         for name, B, br, d in [("ar", 1, 0, 0)] + list(DRY_SHAPES if self.run.dry else SHAPES):
             tree = None
-            if br:
+            if br < 0:  # a lattice tree: built as the engine builds one that changes every step
+                par, spine = E.shape_parents(E.lattice_of(E.load_profile(LATTICE_PROFILE)).counts(d))
+                tree = E.tree_inputs(torch.tensor([par], dtype=torch.long, device=self.dev), B - 1)
+                self.R["trees"][name] = {"nodes": len(par), "block": B, "lattice": True, "spine": spine,
+                                         "parents": par}
+            elif br:
                 par = E.spine_tree_parents(B - 1, br, d)
                 tree = E.tree_inputs(torch.tensor([par], dtype=torch.long, device=self.dev))
                 self.R["trees"][name] = {"nodes": len(par), "block": B, "branch": br, "depth": min(d, B - 1),
@@ -115,8 +125,12 @@ class Trees:
         """Spine vs the chain of the spine (each draw) and side leaves vs their path chains (first
         draw), bit for bit, at every check start."""
         B, par = info["block"], info["parents"]
-        chain = next(n for n, b, br, _ in (DRY_SHAPES if self.run.dry else SHAPES) if b == B and not br)
-        leaves = list(range(B, len(par)))
+        if info.get("lattice"):  # no contiguous spine: its spine, its last nodes and every 16th, as leaves
+            chain, B = None, 0
+            leaves = sorted(set(info["spine"] + list(range(len(par) - 3, len(par))) + list(range(1, len(par), 16))))
+        else:
+            chain = next(n for n, b, br, _ in (DRY_SHAPES if self.run.dry else SHAPES) if b == B and not br)
+            leaves = list(range(B, len(par)))
         if self.a.max_leaves:  # the first leaf and the deepest ones
             leaves = leaves[:1] + leaves[::-1][:self.a.max_leaves - 1]
         res = {"spine_vs": chain, "starts": self.a.check_starts, "per_start": {}}
@@ -128,10 +142,12 @@ class Trees:
                 tok = self.tokens(len(par))
                 self.steps[name][1].copy_(tok)
                 lt = self.replay(name)
-                self.steps[chain][1].copy_(tok[:, :B])
-                lc = self.replay(chain)
-                ps["spine_bit_equal"] &= bool(torch.equal(lt[:B], lc))
-                ps["spine_max_abs_diff"] = max(ps["spine_max_abs_diff"], float((lt[:B].float() - lc.float()).abs().max()))
+                if chain is not None:
+                    self.steps[chain][1].copy_(tok[:, :B])
+                    lc = self.replay(chain)
+                    ps["spine_bit_equal"] &= bool(torch.equal(lt[:B], lc))
+                    ps["spine_max_abs_diff"] = max(ps["spine_max_abs_diff"],
+                                                   float((lt[:B].float() - lc.float()).abs().max()))
                 ps["tree_logits_finite"] &= bool(torch.isfinite(lt.float()).all())
                 for j in (leaves if draw == 0 else ()):
                     path, n = [], j
