@@ -18,7 +18,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu_trees}; mkdir -p "$OUT"
 if [ "${DRY:-0}" = 1 ]; then
-    S8=tiny; S27=tiny; VERIFY="--dry-run"; REQ=2; REQ1=2; NEW=24; PLEN=16; C16=2
+    S8=tiny; S27=tiny-hybrid; VERIFY="--dry-run"; REQ=2; REQ1=2; NEW=24; PLEN=16; C16=2
 else
     S8=qwen3-8b; S27=qwen3.8-27b; VERIFY=""; REQ=${REQUESTS:-32}; REQ1=${REQUESTS_C1:-4}; NEW=${NEW:-256}
     PLEN=${PROMPT_LEN:-512}; C16=16
