@@ -168,6 +168,14 @@ def test_packaged_profiles_load_and_measured_tree_profiles_match_their_drafters(
         prof = load_profile(name)
         if not name.startswith("tiny_"):
             continue
+        if "lattice" in prof.extra:  # a measured lattice profile: predicts every measured budget within 5 %
+            from specpilot.drafters.lattice_profile import lattice_of
+            lat = lattice_of(prof)
+            assert lat.depth == prof.block_size - 1 and prof.extra["lattice_fit"]
+            for n, fit in prof.extra["lattice_fit"].items():
+                assert lat.expected_tau(int(n)) == pytest.approx(fit["predicted"], abs=1e-3)
+                assert abs(fit["predicted"] / fit["measured"] - 1) < 0.05, (name, n, fit)
+            continue
         assert prof.recall is not None and prof.extra["outputs_equal_ar"] == "20/20"
         for key, chk in prof.extra["tree_checks"].items():
             b, d = (int(x) for x in key.replace("branch", "").split("_depth"))

@@ -5,7 +5,7 @@ q/k/v and gate/up weights, split-KV attention that reads only the live context, 
 chosen by M (16 rows for decode, up to 128/256 for batched verification; tables by rows in
 :data:`~specpilot.fastpath.tables.DEFAULT_CONFIGS`). Row-independent, so verifying a block, alone or
 in a batch of any size, gives bit-identical logits to decoding its tokens one by one (checked on the
-GPU by ``specpilot bench verify`` for M = 1 .. 384). Token trees (<= 64 nodes) run in the same step
+GPU by ``specpilot bench verify`` for M = 1 .. 384). Token trees (<= 256 nodes) run in the same step
 with ancestor bits or ancestor paths (:func:`specpilot.engine.verify.tree_inputs`). The step itself
 holds no CUDA graph: :mod:`specpilot.fastpath.graphs` captures it. Spirit: gpt-fast's model.py,
 with the kernels written out.
@@ -380,9 +380,9 @@ class FastTarget:
         """Logits [B, T, vocab] and captured features of block ``tokens`` [B, T] at ``start`` [B].
 
         ``tree``: (ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32
-        [B, T, 64]) from :func:`tree_inputs` for a token tree (T <= 64): node t attends to the
-        prefix and its ancestors read in position order (bit-equal to a decode of its path
-        whatever the tree's node order), RoPE at start + depth;
+        [B, T, 64]) from :func:`tree_inputs` for a token tree (T <= 256; above 64 nodes the path
+        form): node t attends to the prefix and its ancestors read in position order (bit-equal
+        to a decode of its path whatever the tree's node order), RoPE at start + depth;
         its K/V go to slot start + t (compact the accepted path with :func:`compact_path_`).
         ``rows``: the block is for these cache rows only (B = their count; e.g. one newcomer's
         prompt prefilled beside running requests without touching their rows). ``last_only``:
