@@ -341,3 +341,40 @@ def test_tree_budget_ranks_budgets_by_tokens_per_ms(quick_deployment, quick_prom
     assert lat.expected_tau(40) == pytest.approx(sum(steps) / len(steps), rel=0.08)
     ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2)
     assert set(ms) == {7, 40} and all(v > 0 for v in ms.values())
+
+
+def test_tree_acceptance_on_the_device_equals_the_host_walk():
+    """accept_tree_device (the engine's tree decision, one host read) against accept_tree (the host
+    walk) on random trees and logits rigged so that long paths are accepted, with padding rows."""
+    from specpilot.engine.verify import accept_tree, accept_tree_device
+
+    g = torch.Generator().manual_seed(0)
+    longest = 0
+    for trial in range(40):
+        B, N, V = 3, int(torch.randint(2, 40, (1,), generator=g)), 7
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        for b in range(B):
+            for i in range(1, N):
+                parents[b, i] = int(torch.randint(0, i, (1,), generator=g))
+        tokens = torch.randint(0, V, (B, N), generator=g)
+        for b in range(B):  # siblings with distinct tokens, as every builder makes them
+            for p in range(N):
+                kids = (parents[b] == p).nonzero().flatten().tolist()
+                for r, c in enumerate(kids):
+                    tokens[b, c] = r % V
+        logits = torch.randn(B, N, V, generator=g)
+        for b in range(B):  # most nodes' argmax is one of their children's tokens: long accepted paths
+            for p in range(N):
+                kids = (parents[b] == p).nonzero().flatten().tolist()
+                if kids and float(torch.rand(1, generator=g)) < 0.8:
+                    logits[b, p, tokens[b, kids[int(torch.randint(0, len(kids), (1,), generator=g))]]] += 10
+        lengths = torch.randint(1, N + 1, (B,), generator=g) if trial % 3 == 0 else None
+        want_paths, want_bonus = accept_tree(tokens, parents, logits, lengths)
+        paths, bonus, proposed, slots = accept_tree_device(tokens, parents, logits, lengths,
+                                                           max_depth=N - 1 if trial % 2 else None)
+        assert (paths, bonus) == (want_paths, want_bonus)
+        assert proposed == [[int(tokens[b, i]) for i in p[1:]] + [bonus[b]] for b, p in enumerate(paths)]
+        assert slots.shape[1] == max(map(len, paths))
+        assert all(slots[b, :len(p)].tolist() == p for b, p in enumerate(paths))
+        longest = max(longest, max(map(len, paths)))
+    assert longest >= 6  # deep paths were accepted

@@ -7,7 +7,8 @@ prefix and its ancestors), then decides acceptance at temperature 0: the accepte
 longest root path whose every token equals the target's argmax at its parent, and the bonus token
 is the target's argmax after it (:class:`VerifyOutput`). A chain is the tree special case
 ``parents = [-1, 0, 1, ...]``: :func:`accept_greedy` decides it on the device in one comparison,
-:func:`accept_tree` walks any tree on the host. So each step commits accepted + 1 tokens, every one
+:func:`accept_tree` walks any tree on the host (:func:`accept_tree_device`, what the engine runs, decides
+the same on the device with one host read). So each step commits accepted + 1 tokens, every one
 the target's own choice: outputs equal greedy AR decoding token for token (token forcing checks it).
 
 Also here: :class:`Step` / :func:`step` / :func:`advance` (propose, verify, decide; then commit and
@@ -85,6 +86,58 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     return paths, bonus
 
 
+_TREE_CACHE: list = [None, None]  # [the parents tensor of a static tree, its (ancestors, depth)]
+
+
+def _ancestors(parents: torch.Tensor, max_depth: int | None):
+    """(ancestors bool [B, N, N], depth int64 [B, N]) of a tree: built each step for a tree that
+    changes every step (``max_depth`` given: no host read), else once per parents tensor (a static
+    tree reuses its tensor every step; keyed by the tensor itself, as the runner keys its mask)."""
+    if max_depth is not None:
+        return tree_ancestors(parents, max_depth)
+    if _TREE_CACHE[0] is not parents:
+        _TREE_CACHE[0], _TREE_CACHE[1] = parents, tree_ancestors(parents)
+    return _TREE_CACHE[1]
+
+
+def accept_tree_device(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                       lengths: torch.Tensor | None = None, max_depth: int | None = None
+                       ) -> tuple[list[list[int]], list[int], list[list[int]], torch.Tensor]:
+    """Greedy tree verification computed on the device, one host read: the same decision as
+    :func:`accept_tree` without its walk over host lists.
+
+    A node is accepted when it and every ancestor carry the target's argmax at their parent (the
+    root always); the accepted path ends at the deepest accepted node (the lowest index among equally
+    deep ones: only siblings with equal tokens tie, and their paths carry the same tokens), the
+    bonus is the target's argmax there. Args as :func:`accept_tree`; ``max_depth``: a bound of the
+    tree's depth (:attr:`~specpilot.drafters.proposal.Proposal.max_depth`).
+    Returns:
+        per row the accepted path of block indices (root first), the bonus token, the tokens the
+        step would commit (accepted drafts + bonus), and the paths as block indices int64
+        [B, longest path] on the device (shorter rows padded with 0), what the runner's commit compacts.
+    """
+    B, N = tokens.shape
+    dev = tokens.device
+    post = logits.argmax(-1)
+    anc, depth = _ancestors(parents, max_depth)
+    idx = torch.arange(N, device=dev)
+    ok = tokens == post.gather(1, parents.clamp(min=0))
+    ok[:, 0] = True
+    if lengths is not None:
+        ok &= idx[None, :] < lengths[:, None]
+    accepted = ~(anc & ~ok[:, None, :]).any(-1)
+    best = torch.where(accepted, depth * N + (N - 1 - idx), -1).argmax(1)
+    row = anc[torch.arange(B, device=dev), best]  # the path: best and its ancestors
+    slots = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
+    slots.scatter_(1, torch.where(row, depth, N), idx.expand(B, N))
+    slots = slots[:, :N]
+    host = torch.cat([depth.gather(1, best[:, None]), post.gather(1, best[:, None]), slots,
+                      tokens.gather(1, slots)], 1).tolist()  # the one host read
+    paths = [h[2:3 + h[0]] for h in host]
+    proposed = [h[N + 3:N + 3 + h[0]] + [h[1]] for h in host]  # accepted drafts + bonus
+    return paths, [h[1] for h in host], proposed, slots[:, :max(len(p) for p in paths)]
+
+
 def chain_drafts(prop: Proposal) -> torch.Tensor:
     """The drafts int64 [B, k] of a chain proposal as the acceptance rule sees them: padding
     nodes (index >= ``lengths[b]``) set to -1, which never matches an argmax (token ids are >= 0)."""
@@ -103,11 +156,13 @@ class VerifyOutput:
         paths: per row the accepted block indices (root first; the root is the anchor).
         bonus: per row the target's argmax after the accepted path.
         proposed: per row the tokens the step would commit (accepted drafts + bonus).
+        slots: the paths already on the device (int64 [B, longest path], a tree decided there), or None.
     """
 
     paths: list[list[int]]
     bonus: list[int]
     proposed: list[list[int]]
+    slots: torch.Tensor | None = None
 
     @property
     def accepted(self) -> list[int]:
@@ -117,6 +172,8 @@ class VerifyOutput:
     def path_slots(self, device) -> torch.Tensor:
         """The accepted paths as block indices int64 [B, longest path] (shorter rows padded with 0):
         what the runner's commit compacts for a tree."""
+        if self.slots is not None and self.slots.device.type == torch.device(device).type:
+            return self.slots
         width = max(len(p) for p in self.paths)
         return torch.tensor([p + [0] * (width - len(p)) for p in self.paths], dtype=torch.long, device=device)
 
@@ -124,13 +181,12 @@ class VerifyOutput:
 def decide(prop: Proposal, logits: torch.Tensor, accept: Callable = accept_greedy) -> VerifyOutput:
     """The acceptance of ``prop`` given the verified block's logits [B, N, vocab]: a chain under the
     rule ``accept`` (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]), one host
-    synchronization; a tree by :func:`accept_tree`."""
-    if prop.is_chain:
-        acc, bonus = accept(chain_drafts(prop), logits)
-        host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()  # the one host synchronization of a step
-        paths, bonus_l = [list(range(a + 1)) for a, _ in host], [b for _, b in host]
-    else:
-        paths, bonus_l = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
+    synchronization; a tree by :func:`accept_tree_device` (one host read too)."""
+    if not prop.is_chain:
+        return VerifyOutput(*accept_tree_device(prop.tokens, prop.parents, logits, prop.lengths, prop.max_depth))
+    acc, bonus = accept(chain_drafts(prop), logits)
+    host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()  # the one host synchronization of a step
+    paths, bonus_l = [list(range(a + 1)) for a, _ in host], [b for _, b in host]
     toks = prop.tokens.tolist()
     proposed = [[toks[b][i] for i in paths[b][1:]] + [bonus_l[b]] for b in range(len(paths))]
     return VerifyOutput(paths, bonus_l, proposed)
