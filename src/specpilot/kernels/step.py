@@ -229,7 +229,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
                          path_ptr, depth_ptr,
                          CHUNK: tl.constexpr, BS: tl.constexpr, BR_: tl.constexpr, D: tl.constexpr,
                          TREE: tl.constexpr, WINDOWED: tl.constexpr, INTERP: tl.constexpr,
-                         PATH: tl.constexpr = False):
+                         PATH: tl.constexpr = False, PREFIX: tl.constexpr = False, TAIL: tl.constexpr = False):
     """Program (b*Hkv + kv head, row tile, chunk): the rows (query head, block token) of one KV head
     against cache slots [chunk*CHUNK, min(+CHUNK, start+T)); writes unnormalized out, max, sum.
     A row's own key (slot start + t) is left out here and folded in last by the combine kernel, so
@@ -243,13 +243,20 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     are read in the order of positions, not of block slots: the virtual slot start + d (d <
     depth[t]) is the block slot start + path[t, d] of t's ancestor at depth d, so a tree node sums
     its prefix and its ancestors in exactly the tiles a one-token decode at position start +
-    depth[t] sums them in (whatever the node order of the tree; ``anc_ptr`` unused)."""
+    depth[t] sums them in (whatever the node order of the tree; ``anc_ptr`` unused).
+    A wide tree's prefix is read once per row tile, not once per node, in two launches (issue 47):
+    PREFIX (chain rows): only the chunks wholly below ``start``, whose keys every node sees, in
+    row tiles (the sums a decode makes there: each row's bits do not depend on its tile); the
+    other chunks are written empty. TAIL (with PATH): the chunk holding ``start`` and the next one
+    (program axis 2 counts from start // CHUNK; a tree is at most 64 deep), per node, as above."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
     b = bh // HKV
     kh = bh % HKV
     start = tl.load(start_ptr + b).to(tl.int32)
+    if TAIL:
+        c = start // CHUNK + c
     if PATH:  # node rt's G rows, in the row tile (and at the tile positions) a chain verify gives them
         r = ((rt * G) // BR_) * BR_ + tl.arange(0, BR_)
         rmask = (r >= rt * G) & (r < rt * G + G)
@@ -274,6 +281,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     ones = tl.full((BS, 16), 1.0, dtype=vc_ptr.dtype.element_ty)
     s_lo = c * CHUNK
     s_hi = tl.minimum(s_lo + CHUNK, start + T)
+    if PREFIX:  # a chunk holding start (or beyond) is the TAIL launch's: written empty here
+        s_hi = tl.where(s_lo + CHUNK <= start, s_hi, s_lo)
     if WINDOWED:  # skip the key tiles below the first row's window; tiles stay BS-aligned (as in a
         # decode of any row), so every row sums its keys in the same tiles whatever the block
         s_lo = tl.maximum(s_lo, (tl.maximum(start - WIN + 1, 0) // BS) * BS)
@@ -327,6 +336,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
+    if TAIL:  # the chunk after the last one of the cache does not exist
+        rmask = rmask & (c < n_chunks)
     tl.store(o_ws + ws[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
     tl.store(m_ws + ws, m_i, mask=rmask)
     tl.store(l_ws + ws, l_i, mask=rmask)
@@ -391,6 +402,9 @@ def _attn_combine_kernel(o_ws, m_ws, l_ws, out_ptr, start_ptr, q_ptr, kc_ptr, vc
 # KV slots per attention program. Fixed, so a request's partial sums never depend on the cache
 # size or the batch it is served in (row independence).
 ATTN_CHUNK = 128
+# trees of more nodes than this read their prefix once per row tile (PREFIX + TAIL launches); smaller
+# ones one program per node over every chunk (fewer launches)
+PREFIX_ONCE_NODES = 16
 
 
 class AttnWorkspace:
@@ -449,12 +463,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         grid = (B * n_kv, T, ws.n_chunks)
     else:
         grid, rows = (B * n_kv, ws.row_tiles, ws.n_chunks), ws.br
+    split = path is not None and window == 0 and T > PREFIX_ONCE_NODES  # the prefix once per row tile
+    args = (q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads,
+            n_kv, G, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale, window,
+            max(ring, 1), path if path is not None else start, depth if depth is not None else start)
+    if split:
+        _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
+            *args, CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=False, WINDOWED=False, INTERP=INTERPRET,
+            PATH=False, PREFIX=True, num_warps=4, num_stages=2)
+        grid = (B * n_kv, T, 2)
     _attn_partial_kernel[grid](
-        q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads, n_kv, G,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale, window,
-        max(ring, 1), path if path is not None else start, depth if depth is not None else start,
-        CHUNK=ws.chunk, BS=64, BR_=rows, D=head_dim, TREE=anc_bits is not None and path is None,
-        WINDOWED=window > 0, INTERP=INTERPRET, PATH=path is not None,
+        *args, CHUNK=ws.chunk, BS=64, BR_=rows, D=head_dim, TREE=anc_bits is not None and path is None,
+        WINDOWED=window > 0, INTERP=INTERPRET, PATH=path is not None, TAIL=split,
         num_warps=4, num_stages=2)
     _attn_combine_kernel[(B * n_kv, triton.cdiv(G * T, COMBINE_ROWS))](
         ws.o, ws.m, ws.l, out, start, q, k_cache, v_cache, T, n_heads, n_kv, G, ws.n_chunks, ws.r_pad,
