@@ -55,6 +55,7 @@ def _replay_proposer(spec: EngineSpec, target, drafter, replay, references) -> P
     width = net.verify_width if net is not None else spec.block_size  # the drafter's counting (a chain)
     if cfg.tree_lattice:
         others = [k for k in ("tree_nodes", "tree_branch") if getattr(cfg, k)]
+        others += ["verify_budget"] if cfg.verify_budget != "off" else []
         if others:
             raise SpecpilotError(f"tree_lattice (a lattice tree) cannot be combined with {', '.join(others)}")
         if net is not None and net.kind == "dflash2":  # the lattice tree's own draft cost
