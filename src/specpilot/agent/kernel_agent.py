@@ -36,7 +36,6 @@ import torch
 
 from ..fastpath.tables import LINEAR_ROLES, TUNE_ROWS
 from ..io import read_json, write_json
-from ..kernels_build import use_w12_library
 from ..models.config import TargetConfig, read_config
 from ..tuning.timing import mean_s
 from ..tuning.w12 import tune_w12_choice
@@ -111,7 +110,6 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         res["w12_choice_reason"] = "the w12 fast path covers dense targets (the FastTarget step) only"
     else:
         def w12_section():
-            use_w12_library(manifest, manifest_path)
             return tune_w12_choice(cfg, tuple(w12_widths))
 
         _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning", w12_section)

@@ -60,33 +60,32 @@ def _interp_dot(a, b):
 
 # One group of 8 weights -> 8 bf16 (4 registers of 2), per instance of the inline PTX below
 # (tl.inline_asm_elementwise, pack=8). Operands: $0..$3 the pairs (elements 0-1, 2-3, 4-5, 6-7),
-# $4 / $5 the group's sign+mantissa bytes (elements 0-3 / 4-7), $6 its code word (nibbles of
-# elements 0, 2, 4, 6 in bits 0-15, of 1, 3, 5, 7 in bits 16-31, see specpilot.w12.format), $14 the
-# high 32 bits of the side table's address, $22 the base exponent in every byte (the other
-# operands repeat these: one per element of the pack). Exponent bytes of elements 0, 4, 1, 5 =
-# (C & 0x0F0F0F0F) + base and of 2, 6, 3, 7 = ((C >> 4) & 0x0F0F0F0F) + base (no carry: base + 15
-# <= 254) move to bits 7-14 / 23-30 of a pair with one shift (<< 7 for bytes 0 / 2, >> 1 for 1 /
-# 3); a byte permute with sign replication (prmt, modes 0x9180 / 0xB3A2) puts each byte's
-# mantissa at bits 0-6 of its lane and its sign at bit 15; one bit select (lop3) merges them. An
-# escape group (code word 0) holds in its first mantissa word the low 32 bits of the address of
-# its 16 exact bytes in the side table (which lies inside one 4 GiB window, see
-# specpilot.w12.planes), loaded predicated. 17 integer instructions per 8 weights plus 2 for the
-# escape test and load (sm_90 SASS; specpilot.kernels.inspect counts them).
+# $4 / $5 the group's sign+mantissa bytes (elements 0-3 / 4-7), $6 its code word (see
+# specpilot.w12.planes: the low nibbles of its bytes are the codes of elements 0, 4, 1, 5, the high
+# nibbles of 2, 6, 3, 7), $14 the side table's address (64-bit), $22 the base exponent in bits 7-14
+# and 23-30 (the other operands repeat these: one per element of the pack).
+# Exponents: with l = C & 0x0F0F0F0F and h = C & 0xF0F0F0F0, the codes of a pair move to bits 7-10
+# and 23-30 of a word and the base is added in one integer multiply-add each: l * 128 (elements
+# 0, 1), h * 8 (2, 3), hi(l * 2^31) = l >> 1 (4, 5), hi(h * 2^27) = h >> 5 (6, 7), + base (no
+# carry leaves a field: base + 15 <= 254; what lands outside bits 7-14 / 23-30 is masked).
+# Sign and mantissa: a byte permute with sign replication (prmt, modes 0x9180 / 0xB3A2) puts each
+# byte's mantissa at bits 0-6 of its lane and its sign at bit 15. One bit select (lop3) merges
+# them. An escape group (code word 0) holds in its first mantissa word the byte offset of its 16
+# exact bytes in the side table, loaded predicated (no traffic for the others).
 _W12_DECODE_ASM = tl.constexpr(
     "{ .reg .b32 l, h, e, s; .reg .b64 a; .reg .pred p;\n"
-    "and.b32 l, $6, 0x0F0F0F0F; add.u32 l, l, $22;\n"
-    "shr.u32 h, $6, 4; and.b32 h, h, 0x0F0F0F0F; add.u32 h, h, $22;\n"
-    "prmt.b32 s, $4, $4, 0x9180; shl.b32 e, l, 7; lop3.b32 $0, e, s, 0x7F807F80, 0xE4;\n"
-    "prmt.b32 s, $4, $4, 0xB3A2; shl.b32 e, h, 7; lop3.b32 $1, e, s, 0x7F807F80, 0xE4;\n"
-    "prmt.b32 s, $5, $5, 0x9180; shr.u32 e, l, 1; lop3.b32 $2, e, s, 0x7F807F80, 0xE4;\n"
-    "prmt.b32 s, $5, $5, 0xB3A2; shr.u32 e, h, 1; lop3.b32 $3, e, s, 0x7F807F80, 0xE4;\n"
-    "setp.eq.u32 p, $6, 0; mov.b64 a, {$4, $14};\n"
+    "and.b32 l, $6, 0x0F0F0F0F; and.b32 h, $6, 0xF0F0F0F0;\n"
+    "prmt.b32 s, $4, $4, 0x9180; mad.lo.u32 e, l, 128, $22; lop3.b32 $0, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $4, $4, 0xB3A2; mad.lo.u32 e, h, 8, $22; lop3.b32 $1, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $5, $5, 0x9180; mad.hi.u32 e, l, 0x80000000, $22; lop3.b32 $2, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $5, $5, 0xB3A2; mad.hi.u32 e, h, 0x08000000, $22; lop3.b32 $3, e, s, 0x7F807F80, 0xE4;\n"
+    "setp.eq.u32 p, $6, 0; mad.wide.u32 a, $4, 1, $14;\n"
     "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a]; }")
-_W12_DECODE_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 2 + ["r"] * 8 + ["r"] * 8 + ["r"] * 8))
+_W12_DECODE_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 2 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8))
 
 
 @triton.jit
-def _w12_weight_tile(m_rows, c_rows, side_ptr, side_lo, side_hi, kk, g, wmask, gmask, base4, BN: tl.constexpr,
+def _w12_weight_tile(m_rows, c_rows, side_ptr, side_addr, kk, g, wmask, gmask, base2, BN: tl.constexpr,
                      BK: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
     """The bf16 weight tile [BN, BK] (natural k order) decoded in registers from the tile planes
     of :func:`specpilot.w12.planes.tile_planes` (``m_rows``: uint8 sign+mantissa bytes of the
@@ -110,16 +109,16 @@ def _w12_weight_tile(m_rows, c_rows, side_ptr, side_lo, side_hi, kk, g, wmask, g
         i = kk % 8  # element of the group; its code is nibble i // 2 + 4 (i % 2) of the code word
         code = (Cb >> ((i // 2 + 4 * (i % 2)) * 4)[None, :]) & 0xF
         b = mant.to(tl.int32)
-        bits = ((b & 0x80) << 8) | ((code + (base4 & 0xFF)) << 7) | (b & 0x7F)
-        lo = tl.load(m_rows.to(tl.pointer_type(tl.int32)) + ((kk // 8) * 2)[None, :], mask=wmask, other=0)
+        bits = ((b & 0x80) << 8) | ((code + ((base2 >> 7) & 0xFF)) << 7) | (b & 0x7F)
+        off = tl.load(m_rows.to(tl.pointer_type(tl.int32)) + ((kk // 8) * 2)[None, :], mask=wmask, other=0)
         side16 = side_ptr.to(tl.pointer_type(tl.int16))
-        ev = tl.load(side16 + (lo - side_lo) // 2 + i[None, :], mask=wmask & (Cb == 0), other=0).to(tl.int32) & 0xFFFF
+        ev = tl.load(side16 + off // 2 + i[None, :], mask=wmask & (Cb == 0), other=0).to(tl.int32) & 0xFFFF
         bits = tl.where(Cb == 0, ev, bits)
         w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         w = tl.inline_asm_elementwise(
             _W12_DECODE_ASM, _W12_DECODE_CONSTRAINTS,
-            [mant, Cb, tl.full((BN, BK), side_hi, tl.int32), tl.full((BN, BK), base4, tl.int32)],
+            [mant, Cb, tl.full((BN, BK), side_addr, tl.int64), tl.full((BN, BK), base2, tl.int32)],
             dtype=tl.bfloat16, is_pure=False, pack=8)
     return w
 
@@ -127,7 +126,7 @@ def _w12_weight_tile(m_rows, c_rows, side_ptr, side_lo, side_hi, kk, g, wmask, g
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
-                   m_ptr, c_ptr, side_ptr, side_lo, side_hi, base4,
+                   m_ptr, c_ptr, side_ptr, side_addr, base2,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
                    BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                    INTERP: tl.constexpr, W12: tl.constexpr = False, EVEN_N: tl.constexpr = False):
@@ -135,7 +134,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
 
     W12: the weight comes from the 12-bit tile planes (``m_ptr`` uint8 [N, K] sign+mantissa
     bytes, ``c_ptr`` int32 [N, K/8] code words, ``side_ptr`` int32 escape words at the address
-    ``side_hi << 32 | side_lo`` (int32 halves), ``base4`` = the base exponent in each byte; ``w_ptr`` unused), decoded to the same bf16 values in registers
+    ``side_addr``, ``base2`` the base exponent at bits 7-14 and 23-30 of an int32, ````w_ptr`` unused), decoded to the same bf16 values in registers
     (:func:`_w12_weight_tile`); everything else (tiles, K order, dot, prologue, epilogues) is the
     bf16 kernel's, so the output is the bf16 kernel's bit for bit."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
@@ -180,7 +179,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                 gmask = mask_n[:, None]
             else:
                 gmask = mask_n[:, None] & (g < G)[None, :]
-            w = _w12_weight_tile(m_rows, c_rows, side_ptr, side_lo, side_hi, kk, g, wmask, gmask, base4, BN, BK, INTERP,
+            w = _w12_weight_tile(m_rows, c_rows, side_ptr, side_addr, kk, g, wmask, gmask, base2, BN, BK, INTERP,
                                  not (EVEN_K and EVEN_N))
         else:
             w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
@@ -190,7 +189,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
             acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
             if W12:
-                w2 = _w12_weight_tile(m_rows + N * K, c_rows + N * G, side_ptr, side_lo, side_hi, kk, g, wmask, gmask, base4,
+                w2 = _w12_weight_tile(m_rows + N * K, c_rows + N * G, side_ptr, side_addr, kk, g, wmask, gmask, base2,
                                       BN, BK, INTERP, not (EVEN_K and EVEN_N))
             else:
                 w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
@@ -244,11 +243,11 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None, *, cfg: LinearCo
     r = residual if residual is not None else out
     if planes is not None:
         assert K % 8 == 0 and cfg.bk % 8 == 0
-        wp, mp, cp, sp, (lo, hi), b4 = x, planes.mant, planes.codes, planes.side, planes.side_address(), planes.base4()
+        wp, mp, cp, sp, sa, b2 = x, planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2()
     else:
-        wp, mp, cp, sp, (lo, hi), b4 = w, w, w, w, (0, 0), 0
+        wp, mp, cp, sp, sa, b2 = w, w, w, w, 0, 0
     _linear_kernel[grid](x, wp, out, r, norm if norm is not None else wp,
-                         M, N, K, x.stride(0), out.stride(0), r.stride(0), eps, mp, cp, sp, lo, hi, b4,
+                         M, N, K, x.stride(0), out.stride(0), r.stride(0), eps, mp, cp, sp, sa, b2,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
                          BM_=bm, BN=cfg.bn, BK=cfg.bk, EVEN_K=K % cfg.bk == 0, INTERP=INTERPRET,
                          W12=planes is not None, EVEN_N=planes is not None and N % cfg.bn == 0, num_warps=cfg.warps,
@@ -257,7 +256,7 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None, *, cfg: LinearCo
 
 
 @triton.jit
-def _w12_decode_kernel(m_ptr, c_ptr, side_ptr, side_lo, side_hi, base4, out_ptr, N, K,
+def _w12_decode_kernel(m_ptr, c_ptr, side_ptr, side_addr, base2, out_ptr, N, K,
                        BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
     """out[N, K] (bf16) = the tile planes decoded (:func:`_w12_weight_tile`), one [BN, BK] tile per program."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -267,7 +266,7 @@ def _w12_decode_kernel(m_ptr, c_ptr, side_ptr, side_lo, side_hi, base4, out_ptr,
     wmask = mask_n[:, None] & (kk < K)[None, :]
     gmask = mask_n[:, None] & (g < K // 8)[None, :]
     w = _w12_weight_tile(m_ptr + offs_n[:, None].to(tl.int64) * K, c_ptr + offs_n[:, None].to(tl.int64) * (K // 8),
-                         side_ptr, side_lo, side_hi, kk, g, wmask, gmask, base4, BN, BK, INTERP, True)
+                         side_ptr, side_addr, kk, g, wmask, gmask, base2, BN, BK, INTERP, True)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + kk[None, :], w, mask=wmask)
 
 
@@ -280,10 +279,10 @@ def decode(planes, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(n, k, dtype=torch.bfloat16, device=planes.device)
     assert out.is_contiguous() and tuple(out.shape) == (n, k) and out.dtype == torch.bfloat16
-    lo, hi = planes.side_address()
     bn, bk = 32, 128
     _w12_decode_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        planes.mant, planes.codes, planes.side, lo, hi, planes.base4(), out, n, k, BN=bn, BK=bk, INTERP=INTERPRET,
+        planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2(), out, n, k, BN=bn, BK=bk,
+        INTERP=INTERPRET,
         num_warps=4)
     return out
 

@@ -13,10 +13,7 @@ for the escapes:
 * **escape groups**: a group with any escaped weight (zero, subnormal, or an exponent outside
   ``base + 1 .. base + 15``: about 1.5e-4 of N(0, 0.02) weights) has its code word set to 0 (no
   other group has one: every code of a plain group is 1..15) and its first 4 ``mant`` bytes set
-  to the low 32 bits of the address of its entry in ``side`` (little-endian; the whole table
-  lies inside one 4 GiB-aligned window, so the kernel forms the address from those 32 bits and
-  the table's high 32 bits without 64-bit arithmetic: the planes are tied to their device
-  memory, built where they are used and never moved), which holds its 8 exact bf16 values in natural order
+  to the byte offset ``16 e`` of its entry in ``side`` (little-endian int32), which holds its 8 exact bf16 values in natural order
   (``side`` int32 ``[4 E]``: 4 words per escape group). The kernel decodes every group, then
   loads 16 bytes from ``side`` only for the groups whose code word is 0 (a predicated load: no
   memory traffic for the others) and takes them instead.
@@ -43,8 +40,7 @@ class TilePlanes:
 
     Attributes:
         mant: uint8 ``[N, K]``; codes: int32 ``[N, K/8]``; side: int32 ``[max(4, 4 E)]``;
-        base: int in 0..239; shape: ``(N, K)``; escape_groups: E; side_at: ``side``'s address
-        when the planes were built.
+        base: int in 0..239; shape: ``(N, K)``; escape_groups: E.
     """
 
     mant: torch.Tensor
@@ -53,7 +49,6 @@ class TilePlanes:
     base: int
     shape: tuple[int, int]
     escape_groups: int
-    side_at: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -64,23 +59,14 @@ class TilePlanes:
         escape group."""
         return self.mant.numel() + self.codes.numel() * 4 + 16 * self.escape_groups
 
-    def base4(self) -> int:
-        """The base exponent in each byte of an int32 (signed), as the kernel adds it."""
-        return _i32(int(self.base) * 0x01010101)
-
-    def side_address(self) -> tuple[int, int]:
-        """(low, high) 32 bits of ``side``'s address as signed int32 values (the kernel's
-        arguments). Raises SpecpilotError when the table moved since the planes were built."""
-        addr = self.side.data_ptr()
-        if addr != self.side_at:
-            raise SpecpilotError("w12 tile planes: the escape table moved since the planes were built "
-                                 "(tile planes are built on the device that uses them)")
-        return _i32(addr & 0xFFFFFFFF), _i32(addr >> 32)
+    def base2(self) -> int:
+        """The base exponent at bits 7-14 and 23-30 of an int32 (signed), as the kernel adds it."""
+        return _i32(int(self.base) * 0x00800080)
 
     def rows(self, lo: int, hi: int) -> "TilePlanes":
         """The planes of rows ``lo .. hi-1`` (views; the escape groups keep their side entries)."""
         return TilePlanes(self.mant[lo:hi], self.codes[lo:hi], self.side, self.base, (hi - lo, self.shape[1]),
-                          self.escape_groups, self.side_at)
+                          self.escape_groups)
 
 
 def tile_planes(t: W12Tensor) -> TilePlanes:
@@ -104,7 +90,7 @@ def tile_planes(t: W12Tensor) -> TilePlanes:
     e = int(groups.numel())
     if 4 * e >= 2 ** 31:
         raise SpecpilotError(f"w12: {e} escape groups exceed the planes' int32 side index")
-    side = _side_table(max(4, 4 * e), dev)
+    side = torch.zeros(max(4, 4 * e), dtype=torch.int32, device=dev)
     if e:
         bits = ((sm & 0x80) << 8) | ((code + int(t.base)) << 7) | (sm & 0x7F)
         vals = bits.reshape(-1, GROUP)[groups]  # natural order, escapes still wrong
@@ -113,28 +99,15 @@ def tile_planes(t: W12Tensor) -> TilePlanes:
         vals[row, pos] = t.escape_val.to(dev).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
         words = vals[:, 0::2] | (vals[:, 1::2] << 16)  # pair word p: elements 2p (low), 2p + 1 (high)
         side[:4 * e] = (words - ((words >> 31) << 32)).to(torch.int32).reshape(-1)
-        lo = (side.data_ptr() + 16 * torch.arange(e, device=dev)) & 0xFFFFFFFF
-        mant.view(-1, GROUP)[groups] = torch.stack([(lo >> s) & 0xFF for s in (0, 8, 16, 24)]
-                                                   + [torch.zeros_like(lo)] * 4, 1).to(torch.uint8)
+        off = 16 * torch.arange(e, device=dev)
+        mant.view(-1, GROUP)[groups] = torch.stack([(off >> s) & 0xFF for s in (0, 8, 16, 24)]
+                                                   + [torch.zeros_like(off)] * 4, 1).to(torch.uint8)
         codes.view(-1)[groups] = 0
-    return TilePlanes(mant, codes, side, int(t.base), (n, k), e, side.data_ptr())
+    return TilePlanes(mant, codes, side, int(t.base), (n, k), e)
 
 
 def _i32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _side_table(words: int, dev) -> torch.Tensor:
-    """A zeroed int32 table of ``words`` words inside one 4 GiB-aligned address window (a view
-    of a buffer twice as large when the first placement would cross a window boundary)."""
-    t = torch.zeros(words, dtype=torch.int32, device=dev)
-    a = t.data_ptr()
-    if a >> 32 == (a + 4 * words - 1) >> 32:
-        return t
-    buf = torch.zeros(2 * words + 4, dtype=torch.int32, device=dev)
-    a = buf.data_ptr()
-    start = 0 if a >> 32 == (a + 4 * words - 1) >> 32 else (((a >> 32) + 1 << 32) - a) // 4
-    return buf[start:start + words]
 
 
 def planes_of(w: torch.Tensor) -> TilePlanes:
@@ -154,8 +127,7 @@ def decode_planes(p: TilePlanes) -> torch.Tensor:
     esc = c == 0
     if p.escape_groups:
         b = byte[esc]
-        lo = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
-        idx = ((lo - p.side_at) & 0xFFFFFFFF) // 16
+        idx = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)) // 16
         words = p.side.view(-1, 4)[idx].to(torch.int64) & 0xFFFFFFFF
         bits[esc] = torch.stack([words & 0xFFFF, words >> 16], -1).reshape(-1, GROUP)
     bits = bits - ((bits & 0x8000) << 1)
