@@ -28,7 +28,9 @@ from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS, config_tiers, rol
 from ..fastpath.w12 import ROLES as W12_ROLES
 from ..fastpath.w12 import choice_json, parse_choice, w12_bytes
 from ..fastpath.w12 import every_role as every_w12_role
+from ..tuning import w12 as _tuning_w12
 from ..tuning.w12 import plant_escapes, tune_w12_choice
+from ..kernels import inspect as _kernel_inspect
 from ..models.dflash import DFlashDrafter
 from ..models.layers import chain_ancestors
 from ..models.loading import load_drafter, load_target
@@ -113,16 +115,13 @@ def w12_runner(model, max_seq: int, choice: dict | None, graphs: bool = True) ->
 
 def tuning_w12():
     """The w12 choice tuner's module (:mod:`specpilot.tuning.w12`)."""
-    from ..tuning import w12 as module
-
-    return module
+    return _tuning_w12
 
 
 def kernel_inspect():
-    """The machine-code reader of the matmul kernel (imports Triton, so only when asked)."""
-    from ..kernels import inspect as module
-
-    return module
+    """The machine-code reader of the matmul kernel (:mod:`specpilot.kernels.inspect`; it imports
+    Triton when it compiles)."""
+    return _kernel_inspect
 
 
 DRY_LAYERS = 2  # target layers of a dry run's dense model under the interpreter

@@ -26,6 +26,7 @@ teacher pass) is ``specpilot bench serving --variant 'w12={"weight_format": "w12
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 
 import torch
@@ -123,7 +124,7 @@ class W12:
         choice = E.parse_choice(self.tuned) if (a.choice == "tuned" and self.tuned) else E.every_w12_role()
         res["w12_choice"] = E.choice_json(choice)
         res["w12"] = self._phase(model, choice, prompt, toks)
-        w12_bytes = E.weight_bytes_per_step(model, 1) + E.w12_bytes(model)
+        w12_bytes = E.weight_bytes_per_step(model, 1)
         res["weight_bytes_w12"] = w12_bytes
         res["prefill_bit_equal"] = res["bf16"].pop("prefill") == res["w12"].pop("prefill")
         steps = []
@@ -158,8 +159,6 @@ class W12:
 
 def _digest(t: torch.Tensor) -> str:
     """A bit-exact fingerprint of a tensor (its bytes hashed on the host)."""
-    import hashlib
-
     return hashlib.sha256(t.detach().contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
 
 

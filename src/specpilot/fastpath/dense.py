@@ -27,7 +27,7 @@ from ..tuning.select import select_checked
 from ..tuning.timing import median_ms
 from .tables import (CHECKED_CUBLAS_MIN_ROWS, CUBLAS, CUBLAS_PAD_ROWS, DEFAULT_ATTN_ROWS, DEFAULT_CONFIGS,
                      LINEAR_ROLES, PREFILL_CUBLAS_MIN_ROWS, PaddedCublas, config_key, config_tiers, tier_for)
-from .w12 import W12Weight, prepare, tier
+from .w12 import W12Weight, prepare, tier, w12_bytes
 
 
 @torch.no_grad()
@@ -72,7 +72,8 @@ def fuse_weights(model: Transformer) -> None:
 
 def weight_bytes_per_step(model: Transformer, rows: int) -> int:
     """Bytes of weights one step reads: every parameter except the embedding table (of which only
-    ``rows`` rows are gathered); a tied LM head is read in full as the LM head."""
+    ``rows`` rows are gathered); a tied LM head is read in full as the LM head; the 12-bit planes of
+    roles held in w12 (:func:`~specpilot.fastpath.w12.w12_bytes`)."""
     seen, total = set(), 0
     emb = model.model.embed_tokens.weight
     for name, p in model.named_parameters():
@@ -82,7 +83,7 @@ def weight_bytes_per_step(model: Transformer, rows: int) -> int:
         total += p.numel() * p.element_size()
     if not model.config.tie_word_embeddings:
         total -= emb.numel() * emb.element_size()
-    return total + rows * emb.shape[1] * emb.element_size()
+    return total + rows * emb.shape[1] * emb.element_size() + w12_bytes(model)
 
 
 def kv_bytes_per_step(model: Transformer, rows: int, context: int, T: int = 1) -> int:

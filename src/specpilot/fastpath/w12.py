@@ -79,10 +79,10 @@ class W12Weight:
 
     def bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The exact bf16 weight: the kept copy, else decoded into ``out`` (or a new tensor) by the
-        matmul kernel's decode (CUDA, or the CPU interpreter), else the PyTorch reference."""
+        matmul kernel's decode on CUDA, by the PyTorch reference elsewhere."""
         if self.dense is not None:
             return self.dense
-        if self.device.type == "cuda" or _interpreting():
+        if self.device.type == "cuda":
             from ..kernels import step  # Triton: an optional dependency
 
             return step.decode(self.planes, out)
@@ -92,12 +92,6 @@ class W12Weight:
     def nbytes(self) -> int:
         """Bytes held: the planes, plus the bf16 copy when kept."""
         return self.planes.nbytes() + (self.dense.numel() * 2 if self.dense is not None else 0)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class PlanesLinear(nn.Module):
@@ -206,9 +200,10 @@ def lean(tiers: tuple) -> bool:
     return all(v == "w12" for _, v, _ in tiers)
 
 
-# the fused groups of a layer: (role, attribute of the fused weight, owner attribute, member names);
-# a single-member group keeps its module's weight, no fused attribute
-def _groups(layer) -> list[tuple[str, str | None, nn.Module, list[str]]]:
+def role_groups(layer) -> list[tuple[str, str | None, nn.Module, list[str]]]:
+    """The matmul roles of one decoder layer (a dense, hybrid GDN or sliding-window target's, or a
+    DFlash drafter's) as the fast path fuses them: ``(role, attribute of the fused weight or None
+    for a one-module role, owner module, member linear names in fused order)``."""
     kind = getattr(layer, "kind", "full_attention")
     if kind == "linear_attention":
         g = layer.linear_attn
@@ -291,7 +286,7 @@ def prepare_layers(layers, choice: dict[str, tuple]) -> dict:
     """:func:`prepare` over decoder layers (a target's, or a DFlash drafter's), in place."""
     freed = packed = 0
     for layer in layers:
-        for role, attr, owner, names in _groups(layer):
+        for role, attr, owner, names in role_groups(layer):
             tiers = choice.get(role)
             freed += _prepare_group(layer, attr, owner, names, tiers)
             packed += bool(tiers)

@@ -15,13 +15,15 @@ thread-instructions/s, so ~10 per weight; its integer pipes about half that).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 from ..errors import SpecpilotError
-from ..fastpath.tables import LinearConfig
+from ..fastpath.tables import LinearConfig, row_tile
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
 # argument types of _linear_kernel for each loader, and those a launch passes 16-byte aligned
@@ -108,7 +110,9 @@ def loop_profile(cfg: LinearConfig, w12: bool, rows: int = 16, **layout) -> dict
 
     Returns ``{"config", "loader", "rows", "loop_instructions", "thread_instructions_per_weight",
     "registers", "mma" ("v2" mma.sync / "v3" wgmma), "kwidth" (the dot operand's, bf16 kernel's
-    and 12-bit loader's must agree), "opcodes": {opcode: count}}``.
+    and 12-bit loader's must agree), "decode_run" (12-bit loader: the contiguous K elements per
+    thread where the decode runs, a multiple of 8 for its groups; None for bf16), "opcodes":
+    {opcode: count}}``.
 
     Raises:
         SpecpilotError: Triton, its ptxas or cuobjdump is missing.
@@ -117,12 +121,17 @@ def loop_profile(cfg: LinearConfig, w12: bool, rows: int = 16, **layout) -> dict
     body = main_loop(sass(k))
     ttgir = k.asm["ttgir"]
     kw = sorted(set(re.findall(r"kWidth = (\d+)", ttgir)))
+    run = None  # elements of K in a row each thread holds contiguously where the 12-bit decode runs
+    m = re.search(r"tt.elementwise_inline_asm .*?-> tensor<\d+x\d+xbf16, #(\w+)>", ttgir)
+    if m:
+        d = re.search(r"#%s = #ttg.blocked<\{sizePerThread = \[\d+, (\d+)\].*?order = \[1, 0\]" % m.group(1), ttgir)
+        run = int(d.group(1)) if d else 0
     per_iter = cfg.bn * cfg.bk * (2 if layout.get("swiglu") else 1)  # SwiGLU: a gate and an up tile
     return {"config": cfg.key(), "loader": "w12" if w12 else "bf16", "rows": rows,
             "loop_instructions": len(body),
             "thread_instructions_per_weight": len(body) * 32 * cfg.warps / per_iter,
             "registers": registers(k), "mma": "v3" if "versionMajor = 3" in ttgir else "v2",
-            "kwidth": ",".join(kw), "opcodes": dict(collections.Counter(op for _, op in body).most_common())}
+            "kwidth": ",".join(kw), "decode_run": run, "opcodes": dict(collections.Counter(op for _, op in body).most_common())}
 
 
 def role_profiles(roles: dict[str, tuple[str, bool, bool, bool]], rows: tuple[int, ...] = (1, 16)) -> list[dict]:
@@ -134,17 +143,12 @@ def role_profiles(roles: dict[str, tuple[str, bool, bool, bool]], rows: tuple[in
         SpecpilotError: the compilation failed (its error), Triton's tools are missing.
     """
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        import json
-        import sys
-
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         p = subprocess.run([sys.executable, "-m", "specpilot.kernels.inspect", json.dumps([roles, list(rows)])],
                            capture_output=True, text=True, env=env)
         if p.returncode:
             raise SpecpilotError(f"compiling the matmul kernel for sm_90 failed: {p.stderr.strip()[-600:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
-    from ..fastpath.tables import row_tile
-
     out = []
     for role, (key, norm, res, swiglu) in roles.items():
         c = LinearConfig.parse(key)
@@ -157,8 +161,5 @@ def role_profiles(roles: dict[str, tuple[str, bool, bool, bool]], rows: tuple[in
 
 
 if __name__ == "__main__":  # the subprocess of role_profiles
-    import json
-    import sys
-
     args = json.loads(sys.argv[1])
     print(json.dumps(role_profiles({r: tuple(v) for r, v in args[0].items()}, tuple(args[1]))))

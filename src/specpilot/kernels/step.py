@@ -243,6 +243,8 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None, *, cfg: LinearCo
     r = residual if residual is not None else out
     if planes is not None:
         assert K % 8 == 0 and cfg.bk % 8 == 0
+        if cfg.bn * cfg.bk < 256 * cfg.warps:  # each thread decodes whole groups of 8 contiguous weights
+            raise ValueError(f"w12: tile {cfg.bn} x {cfg.bk} gives a thread fewer than 8 weights with {cfg.warps} warps")
         wp, mp, cp, sp, sa, b2 = x, planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2()
     else:
         wp, mp, cp, sp, sa, b2 = w, w, w, w, 0, 0

@@ -23,6 +23,7 @@ summary says which.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import Callable
@@ -31,11 +32,13 @@ import torch
 
 from ..errors import SpecpilotError
 from ..fastpath.tables import CUBLAS, DEFAULT_CONFIGS, LinearConfig, config_tiers, role_layout, tier_for
-from ..fastpath.w12 import ROLES, _groups
+from ..fastpath.w12 import ROLES, role_groups
+from ..models.qwen3 import Transformer
 from ..w12.planes import planes_of
 from .timing import graph_us
 
 
+@torch.no_grad()
 def plant_escapes(w: torch.Tensor, seed: int = 0) -> None:
     """Write values the 12-bit format must escape (zeros, subnormals, outliers) into ~0.02 % of
     ``w`` in place (a random-weight copy has few, a real checkpoint some)."""
@@ -50,10 +53,6 @@ def role_shapes(cfg) -> dict[str, list[tuple[int, int, int]]]:
     """The fast path's fused weight shapes of each w12 role of a target config (any family): ``{role:
     [(N rows, K columns, layers with that shape), ...]}``, from one layer of each kind built on the
     meta device (grouped as :func:`specpilot.fastpath.w12.prepare` groups them)."""
-    import dataclasses
-
-    from ..models.qwen3 import Transformer
-
     kinds = list(dict.fromkeys(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers))
     counts = {k: (cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers).count(k) for k in kinds}
     out: dict[str, dict[tuple[int, int], int]] = {r: {} for r in ROLES}
@@ -63,7 +62,7 @@ def role_shapes(cfg) -> dict[str, list[tuple[int, int, int]]]:
                                   layer_rope=[cfg.layer_rope[idx]] if cfg.layer_rope else [])
         with torch.device("meta"):
             layer = Transformer(one).model.layers[0]
-        for role, _, owner, names in _groups(layer):
+        for role, _, owner, names in role_groups(layer):
             mods = [getattr(owner, n) for n in names]
             shape = (sum(m.out_features for m in mods), mods[0].in_features)
             out[role][shape] = out[role].get(shape, 0) + counts[kind]
