@@ -270,6 +270,28 @@ for shape in ("tiny", "tiny-hybrid", "tiny-muse"):
         res["models"]["tiny_other_bk_equal"] = all(eq(a, b) for a, b in zip(ref, steps(copy.deepcopy(model), other)))
     got = steps(model, fw.every_role())
     res["models"][shape] = [eq(a, b) for a, b in zip(ref, got)]
+
+from specpilot.bench._engine import dry_drafter
+from specpilot.fastpath.drafter import FastDrafter
+
+tgt = dry_target("tiny", layers=2, seed=1)
+drafter = dry_drafter(tgt, "tiny", block_size=4, seed=1)
+for prm in list(tgt.parameters()) + list(drafter.parameters()):
+    if prm.dim() == 2:
+        prm.data.copy_(prm.data.to(torch.bfloat16))
+feats = torch.randn(1, 6, drafter.fc.weight.shape[1], generator=torch.Generator().manual_seed(4))
+
+def drafts(choice):
+    fd = FastDrafter(drafter, tgt.model.embed_tokens.weight, tgt.lm_head.weight)
+    if choice:
+        fd.use_w12(choice)
+    drafter.setup_cache(1, 32)
+    fd.add_context(feats, torch.zeros(1, dtype=torch.long))
+    toks = fd.draft(torch.tensor([5]), torch.tensor([6]), 4)
+    return toks, next(ws.logits for ws in fd._ws.values()).clone()
+
+(t1, l1), (t2, l2) = drafts(None), drafts(fw.every_role())
+res["drafter"] = bool(torch.equal(t1, t2)) and eq(l1, l2)
 print("RESULT " + json.dumps(res))
 '''
 
@@ -278,8 +300,8 @@ print("RESULT " + json.dumps(res))
 def test_loader_bit_identical_under_the_interpreter(tmp_path):
     """The 12-bit loader against the bf16 loader under Triton's interpreter (module docstring):
     every role layout at M = 1, 4, 16, 64 bit for bit, the decode kernel exact, tiny dense / hybrid
-    / Muse steps (prefill, verify of 1 and 4) bit for bit with every role in 12 bits; the negative
-    controls (another K tiling, a corrupted byte) differ."""
+    / Muse steps (prefill, verify of 1 and 4) and the DFlash draft step bit for bit with every role
+    in 12 bits; the negative controls (another K tiling, a corrupted byte) differ."""
     from triton_interp import run_interpreted
 
     r = run_interpreted(tmp_path / "check.py", CHECK, REPO)
@@ -291,3 +313,4 @@ def test_loader_bit_identical_under_the_interpreter(tmp_path):
     for shape in ("tiny", "tiny-hybrid", "tiny-muse"):
         assert r["models"][shape] == [True, True, True], shape
     assert r["models"]["tiny_other_bk_equal"] is False
+    assert r["drafter"]  # the DFlash draft step with its roles in 12 bits: the same drafts and logits

@@ -36,7 +36,7 @@ from ..errors import SpecpilotError
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
 from ..fastpath.tables import KERNELS, TREE_FAST_NODES
-from ..fastpath.w12 import choice_json, prepare
+from ..fastpath.w12 import choice_json, parse_choice, prepare
 from .config import EngineConfig, tree_width_of
 
 PATHS = ("eager", "torch-graphs", "triton-dense", "triton-family")
@@ -150,7 +150,10 @@ class Backend:
             kernels = resolve_kernels(self.kernels, w.device, w.dtype)
             from ..fastpath.drafter import DrafterGraphs  # the fast path imports Triton (optional dependency)
 
-            self._drafters[key] = (drafter, DrafterGraphs(drafter, embed, lm_head, kernels))
+            g = DrafterGraphs(drafter, embed, lm_head, kernels)
+            if self.w12 and g.fast is not None:  # the draft step's roles in 12 bits too (the same drafts)
+                g.fast.use_w12(parse_choice(self.w12))
+            self._drafters[key] = (drafter, g)
         return self._drafters[key][1]
 
     def matmul_choices(self) -> dict[str, str]:

@@ -255,8 +255,8 @@ class FastTarget:
         room = min(x.shape[0], out.shape[0])
         xr, outr = x[:n], out[:n]
         if isinstance(w, W12Weight):
-            tiers = self.w12.get(role)
-            which, wcfg = tier(tiers, n) if tiers is not None else ("bf16", None)
+            tiers = self.w12.get(role)  # no choice for the role (a model prepared elsewhere): its format decides
+            which, wcfg = tier(tiers, n) if tiers is not None else ("bf16" if w.dense is not None else "w12", None)
             if which == "w12":
                 return self._linear_w12(role, xr, w, outr, ws, norm, outr if residual is not None else None, swiglu,
                                         wcfg)

@@ -98,7 +98,7 @@ def drafter_support(drafter) -> str | None:
     for layer in drafter.layers:
         if layer.attention_conv is not None or layer.mlp_conv is not None:
             return "convolution layers"
-    lin = [m for m in drafter.modules() if isinstance(m, nn.Linear)]
-    if not all(type(m) is nn.Linear and m.bias is None for m in lin):
+    lin = [m for m in drafter.modules() if isinstance(m, (nn.Linear, PlanesLinear))]
+    if not all(type(m) in (nn.Linear, PlanesLinear) and m.bias is None for m in lin):
         return "linears with bias or another weight format"
     return None

@@ -30,6 +30,13 @@ and ``tests/test_gpu_path.py`` under the interpreter.
 The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
 row's sum of squares accumulated from the same x loads, so the norm costs no extra kernel.
 
+Two loaders, one kernel: the matmul reads its weight tile either as bf16 or from lossless 12-bit
+tile planes (:mod:`specpilot.w12.planes`, ``W12``), decoded in registers (inline PTX, 17 integer
+instructions per 8 weights plus the escape test) into the same bf16 values before the same
+``tl.dot``; tiles, K order, prologue and epilogues are shared, so the outputs are the same bits
+(issue 48; a decode kept elementwise, so the dot operand layout stays the bf16 kernel's:
+:mod:`specpilot.kernels.inspect` reads it from the machine code).
+
 ``TRITON_INTERPRET=1`` runs the kernels on the CPU (tests); the interpreter of triton 3.6
 mis-multiplies bf16 ``tl.dot``, so the kernels take an exact fp32 dot when interpreting.
 """
