@@ -12,7 +12,8 @@
 #   3. bench serving at c1 (replay drafter study_stock, block 16, lazy random checkpoints): AR, stock
 #      and stock with weight_format w12, each token-forced against AR with the bf16 teacher pass
 #      (27B hybrid first, then 8B);
-#   4. (TUNE=1) bench w12 --part choice: the tuner's per role and M choice on each shape.
+#   4. TUNE=1 (a call of its own, e.g. TUNE=1 SKIP_MAIN=1): the tuner's per role and M choice on each
+#      shape, then the step with that choice.
 # Stages run per shape (27B hybrid first). Prints one "FIGURE ..." line per figure last; raw JSON under $OUT (default results/gpu_w12).
 # CPU plumbing check: scripts/gpu_w12.sh --dry-run (tiny shapes, Triton's interpreter, minutes).
 set -uo pipefail
@@ -33,7 +34,7 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD when LIMIT_S fits before the dea
 }
 python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')" | tee "$OUT/device.txt"
 
-for s in $SHAPES; do  # per shape, most important first: bit-identity, the step, end to end
+[ "${SKIP_MAIN:-0}" = "1" ] || for s in $SHAPES; do  # per shape, most important first: bit-identity, the step, end to end
     stage "roles_$s" 150 python3 -m specpilot bench w12 $DRY --part roles --shape "$s" --ms $MS --out "$OUT/roles_$s.json"
     stage "step_$s" 200 python3 -m specpilot bench w12 $DRY --part step --choice every --shape "$s" --ms $MS \
         --rounds 5 --out "$OUT/step_$s.json"
@@ -49,9 +50,10 @@ for s in $SHAPES; do  # per shape, most important first: bit-identity, the step,
     stage "serving_$s" 300 python3 -m specpilot bench serving $DRY --target "$tgt" --drafter "$tgt-drafter" "${extra[@]}" \
         --variant 'w12={"weight_format": "w12"}' --work "$OUT/work_$s" --out "$OUT/serving_$s.json"
 done
-if [ "${TUNE:-0}" = "1" ] && [ -z "$DRY" ]; then
+if [ "${TUNE:-0}" = "1" ] && [ -z "$DRY" ]; then  # a call of its own: the tuner compiles ~100 configs per shape
     for s in $SHAPES; do
-        stage "choice_$s" 240 python3 -m specpilot bench w12 --part choice --shape "$s" --ms 1 16 --out "$OUT/choice_$s.json"
+        stage "choice_$s" 420 python3 -m specpilot bench w12 --part choice step --choice tuned --shape "$s" --ms $MS \
+            --out "$OUT/choice_$s.json"
     done
 fi
 
@@ -102,6 +104,9 @@ for p in sorted(glob.glob(os.path.join(out, "choice_*.json"))):
     r, s = load(p), os.path.basename(p)[7:-5]
     ch = (r or {}).get("choice") or {}
     print(f"FIGURE {s} tuned choice: {ch.get('w12_choice')} (lean {ch.get('w12_choice_lean')})")
+    for d in ((r or {}).get("step") or {}).get("steps", []):
+        print(f"FIGURE {s} step with the tuned choice M={d['M']}: bit-equal {d['bit_equal']}, "
+              f"{d.get('speedup', float('nan')):.3f}x over bf16 ({d['bf16_ms']:.3f} / {d['w12_ms']:.3f} ms)")
 for p in (os.path.join(out, "skipped.txt"),):
     if os.path.exists(p):
         for ln in open(p):

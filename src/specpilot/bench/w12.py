@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64], help="rows per matmul (verify widths)")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens prefilled before the step")
     p.add_argument("--rounds", type=int, default=5, help="timings per (format, M) of the step")
-    p.add_argument("--part", choices=("roles", "code", "choice", "step", "all"), default="all")
+    p.add_argument("--part", nargs="+", choices=("roles", "code", "choice", "step", "all"), default=["all"],
+                   help="parts to run, in this order: roles code choice step (default all)")
     p.add_argument("--choice", choices=("tuned", "every"), default="tuned",
                    help="the step's w12 roles: the choice phase's (tuned) or every role at every M")
 
@@ -108,7 +109,8 @@ class W12:
 
     def step(self) -> dict:
         a, dry = self.a, self.run.dry
-        model = (E.dry_target(a.shape, seed=a.seed) if dry else E.build_target(a.shape, self.dev, torch.bfloat16, a.seed))
+        model = (E.dry_target(a.shape, seed=a.seed) if dry
+                 else E.build_target(a.shape, self.dev, torch.bfloat16, a.seed))
         for i, layer in enumerate(model.model.layers[:2]):  # escapes, as real checkpoints have: plant some
             for lin in (layer.mlp.gate_proj, layer.mlp.down_proj):
                 E.plant_escapes(lin.weight, seed=i)
@@ -150,7 +152,8 @@ class W12:
         for m, t in toks.items():
             logits = r.verify(t)[0]
             d = {"logits": _digest(logits)}
-            times = [self.run.median_s(lambda: r.verify(t), 20, 3) * 1e3 for _ in range(1 if self.run.dry else self.a.rounds)]
+            rounds = 1 if self.run.dry else self.a.rounds
+            times = [self.run.median_s(lambda: r.verify(t), 20, 3) * 1e3 for _ in range(rounds)]
             d["ms"] = statistics.median(times)
             out["steps"][str(m)] = d
         r.model.state = None  # the cache of this phase's runner
@@ -169,7 +172,8 @@ def table(R: dict) -> list[str]:
         L.append(f"roles: every role x shape x M bit-equal: {ro.get('all_bit_equal')}")
         for d in ro.get("rows", []):
             if "speedup" in d:
-                L.append(f"  {d['role']:<7} {d['N']}x{d['K']} M={d['M']:<3} {d['config']:<22} bf16 {fmt(d['bf16_us'], '{:.1f}')} "
+                L.append(f"  {d['role']:<7} {d['N']}x{d['K']} M={d['M']:<3} {d['config']:<22} "
+                         f"bf16 {fmt(d['bf16_us'], '{:.1f}')} "
                          f"us ({fmt(d['bf16_bw_frac'], '{:.2f}')} of copy bw), w12 {fmt(d['w12_us'], '{:.1f}')} us "
                          f"({fmt(d['w12_bw_frac'], '{:.2f}')}), {fmt(d['speedup'])}x")
     for d in R.get("code", {}).get("rows", []):
@@ -183,7 +187,8 @@ def table(R: dict) -> list[str]:
         L.append(f"step: prefill bit-equal {st.get('prefill_bit_equal')}; weight bytes per step bf16 "
                  f"{st['weight_bytes_bf16'] / 1e9:.2f} GB, w12 {st['weight_bytes_w12'] / 1e9:.2f} GB")
         for d in st["steps"]:
-            L.append(f"  M={d['M']:<3} bit-equal {d['bit_equal']}  bf16 {fmt(d['bf16_ms'])} ms  w12 {fmt(d['w12_ms'])} ms  "
+            L.append(f"  M={d['M']:<3} bit-equal {d['bit_equal']}  bf16 {fmt(d['bf16_ms'])} ms  "
+                     f"w12 {fmt(d['w12_ms'])} ms  "
                      f"{fmt(d.get('speedup'))}x  weights {fmt(d.get('bf16_weight_tb_s'), '{:.2f}')} / "
                      f"{fmt(d.get('w12_weight_tb_s'), '{:.2f}')} TB/s")
     return L
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         args.shape = "tiny" if args.shape == "qwen3-8b" else args.shape
     rn = Run("w12", args)
     b = W12(rn, args)
-    parts = ("roles", "code", "choice", "step") if args.part == "all" else (args.part,)
+    parts = [p for p in ("roles", "code", "choice", "step") if p in args.part or "all" in args.part]
     for part in parts:
         if part == "choice" and not rn.cuda:
             rn.R["choice"] = {"skipped": "the choice is timed on a GPU"}

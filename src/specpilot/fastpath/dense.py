@@ -278,7 +278,8 @@ class FastTarget:
         cuBLAS call on the weight decoded into a scratch buffer."""
         M = x.shape[0]
         cfg = self.config_for(role, M)
-        if cfg != CUBLAS and not (self._prefilling and M >= PREFILL_CUBLAS_MIN_ROWS and self._on_gpu(x)):
+        prefill_cublas = self._prefilling and M >= PREFILL_CUBLAS_MIN_ROWS and self.checked_cublas and self._on_gpu(x)
+        if cfg != CUBLAS and not prefill_cublas:  # (the cases where _pick gives the bf16 call cuBLAS)
             return self._apply(wcfg or cfg, x, w.planes, out, ws, norm, residual, swiglu)
         n = w.numel()
         if self._w12_scratch is None or self._w12_scratch.numel() < n:

@@ -7,8 +7,8 @@ machine code (SASS) the GPU would run: :func:`loop_profile` compiles
 with the argument alignments a launch would have, disassembles it and counts the instructions of
 its main loop (the longest backward branch). One iteration covers ``BN x BK`` weights and runs on
 ``32 x warps`` threads, so thread-instructions per weight = loop instructions x 32 x warps /
-(BN x BK; twice that with SwiGLU's gate and up tiles): the issue budget a memory-bound kernel must fit (an H200 streams ~2.9e12 12-bit
-weights/s at 4.3 TB/s; 132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz issue ~3e13
+(BN x BK; twice that with SwiGLU's gate and up tiles): the issue budget a memory-bound kernel
+must fit (an H200 streams ~2.9e12 12-bit weights/s at 4.3 TB/s; 132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz issue ~3e13
 thread-instructions/s, so ~10 per weight; its integer pipes about half that).
 """
 
@@ -131,7 +131,8 @@ def loop_profile(cfg: LinearConfig, w12: bool, rows: int = 16, **layout) -> dict
             "loop_instructions": len(body),
             "thread_instructions_per_weight": len(body) * 32 * cfg.warps / per_iter,
             "registers": registers(k), "mma": "v3" if "versionMajor = 3" in ttgir else "v2",
-            "kwidth": ",".join(kw), "decode_run": run, "opcodes": dict(collections.Counter(op for _, op in body).most_common())}
+            "kwidth": ",".join(kw), "decode_run": run,
+            "opcodes": dict(collections.Counter(op for _, op in body).most_common())}
 
 
 def role_profiles(roles: dict[str, tuple[str, bool, bool, bool]], rows: tuple[int, ...] = (1, 16)) -> list[dict]:

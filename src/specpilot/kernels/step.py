@@ -141,7 +141,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
 
     W12: the weight comes from the 12-bit tile planes (``m_ptr`` uint8 [N, K] sign+mantissa
     bytes, ``c_ptr`` int32 [N, K/8] code words, ``side_ptr`` int32 escape words at the address
-    ``side_addr``, ``base2`` the base exponent at bits 7-14 and 23-30 of an int32, ````w_ptr`` unused), decoded to the same bf16 values in registers
+    ``side_addr``, ``base2`` the base exponent at bits 7-14 and 23-30 of an int32; ``w_ptr``
+    unused), decoded to the same bf16 values in registers
     (:func:`_w12_weight_tile`); everything else (tiles, K order, dot, prologue, epilogues) is the
     bf16 kernel's, so the output is the bf16 kernel's bit for bit."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
@@ -251,7 +252,8 @@ def linear(x: torch.Tensor, w, out: torch.Tensor | None = None, *, cfg: LinearCo
     if planes is not None:
         assert K % 8 == 0 and cfg.bk % 8 == 0
         if cfg.bn * cfg.bk < 256 * cfg.warps:  # each thread decodes whole groups of 8 contiguous weights
-            raise ValueError(f"w12: tile {cfg.bn} x {cfg.bk} gives a thread fewer than 8 weights with {cfg.warps} warps")
+            raise ValueError(f"w12: tile {cfg.bn} x {cfg.bk} gives a thread fewer than 8 weights with "
+                             f"{cfg.warps} warps")
         wp, mp, cp, sp, sa, b2 = x, planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2()
     else:
         wp, mp, cp, sp, sa, b2 = w, w, w, w, 0, 0

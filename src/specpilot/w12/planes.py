@@ -13,7 +13,8 @@ for the escapes:
 * **escape groups**: a group with any escaped weight (zero, subnormal, or an exponent outside
   ``base + 1 .. base + 15``: about 1.5e-4 of N(0, 0.02) weights) has its code word set to 0 (no
   other group has one: every code of a plain group is 1..15) and its first 4 ``mant`` bytes set
-  to the byte offset ``16 e`` of its entry in ``side`` (little-endian int32), which holds its 8 exact bf16 values in natural order
+  to the byte offset ``16 e`` of its entry in ``side`` (little-endian int32), which holds its 8
+  exact bf16 values in natural order
   (``side`` int32 ``[4 E]``: 4 words per escape group). The kernel decodes every group, then
   loads 16 bytes from ``side`` only for the groups whose code word is 0 (a predicated load: no
   memory traffic for the others) and takes them instead.
