@@ -2,8 +2,8 @@
 # Issue 48 on one H100 / H200 in one call (<= 10 min): lossless 12-bit weights as the bf16 Triton
 # kernel with a 12-bit loader, on the Qwen3-8B and Qwen3.8-27B hybrid shapes (random weights; bf16
 # measured in the same run). Stages, most important first, each under its own time limit and all
-# under a deadline (DEADLINE seconds from the start, default 560): a stage that would start too
-# late is skipped and says so.
+# under a deadline (DEADLINE seconds from the start, default 570): a stage with too little time
+# left is skipped and says so.
 #   1. bench w12 --part roles: every role x shape x M in 1 4 16 64, bf16 loader vs 12-bit loader
 #      bit for bit, device times, bytes and achieved bandwidth;
 #   2. bench w12 --part step: the engine step (prefill 1024 tokens, verify of M), bf16 first, then
@@ -12,32 +12,41 @@
 #   3. bench serving at c1 (replay drafter study_stock, block 16, lazy random checkpoints): AR, stock
 #      and stock with weight_format w12, each token-forced against AR with the bf16 teacher pass
 #      (27B hybrid first, then 8B);
-#   4. TUNE=1 (a call of its own, e.g. TUNE=1 SKIP_MAIN=1): the tuner's per role and M choice on each
+#   4. TUNE=1 (a call of its own, e.g. TUNE=1 PARTS=none): the tuner's per role and M choice on each
 #      shape, then the step with that choice.
-# Stages run per shape (27B hybrid first). Prints one "FIGURE ..." line per figure last; raw JSON under $OUT (default results/gpu_w12).
+# Order: roles and step of each shape (27B hybrid first), then serving of each shape; PARTS (default
+# "roles step serving") and SHAPES select, e.g. a second call PARTS=serving SHAPES=qwen3-8b for what
+# a first call skipped. Prints one "FIGURE ..." line per figure last; raw JSON under $OUT (default results/gpu_w12).
 # CPU plumbing check: scripts/gpu_w12.sh --dry-run (tiny shapes, Triton's interpreter, minutes).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu_w12}; mkdir -p "$OUT"
-T0=$(date +%s); DEADLINE=${DEADLINE:-560}
-DRY=""; SHAPES=${SHAPES:-"qwen3.8-27b qwen3-8b"}; MS=${MS:-"1 4 16 64"}
+T0=$(date +%s); DEADLINE=${DEADLINE:-570}
+DRY=""; SHAPES=${SHAPES:-"qwen3.8-27b qwen3-8b"}; MS=${MS:-"1 4 16 64"}; PARTS=${PARTS:-"roles step serving"}
 REQ_C1=${REQUESTS_C1:-3}; NEW=${NEW:-192}
 if [ "${1:-}" = "--dry-run" ]; then
     DRY="--dry-run"; SHAPES=${DRY_SHAPES:-"tiny"}; DEADLINE=${DEADLINE_DRY:-3000}
 fi
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-stage() {  # stage NAME LIMIT_S CMD...: run CMD when LIMIT_S fits before the deadline
-    local name=$1 limit=$2; shift 2
-    if [ "$(left)" -lt "$limit" ]; then echo "SKIPPED $name: $(left) s left, needs $limit" | tee -a "$OUT/skipped.txt"; return; fi
-    echo "== $name ($(left) s left)"
+stage() {  # stage NAME NEED_S LIMIT_S CMD...: run CMD (at most LIMIT_S, and not past the deadline) when NEED_S are left
+    local name=$1 need=$2 limit=$3; shift 3
+    local l; l=$(left)
+    if [ "$l" -lt "$need" ]; then echo "SKIPPED $name: $l s left, needs $need" | tee -a "$OUT/skipped.txt"; return; fi
+    [ "$l" -lt "$limit" ] && limit=$l
+    echo "== $name ($l s left, limit $limit s)"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name" | tee -a "$OUT/rc.txt"; tail -4 "$OUT/$name.log"
 }
 python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')" | tee "$OUT/device.txt"
 
-[ "${SKIP_MAIN:-0}" = "1" ] || for s in $SHAPES; do  # per shape, most important first: bit-identity, the step, end to end
-    stage "roles_$s" 150 python3 -m specpilot bench w12 $DRY --part roles --shape "$s" --ms $MS --out "$OUT/roles_$s.json"
-    stage "step_$s" 200 python3 -m specpilot bench w12 $DRY --part step --choice every --shape "$s" --ms $MS \
-        --rounds 5 --out "$OUT/step_$s.json"
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+for s in $SHAPES; do  # bit-identity and the step of every shape first (the bars), then end to end
+    has roles && stage "roles_$s" 60 150 python3 -m specpilot bench w12 $DRY --part roles --shape "$s" --ms $MS \
+        --out "$OUT/roles_$s.json"
+    has step && stage "step_$s" 120 240 python3 -m specpilot bench w12 $DRY --part step --choice every --shape "$s" \
+        --ms $MS --rounds 5 --out "$OUT/step_$s.json"
+done
+for s in $SHAPES; do
+    has serving || continue
     if [ -n "$DRY" ]; then
         tgt="$OUT/ckpt_$s"
         python3 -m specpilot random-checkpoint --shape "$s" --out "$tgt" --drafter-out "$tgt-drafter" > /dev/null
@@ -47,12 +56,12 @@ python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_a
         python3 -m specpilot random-checkpoint --shape "$s" --out "$tgt" --drafter-out "$tgt-drafter" --lazy > /dev/null
         extra=(--concurrency 1 --requests 8 --requests-c1 "$REQ_C1" --new "$NEW" --prompt-len 512)
     fi
-    stage "serving_$s" 300 python3 -m specpilot bench serving $DRY --target "$tgt" --drafter "$tgt-drafter" "${extra[@]}" \
+    stage "serving_$s" 200 360 python3 -m specpilot bench serving $DRY --target "$tgt" --drafter "$tgt-drafter" "${extra[@]}" \
         --variant 'w12={"weight_format": "w12"}' --work "$OUT/work_$s" --out "$OUT/serving_$s.json"
 done
 if [ "${TUNE:-0}" = "1" ] && [ -z "$DRY" ]; then  # a call of its own: the tuner compiles ~100 configs per shape
     for s in $SHAPES; do
-        stage "choice_$s" 420 python3 -m specpilot bench w12 --part choice step --choice tuned --shape "$s" --ms $MS \
+        stage "choice_$s" 300 420 python3 -m specpilot bench w12 --part choice step --choice tuned --shape "$s" --ms $MS \
             --out "$OUT/choice_$s.json"
     done
 fi
