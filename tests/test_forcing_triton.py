@@ -183,7 +183,10 @@ def test_auto_path_on_cuda_follows_the_engine_config():
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 12, "tree_lattice": 255})]) == "triton"
     wide = {"block_size": 16, "tree_nodes": 300}
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
-    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
+    # w12 in the fast path: the 12-bit loader of the same kernels (the bf16 bits); w12_fast off: eager layers
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "triton"
+    off = {"block_size": 8, "weight_format": "w12", "w12_fast": False}
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=off)]) == "eager"
 
 
 def test_tree_width_bound_follows_the_verify_width():

@@ -53,9 +53,11 @@ def load_deployment(target_dir: str | Path, drafter_dir: str | Path | None, devi
     """Load the target (and drafter) onto ``device`` in ``dtype``, apply the weight format and
     choose the backend.
 
-    ``weight_format`` ``w12`` swaps the target's linear layers for the lossless 12-bit format (needs
-    bf16); with a ``w12_choice`` (``{role: W12Role}``) the chosen roles run the 12-bit kernel inside
-    the Triton step instead (:func:`~specpilot.engine.backend.choose_backend`).
+    ``weight_format`` ``w12`` holds the target's weights in the lossless 12-bit format (needs bf16):
+    with a ``w12_choice`` (``{role: tiers}``, :func:`specpilot.fastpath.w12.parse_choice`) the backend
+    converts those roles for the fast path (:func:`~specpilot.engine.backend.choose_backend`: the
+    bf16 Triton kernels with a 12-bit loader, bit-identical to bf16); without one every linear
+    layer becomes a :class:`~specpilot.w12.W12Linear` (eager, decoded exactly).
 
     Raises:
         SpecpilotError: mismatched target/drafter shapes, an unknown weight format, w12 without bf16.
@@ -76,6 +78,7 @@ def load_deployment(target_dir: str | Path, drafter_dir: str | Path | None, devi
     if weight_format == "w12":
         if dtype != torch.bfloat16:
             raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
-        apply_w12(target)
+        if not w12_choice:
+            apply_w12(target)
     return Deployment.of(target, drafter, _eos_id(target_dir), graphs, kernels,
                          w12_choice if weight_format == "w12" else None)

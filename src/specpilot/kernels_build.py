@@ -12,12 +12,11 @@ install (:meth:`specpilot.engine.backend.Backend.install_tables`), as ``specpilo
 ``specpilot force`` and the round steps do.
 
 Manifest fields: ``gpu``, ``device_name``, ``applies`` (bool), ``note``, ``torch``, ``cuda``,
-``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}), and
-on a GPU ``w12_mma`` (:func:`build_w12_mma`: the w12 tensor-core library nvcc built beside the
-manifest for this GPU's architecture and the checks of each K split, or why it was not built).
-The sub-agent's ``w12_choice`` (which matmul roles the fast path runs in w12,
-:mod:`specpilot.fastpath.w12`) is validated here; :func:`w12_choice_for` hands it to the backend
-decision of a target loaded with ``weight_format: w12`` and ``w12_fast``.
+``timestamp``, ``kernels`` (kind -> {``table``: packaged file name, ``entries``: tuned shapes}).
+The sub-agent's ``w12_choice`` (which matmul roles the fast path holds in 12 bits and at which
+row counts they run the 12-bit loader, :mod:`specpilot.fastpath.w12`) is validated here;
+:func:`w12_choice_for` hands it (or every role, when the sub-agent did not tune one) to the
+backend decision of a target loaded with ``weight_format: w12`` and ``w12_fast``.
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import shutil
-import time
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -38,11 +34,8 @@ from .device import detect_gpu
 from .engine.config import EngineConfig
 from .errors import SpecpilotError
 from .fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, LinearConfig
-from .fastpath.w12 import W12Role, parse_choice
+from .fastpath.w12 import choice_json, every_role, parse_choice
 from .io import read_json, write_json
-from .kernels import w12_mma
-from .tuning.w12 import check_split, plant_escapes
-from .w12 import pack
 
 MANIFEST = "manifest.json"
 TUNED_KINDS = ("w12",)  # tables the engine installs (kernels/tuned/<kind>_<gpu>.json)
@@ -195,7 +188,6 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     w12_choice = agent_w12_choice(agent, str(agent_path))
     if not m.get("applies"):
         return {"applies": False, "reason": m.get("note", "")}
-    use_w12_library(m, manifest_path)
     table: dict[str, dict] = {}
     w12 = m.get("kernels", {}).get("w12")
     if w12:
@@ -215,91 +207,33 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     return out
 
 
-def build_w12_mma(out_dir: str | Path, nvcc: str = "nvcc") -> dict[str, Any]:
-    """Build the w12 tensor-core library (:mod:`specpilot.kernels.w12_mma`) for this GPU into
-    ``out_dir`` and check it before anything uses it; returns the manifest's ``w12_mma`` entry.
-
-    Checks (:func:`specpilot.tuning.w12.check_split`, every K split) on a 1024 x 2048 random
-    bf16 matrix with planted escapes: NaN-poisoned output, every launch shape and two runs
-    bit-equal, rows bit-equal whatever the batch (M = 1, 3, 16, 64), error against the kernel's own
-    fp32 reference and against the true product next to cuBLAS bf16's. The splits that pass are
-    ``splits_ok``; the sub-agent checks each split again on each role's own weights before it
-    times it (:func:`specpilot.tuning.w12.tune_w12_choice`).
-
-    Returns ``{"built": True, "library": file name (beside the manifest), "arch", "seconds",
-    "checks": {split: report}, "splits_ok": [...], "ok": bool}`` or ``{"built": False, "reason"}``
-    (no nvcc, a compile or load failure: the engine then runs w12 through its Triton kernels).
-    """
-    if shutil.which(nvcc) is None:
-        return {"built": False, "reason": f"{nvcc!r} not on PATH: the w12 tensor-core library is not built"}
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    t0 = time.time()
-    try:
-        path = w12_mma.build(arch, out_dir, nvcc=nvcc)
-        os.environ[w12_mma.ENV_LIB] = str(Path(path).resolve())
-        w12_mma.load()
-    except SpecpilotError as e:
-        return {"built": False, "reason": str(e)[:2000]}
-    secs = time.time() - t0
-    g = torch.Generator(device="cuda").manual_seed(3)
-    w = (torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    plant_escapes(w)
-    f = w12_mma.frag_pack(pack(w))
-    checks = {str(s): check_split(f, w, s) for s in w12_mma.SPLITS}
-    ok = [int(s) for s, c in checks.items() if c["ok"]]
-    return {"built": True, "library": Path(path).name, "arch": arch, "seconds": round(secs, 1),
-            "checks": checks, "splits_ok": ok, "ok": bool(ok)}
-
-
-def use_w12_library(manifest: dict | None, manifest_path: str | os.PathLike | None = None) -> str | None:
-    """Point :func:`specpilot.kernels.w12_mma.load` at the library the ``kernels`` rule built and
-    checked (``manifest["w12_mma"]``, a file beside ``manifest_path``); returns its path, or None
-    when the manifest has none (``load`` then builds one into its cache on first use)."""
-    entry = (manifest or {}).get("w12_mma") or {}
-    if not entry.get("built") or not entry.get("ok"):
-        return None
-    folder = Path(manifest_path).parent if manifest_path else Path(".")
-    path = folder / entry["library"]
-    if not path.is_file():
-        raise SpecpilotError(f"{manifest_path}: its w12 library {path} is missing (rerun the kernels rule)")
-    os.environ[w12_mma.ENV_LIB] = str(path.resolve())
-    return str(path)
-
-
 def agent_w12_choice(agent: dict, where: str) -> dict:
     """The validated ``w12_choice`` of a kernel-agent.json's content (``{}`` when absent), in its
-    JSON form normalized (:func:`specpilot.fastpath.w12.parse_choice`, then ``W12Role.to_dict``).
+    JSON form normalized (:func:`specpilot.fastpath.w12.parse_choice`, then ``choice_json``).
 
     Raises:
         SpecpilotError: a malformed choice, naming ``where``."""
     if not agent.get("w12_choice"):
         return {}
-    return {r: rc.to_dict() for r, rc in parse_choice(agent["w12_choice"], f"{where}: w12_choice").items()}
+    return choice_json(parse_choice(agent["w12_choice"], f"{where}: w12_choice"))
 
 
-def w12_choice_for(kernel_outputs: dict, config: EngineConfig) -> dict[str, W12Role] | None:
-    """The w12 roles a target of engine ``config`` runs in the Triton step: ``kernel_outputs["w12_choice"]``
-    (from :func:`use_kernel_outputs`) parsed, when ``config`` asks for it (``weight_format: w12``
-    with ``w12_fast: true``; off by default: on the H200, on random weights, these roles flipped
-    more near-tied tokens under token forcing than the eager w12 engine did, 123 against 49
-    violations in 4,096 tokens, BENCHMARKS.md 2026-12-03); else None. The backend installs it
+def w12_choice_for(kernel_outputs: dict, config: EngineConfig) -> dict[str, tuple] | None:
+    """The w12 roles of a target of engine ``config`` (``weight_format: w12`` with ``w12_fast``,
+    the default): the kernel sub-agent's ``kernel_outputs["w12_choice"]`` (from
+    :func:`use_kernel_outputs`) parsed, else every role at every row count (the 12-bit loader
+    gives the bf16 bits, so the choice is only about speed); None for another weight format or
+    ``w12_fast: false`` (the eager 12-bit linear layers, decoded exactly). The backend installs it
     (:func:`~specpilot.engine.backend.choose_backend`)."""
-    choice = kernel_outputs.get("w12_choice")
-    if not choice or config.weight_format != "w12" or not config.w12_fast:
+    if config.weight_format != "w12" or not config.w12_fast:
         return None
-    return parse_choice(choice, "w12_choice")
+    choice = kernel_outputs.get("w12_choice")
+    return parse_choice(choice, "w12_choice") if choice else every_role()
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     manifest = base_manifest(args.gpu)
-    if manifest.get("applies"):
-        manifest["w12_mma"] = build_w12_mma(out_dir)
-        w = manifest["w12_mma"]
-        manifest["note"] += ("; w12 tensor-core library built for sm" + w["arch"] + ", splits passing checks: "
-                             + str(w["splits_ok"]) if w.get("built") else "; w12 tensor-core library not built: "
-                             + w["reason"][:200])
     write_json(out_dir / MANIFEST, manifest)
     print(f"{args.gpu}: {manifest['note']} -> {out_dir / MANIFEST}")
     return 0

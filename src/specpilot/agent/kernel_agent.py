@@ -36,7 +36,6 @@ import torch
 
 from ..fastpath.tables import LINEAR_ROLES, TUNE_ROWS
 from ..io import read_json, write_json
-from ..kernels_build import use_w12_library
 from ..models.config import TargetConfig, read_config
 from ..tuning.timing import mean_s
 from ..tuning.w12 import tune_w12_choice
@@ -70,10 +69,10 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     nothing applies), ``engine_summary`` and ``engine_trials`` (per bucket and per candidate: checks,
     device microseconds per call), ``engine_reason`` when the engine section did not run or failed
     (its tables then stay the defaults: an error there never fails the job, it is recorded).
-    ``w12_choice`` (section ``w12_fast``, dense targets, when the manifest's w12 tensor-core library
-    was built and checked or nvcc can build it): per matmul role, whether the engine's fast path
-    runs it with the 12-bit kernel over ``w12_widths`` (rows per verify matmul; default 16, one
-    request at block 16), with ``w12_choice_summary``, ``w12_choice_checks``, ``w12_choice_trials``
+    ``w12_choice`` (section ``w12_fast``, any target family): per matmul role and row count of
+    ``w12_widths`` (rows per verify matmul; default 16, one request at block 16), whether the
+    engine's fast path runs it with the 12-bit loader of the bf16 kernels (the same bits, so only
+    speed decides), with ``w12_choice_summary``, ``w12_choice_checks``, ``w12_choice_trials``
     (:func:`specpilot.tuning.w12.tune_w12_choice`), or ``w12_choice_reason``.
 
     Raises:
@@ -107,11 +106,8 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     res["w12_choice"] = {}
     if not w12_fast:
         res["w12_choice_reason"] = "w12 fast-path section not run"
-    elif not cfg.is_dense:
-        res["w12_choice_reason"] = "the w12 fast path covers dense targets (the FastTarget step) only"
     else:
         def w12_section():
-            use_w12_library(manifest, manifest_path)
             return tune_w12_choice(cfg, tuple(w12_widths))
 
         _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning", w12_section)

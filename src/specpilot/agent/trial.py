@@ -23,12 +23,13 @@ import torch
 
 from ..aggregate import bootstrap_interval, geomean, timing_pairs
 from ..deployment import Deployment
-from ..engine.config import EngineSpec
+from ..engine.config import EngineConfig, EngineSpec
 from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
 from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
 from ..io import write_jsonl
 from ..records import Record, write_records
+from ..fastpath.w12 import every_role as every_w12_role
 from ..w12 import apply_w12
 
 
@@ -105,7 +106,8 @@ class Evaluator:
 
     def deployment_for(self, config: dict) -> Deployment:
         """The deployment in the config's weight format (a 12-bit copy of the target is made once
-        and kept, with its own backend). Raises SpecpilotError when w12 is asked without a way to
+        and kept, with its own backend: on bf16 weights every matmul role held in 12 bits and run
+        by the fast path's 12-bit loader, :mod:`specpilot.fastpath.w12`, bit-identical to bf16). Raises SpecpilotError when w12 is asked without a way to
         reload the target."""
         if config.get("weight_format") != "w12":
             return self.dep
@@ -113,9 +115,15 @@ class Evaluator:
             if self.reload_target is None:
                 raise SpecpilotError("weight_format w12 needs a way to reload the target (reload_target)")
             target = self.reload_target()
-            apply_w12(target)
             b = self.dep.backend
-            self._w12_dep = Deployment.of(target, self.dep.drafter, self.dep.eos_id, b.graphs, b.kernels)
+            # the fast path's 12-bit loader (every role; the bf16 bits) unless the config turns it off
+            fast = EngineConfig.parse(config).w12_fast and target.lm_head.weight.dtype == torch.bfloat16
+            if not fast:
+                apply_w12(target)
+            self._w12_dep = Deployment.of(target, self.dep.drafter, self.dep.eos_id, b.graphs, b.kernels,
+                                          w12_choice=every_w12_role() if fast else None)
+            if b.tables:
+                self._w12_dep.backend.install_tables(b.tables)
         return self._w12_dep
 
     def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:

@@ -26,11 +26,14 @@ from ..engine.proposers import make_engine_proposer, make_proposer
 from ..engine.runner import TargetRunner
 from ..engine.verify import compact_path_, tree_inputs
 from ..fastpath import graphs
-from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS
-from ..fastpath.w12 import parse_choice
+from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS, config_tiers, role_layout, row_tile, tier_for
+from ..fastpath.w12 import ROLES as W12_ROLES
+from ..fastpath.w12 import choice_json, parse_choice, w12_bytes
+from ..fastpath.w12 import every_role as every_w12_role
+from ..tuning import w12 as _tuning_w12
 from ..forcing.teacher import teacher_forced
-from ..kernels_build import use_w12_library
 from ..tuning.w12 import plant_escapes, tune_w12_choice
+from ..kernels import inspect as _kernel_inspect
 from ..models.dflash import DFlashDrafter
 from ..models.dflash2 import DFlash2Drafter
 from ..models.layers import chain_ancestors
@@ -39,8 +42,10 @@ from ..models.random_checkpoint import build_drafter, build_target, drafter_conf
 from ..models.target import Transformer
 
 __all__ = [
-    "AcceptanceProfile", "Backend", "backend", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
-    "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "use_w12_library", "w12_triton",
+    "AcceptanceProfile", "Backend", "backend", "expected_tau_tree", "load_drafter", "make_proposer", "parse_choice",
+    "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "w12_runner", "W12_ROLES", "choice_json",
+    "every_w12_role", "w12_bytes", "config_tiers", "role_layout", "row_tile", "tier_for", "kernel_inspect",
+    "tuning_w12",
     "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "fastpath",
     "ReplayProposer", "TargetRunner", "runner", "build_drafter", "build_target",
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
@@ -96,19 +101,32 @@ def step_graphs(model, kernels: str = "triton", configs: dict | None = None):
     return b.step_graphs
 
 
-def install_w12_choice(model, choice: dict):
-    """The Triton dense step of ``model`` with ``choice`` (``{role: W12Role}``) in w12; returns ``{role: split}``."""
-    b = backend(model, True, "triton")
-    b.fast.use_w12(choice)
-    b.step_graphs.cache.entries.clear()
-    return {role: rc.split for role, rc in choice.items()}
+def w12_runner(model, max_seq: int, choice: dict | None, graphs: bool = True) -> TargetRunner:
+    """A batch-1 :class:`TargetRunner` of ``model`` on the Triton fast path (under CUDA graphs on
+    the GPU with ``graphs``, uncaptured under the interpreter), with the w12 ``choice`` (parsed,
+    :func:`parse_choice`) installed when given: the model converted in place (lossless, one-way),
+    a fresh backend (the benchmark's earlier ones dropped)."""
+    if not choice:
+        return fast_runner(model, 1, max_seq, graphs=graphs)
+    _BACKENDS.pop(model, None)
+    if model.lm_head.weight.is_cuda and graphs:
+        _BACKENDS.setdefault(model, {})[(True, "triton")] = b = choose_backend(model, True, "triton", choice)
+        return TargetRunner(model, 1, max_seq, (), b)
+    r = fast_runner(model, 1, max_seq, graphs=False)
+    r.backend.w12_stats = r.backend.fast.use_w12(choice)
+    r.backend.w12 = choice_json(choice)
+    return r
 
 
-def w12_triton():
-    """The 12-bit Triton kernels' module (imports Triton, so only when asked)."""
-    from ..kernels import w12_triton as module
+def tuning_w12():
+    """The w12 choice tuner's module (:mod:`specpilot.tuning.w12`)."""
+    return _tuning_w12
 
-    return module
+
+def kernel_inspect():
+    """The machine-code reader of the matmul kernel (:mod:`specpilot.kernels.inspect`; it imports
+    Triton when it compiles)."""
+    return _kernel_inspect
 
 
 DRY_LAYERS = 2  # target layers of a dry run's dense model under the interpreter

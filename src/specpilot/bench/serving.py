@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-agent", help="kernel-agent.json passed to 'specpilot run' and 'specpilot force'")
     p.add_argument("--ar-reference", type=int, help="the AR cell the others are compared with (default 16 if run)")
     p.add_argument("--ar-force", type=int, nargs="*", default=[1], help="AR cells also 'force'd against the reference")
+    p.add_argument("--dtype", default="auto", help="passed to 'specpilot run' and 'specpilot force' (auto: bf16 on "
+                   "CUDA, fp32 on the CPU; a w12 variant needs bf16)")
     p.add_argument("--in-process", action="store_true", help="call the subcommands in this process (dry run: on)")
     p.add_argument("--code", help="a checkout (its src/) whose 'specpilot' the subcommands run, e.g. an earlier "
                    "commit's, to measure two versions of the engine in one run on one machine")
@@ -160,10 +162,10 @@ class Serving:
         extra = (["--kernel-configs", a.kernel_configs] if a.kernel_configs else []) \
             + (["--kernel-agent", a.kernel_agent] if a.kernel_agent else [])
         self.common = ["--target", str(self.tgt), "--prompts", str(self.prompts), "--max-new-tokens", str(a.new),
-                       "--gpu", self.run.gpu, "--regime", a.regime, *extra] \
+                       "--gpu", self.run.gpu, "--regime", a.regime, "--dtype", a.dtype, *extra] \
             + (["--kernels-manifest", a.kernels_manifest] if a.kernels_manifest else [])
         self.force_common = ["--target", str(self.tgt), "--prompts", str(self.prompts),
-                             "--device", "cuda" if self.run.cuda else "cpu", *extra]
+                             "--device", "cuda" if self.run.cuda else "cpu", "--dtype", a.dtype, *extra]
         return {"target": str(self.tgt), "drafter": str(self.dr), "prompts": str(self.prompts)}
 
     def cell(self, c: int) -> dict | None:

@@ -17,9 +17,11 @@ The rules (unchanged from the engine's history, now in one place):
   allows it; else the eager forward in CUDA graphs (``triton`` asked explicitly: an error).
 - Hybrid / sliding-window targets: the Triton family step when the kernels are not ``torch``, the
   weights not fp32, and :func:`~specpilot.fastpath.support.family_support` allows it; else eager.
-- w12 roles (``w12_choice``, the kernel sub-agent's per-role choice, with ``w12_fast``): a target
-  loaded in w12 is turned back into exact bf16 linears and the chosen roles run the 12-bit kernel
-  inside the Triton dense step (CUDA, dense targets).
+- w12 roles (``w12_choice``: which matmul roles are held in 12 bits and at which row counts they
+  run the 12-bit loader, :mod:`specpilot.fastpath.w12`; the kernel sub-agent's choice, or every
+  role): the target is converted in place first (:func:`~specpilot.fastpath.w12.prepare`, any
+  path), then the Triton dense or family step runs those roles with the bf16 kernel's 12-bit
+  loader, bit-identical to bf16; the eager forward decodes them exactly.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ from ..errors import SpecpilotError
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
 from ..fastpath.tables import KERNELS, TREE_FAST_NODES
-from ..fastpath.w12 import to_plain_linears
-from ..kernels import w12_mma
-from .config import tree_width_of
+from ..fastpath.w12 import choice_json, parse_choice, prepare
+from .config import EngineConfig, tree_width_of
 
 PATHS = ("eager", "torch-graphs", "triton-dense", "triton-family")
 
@@ -79,7 +80,8 @@ class Backend:
         step_graphs: the target's captured steps (:class:`~specpilot.fastpath.graphs.StepGraphs`),
             None on the eager path.
         tables: matmul tables installed in the Triton step (:meth:`install_tables`).
-        w12: ``{role: split}`` of the roles running the 12-bit kernel, or None.
+        w12: the w12 choice the target was prepared with (JSON form, ``{role: "w12" | {max_rows:
+            "w12" | "bf16"}}``), or None; w12_stats: what the preparation converted and freed.
     """
 
     model: nn.Module
@@ -90,6 +92,7 @@ class Backend:
     step_graphs: object | None = None
     tables: dict = field(default_factory=dict)
     w12: dict | None = None
+    w12_stats: dict | None = None
     _drafters: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -147,7 +150,10 @@ class Backend:
             kernels = resolve_kernels(self.kernels, w.device, w.dtype)
             from ..fastpath.drafter import DrafterGraphs  # the fast path imports Triton (optional dependency)
 
-            self._drafters[key] = (drafter, DrafterGraphs(drafter, embed, lm_head, kernels))
+            g = DrafterGraphs(drafter, embed, lm_head, kernels)
+            if self.w12 and g.fast is not None:  # the draft step's roles in 12 bits too (the same drafts)
+                g.fast.use_w12(parse_choice(self.w12))
+            self._drafters[key] = (drafter, g)
         return self._drafters[key][1]
 
     def matmul_choices(self) -> dict[str, str]:
@@ -168,8 +174,9 @@ class Backend:
         ``auto``: ``triton`` exactly when the engine ran its prefix and verify steps through a Triton
         step: this backend's path is ``triton-dense`` (chains, and trees up to
         :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) or ``triton-family`` (chains: its
-        trees run eagerly), and no record's engine config converts the weights (``weight_format``
-        other than bf16). ``triton`` asked needs a Triton step for the target (on the CPU:
+        trees run eagerly), and no record's engine config converts the weights other than to w12
+        in the fast path (``weight_format: w12`` with ``w12_fast``: the 12-bit loader of the same
+        kernels, bit-identical to this bf16 step). ``triton`` asked needs a Triton step for the target (on the CPU:
         ``TRITON_INTERPRET=1``).
 
         Raises:
@@ -192,20 +199,16 @@ class Backend:
             return "eager"
         widest = TREE_FAST_NODES if self.path == "triton-dense" else 0
         for cfg in engine_configs:
-            if (cfg.get("weight_format") or "bf16") != "bf16" or tree_width_of(cfg) > widest:
+            fmt = cfg.get("weight_format") or "bf16"
+            w12_fast = fmt == "w12" and EngineConfig.parse(cfg, "a record's engine_config", record=True).w12_fast
+            if (fmt != "bf16" and not w12_fast) or tree_width_of(cfg) > widest:
                 return "eager"
         return "triton"
 
 
-def _dense(model, kernels: str, asked: str, w12_choice: dict | None) -> Backend:
+def _dense(model, kernels: str, asked: str) -> Backend:
     """The backend of a dense target under CUDA graphs with resolved ``kernels``."""
     why = dense_support(model)
-    if w12_choice and kernels == "triton" and why is not None:
-        to_plain_linears(model)  # lossless: W12Linear -> its exact bf16 linear
-        why = dense_support(model)
-        if why is not None:
-            raise SpecpilotError(f"w12 fast path: the target converted to plain linears still cannot run the "
-                                 f"Triton step: {why}")
     if kernels != "triton" or why is not None:
         if kernels == "triton" and asked == "triton":
             raise SpecpilotError(f"kernels 'triton' cannot run this target: {why}")
@@ -213,12 +216,19 @@ def _dense(model, kernels: str, asked: str, w12_choice: dict | None) -> Backend:
                        StepGraphs(model))
     from ..fastpath.dense import FastTarget  # Triton: an optional dependency
 
-    b = Backend(model, "triton-dense", "Triton dense step", True, asked, StepGraphs(model, FastTarget(model)))
-    if w12_choice:
-        w12_mma.load()
-        b.fast.use_w12(w12_choice)
-        b.w12 = b.fast.w12.splits()
-        b.reason += f" with w12 roles {sorted(b.w12)}"
+    return Backend(model, "triton-dense", "Triton dense step", True, asked, StepGraphs(model, FastTarget(model)))
+
+
+def _with_w12(b: Backend, choice: dict | None, stats: dict | None) -> Backend:
+    """Record the w12 choice the target was prepared with and install it in the Triton step."""
+    if not choice:
+        return b
+    b.w12, b.w12_stats = choice_json(choice), stats
+    if b.fast is not None:
+        b.fast.use_w12(choice)
+        b.reason += f" with w12 roles {sorted(choice)} (the 12-bit loader of the same kernels)"
+    else:
+        b.reason += f"; w12 roles {sorted(choice)} decoded for the eager forward"
     return b
 
 
@@ -229,31 +239,40 @@ def choose_backend(model, graphs: bool | None = None, kernels: str | None = "aut
     Args:
         model: a :class:`~specpilot.models.target.Transformer` (weights on their device).
         graphs: CUDA graphs (None = auto: on for CUDA); kernels: ``auto``, ``triton`` or ``torch``.
-        w12_choice: ``{role: W12Role}`` (:func:`specpilot.fastpath.w12.parse_choice`) to run in the
-            12-bit kernel inside the dense step; used only where that step runs (CUDA, dense, bf16).
+        w12_choice: ``{role: tiers}`` (:func:`specpilot.fastpath.w12.parse_choice`): the target is
+            converted first (:func:`~specpilot.fastpath.w12.prepare`, bf16 weights only), then
+            the Triton step runs those roles with the 12-bit loader (bit-identical to bf16).
     Returns:
         a :class:`Backend`.
     Raises:
         SpecpilotError: graphs on without CUDA, unknown kernels, ``triton`` asked where Triton or
-            the target's shape cannot run it, a w12 choice the kernel library cannot launch.
+            the target's shape cannot run it, a w12 choice on weights other than bf16.
     """
     w = model.lm_head.weight
     device, dtype = w.device, w.dtype
     asked = kernels or "auto"
+    stats = None
+    if w12_choice:
+        if dtype != torch.bfloat16:
+            raise SpecpilotError(f"w12 roles need bf16 weights, the target holds {dtype}")
+        stats = prepare(model, w12_choice)  # lossless, in place: every path below reads the converted roles
     if not use_graphs(graphs, device):
         resolve_kernels(asked, device, dtype)  # an unknown name is refused on every path
-        return Backend(model, "eager", "no CUDA graphs" + (" (graphs off)" if graphs is False else f" on {device.type}"),
-                       False, asked)
+        return _with_w12(Backend(model, "eager", "no CUDA graphs" + (" (graphs off)" if graphs is False
+                                                                      else f" on {device.type}"), False, asked),
+                         w12_choice, stats)
     resolved = resolve_kernels(asked, device, dtype)
     if model.config.is_dense:
-        return _dense(model, resolved, asked, w12_choice if dtype == torch.bfloat16 else None)
+        return _with_w12(_dense(model, resolved, asked), w12_choice, stats)
     why = family_support(model) or ("fp32 weights" if dtype == torch.float32 else None) \
         or ("kernels torch" if resolved != "triton" else None)
     if why:
-        return Backend(model, "eager", f"hybrid / sliding-window target off the family step: {why}", True, asked)
+        return _with_w12(Backend(model, "eager", f"hybrid / sliding-window target off the family step: {why}", True,
+                                 asked), w12_choice, stats)
     from ..fastpath.family import FastFamilyTarget  # Triton: an optional dependency
 
-    return Backend(model, "triton-family", "Triton family step", True, asked, StepGraphs(model, FastFamilyTarget(model)))
+    return _with_w12(Backend(model, "triton-family", "Triton family step", True, asked,
+                             StepGraphs(model, FastFamilyTarget(model))), w12_choice, stats)
 
 
 def interpreting() -> bool:

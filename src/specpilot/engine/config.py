@@ -64,7 +64,7 @@ def _accept() -> tuple[Callable[[Any], bool], str]:
 FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "block_size": (None, _block(), "block size in the drafter's own counting ('auto': the drafter config's)"),
     "weight_format": ("native", _choice(WEIGHT_FORMATS), "weights as loaded, or lossless 12-bit (w12)"),
-    "w12_fast": (False, _bool(), "w12 roles in the Triton step (the kernel sub-agent's choice)"),
+    "w12_fast": (True, _bool(), "w12: the Triton step's 12-bit loader (bit-identical to bf16); false: eager decode"),
     "tree_branch": (0, _int(0), "side branches per position of a spine tree (0: chain)"),
     "tree_depth": (1, _int(0), "draft positions that get side branches"),
     "tree_nodes": (0, _int(0), "nodes of a static tree from the drafter's rank profile (0: off)"),

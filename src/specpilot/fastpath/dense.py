@@ -27,7 +27,7 @@ from ..tuning.select import select_checked
 from ..tuning.timing import median_ms
 from .tables import (CHECKED_CUBLAS_MIN_ROWS, CUBLAS, CUBLAS_PAD_ROWS, DEFAULT_ATTN_ROWS, DEFAULT_CONFIGS,
                      LINEAR_ROLES, PREFILL_CUBLAS_MIN_ROWS, PaddedCublas, config_key, config_tiers, tier_for)
-from .w12 import W12Roles
+from .w12 import W12Weight, prepare, tier, w12_bytes
 
 
 @torch.no_grad()
@@ -72,7 +72,8 @@ def fuse_weights(model: Transformer) -> None:
 
 def weight_bytes_per_step(model: Transformer, rows: int) -> int:
     """Bytes of weights one step reads: every parameter except the embedding table (of which only
-    ``rows`` rows are gathered); a tied LM head is read in full as the LM head."""
+    ``rows`` rows are gathered); a tied LM head is read in full as the LM head; the 12-bit planes of
+    roles held in w12 (:func:`~specpilot.fastpath.w12.w12_bytes`)."""
     seen, total = set(), 0
     emb = model.model.embed_tokens.weight
     for name, p in model.named_parameters():
@@ -82,7 +83,7 @@ def weight_bytes_per_step(model: Transformer, rows: int) -> int:
         total += p.numel() * p.element_size()
     if not model.config.tie_word_embeddings:
         total -= emb.numel() * emb.element_size()
-    return total + rows * emb.shape[1] * emb.element_size()
+    return total + rows * emb.shape[1] * emb.element_size() + w12_bytes(model)
 
 
 def kv_bytes_per_step(model: Transformer, rows: int, context: int, T: int = 1) -> int:
@@ -155,7 +156,8 @@ class FastTarget:
         # query rows per attention program (0: by block length, see kernels.step.AttnWorkspace)
         self.attn_rows = DEFAULT_ATTN_ROWS if attn_rows is None else attn_rows
         self.checked_cublas = bool(checked_cublas)
-        self.w12: W12Roles | None = None  # roles run by the 12-bit kernel (fastpath.w12; none by default)
+        self.w12: dict[str, tuple] = {}  # role -> tiers of the roles held in 12 bits (fastpath.w12; none by default)
+        self._w12_scratch: torch.Tensor | None = None  # a 12-bit weight decoded for a cuBLAS prefill matmul
         self._chosen: dict[tuple, object] = {}  # (role, M, weight shape, ...) -> checked config
         self.selection: dict[str, dict] = {}  # what the checked-cuBLAS selection found per shape (records, benchmarks)
         self._prefilling = False
@@ -232,8 +234,6 @@ class FastTarget:
                                              max_seq, dev, self.attn_rows))
             ws.xn = torch.zeros(M, c.hidden_size, **z)
             ws.rows = rows
-            if self.w12 is not None and keep:  # the w12 matmul's output before SwiGLU / the residual add
-                ws.extra["w12y"] = torch.zeros(M * max(nq + 2 * nkv, 2 * c.intermediate_size, c.hidden_size), **z)
             if pad > 1:
                 ws.gu = torch.zeros(M, 2 * c.intermediate_size, **z)
             if keep:
@@ -249,19 +249,44 @@ class FastTarget:
 
         ``x`` / ``out`` may be whole workspace buffers: only the step's ``ws.rows`` rows are
         computed, but for a :class:`PaddedCublas` choice, which runs over the slack rows too.
-        ``residual`` is ``out`` itself or None."""
+        ``residual`` is ``out`` itself or None. ``w``: a bf16 tensor, or a :class:`W12Weight`
+        (:meth:`_linear_w12`)."""
         n = min(x.shape[0], ws.rows) if getattr(ws, "rows", 0) else x.shape[0]
         room = min(x.shape[0], out.shape[0])
         xr, outr = x[:n], out[:n]
-        if self.w12 is not None and not self._prefilling:
-            done = self.w12.apply(self, role, xr, w, outr, ws, norm, outr if residual is not None else None, swiglu)
-            if done is not None:
-                return done
+        if isinstance(w, W12Weight):
+            tiers = self.w12.get(role)  # no choice for the role (a model prepared elsewhere): its format decides
+            which, wcfg = tier(tiers, n) if tiers is not None else ("bf16" if w.dense is not None else "w12", None)
+            if which == "w12":
+                return self._linear_w12(role, xr, w, outr, ws, norm, outr if residual is not None else None, swiglu,
+                                        wcfg)
+            if w.dense is None:
+                raise SpecpilotError(f"matmul role {role}: a 12-bit weight without its bf16 copy at {n} rows "
+                                     f"(w12 choice {tiers})")
+            w = w.dense
         cfg = self._pick(role, xr, w, norm, residual, swiglu, room)
         if isinstance(cfg, PaddedCublas):
             xr, outr = x[:cfg.rows], out[:cfg.rows]
             cfg = CUBLAS
         return self._apply(cfg, xr, w, outr, ws, norm, outr if residual is not None else None, swiglu)
+
+    def _linear_w12(self, role, x, w: W12Weight, out, ws, norm, residual, swiglu, wcfg=None):
+        """A role held in 12 bits: the table's Triton config for these rows (or the choice's own,
+        ``wcfg``, checked bit-equal on the GPU by the tuner) with the 12-bit loader (the bf16
+        step's K order: the same bits), or, where the bf16 step runs cuBLAS (a prefill matmul of
+        :data:`PREFILL_CUBLAS_MIN_ROWS` rows or more on a GPU, a ``cublas`` table entry), the same
+        cuBLAS call on the weight decoded into a scratch buffer."""
+        M = x.shape[0]
+        cfg = self.config_for(role, M)
+        prefill_cublas = self._prefilling and M >= PREFILL_CUBLAS_MIN_ROWS and self.checked_cublas and self._on_gpu(x)
+        if cfg != CUBLAS and not prefill_cublas:  # (the cases where _pick gives the bf16 call cuBLAS)
+            return self._apply(wcfg or cfg, x, w.planes, out, ws, norm, residual, swiglu)
+        n = w.numel()
+        if self._w12_scratch is None or self._w12_scratch.numel() < n:
+            self._w12_scratch = None
+            self._w12_scratch = torch.empty(n, dtype=torch.bfloat16, device=x.device)
+        dense = w.bf16(self._w12_scratch[:n].view(w.shape))
+        return self._apply(CUBLAS, x, dense, out, ws, norm, residual, swiglu)
 
     def _apply(self, cfg, x, w, out, ws, norm=None, residual=None, swiglu=False):
         """``out = epilogue(norm(x) @ w.T)`` through ``cfg`` (a LinearConfig or ``"cublas"``).
@@ -286,16 +311,19 @@ class FastTarget:
         return torch.mm(x, w.t(), out=out)
 
 
-    def use_w12(self, choice: dict) -> None:
-        """Run the roles of ``choice`` (``{role: W12Role}``, :func:`specpilot.fastpath.w12.parse_choice`)
-        with the 12-bit tensor-core kernel at every decode / verify M (one K split per role, so a
-        row's bits do not depend on M); prefill matmuls and the other roles stay bf16. Packs each
-        chosen role's weight of every layer (lossless) once; an empty choice turns w12 off.
+    def use_w12(self, choice: dict) -> dict:
+        """Hold the roles of ``choice`` (``{role: tiers}``, :func:`specpilot.fastpath.w12.parse_choice`)
+        in 12 bits (lossless) and run them with the 12-bit loader where the choice says so (the
+        same bits as bf16 at every M): :func:`specpilot.fastpath.w12.prepare` converts the model in
+        place, layer by layer, freeing the bf16 copy of a role that runs w12 at every M. One-way
+        (a role converted stays converted; an empty choice changes nothing). Returns prepare's stats.
 
         Raises:
-            SpecpilotError: a role outside the w12 roles, or a launch the kernel library lacks."""
-        self.w12 = W12Roles(self.model.model.layers, choice) if choice else None
+            SpecpilotError: a role outside the w12 roles, or a projection the fast path cannot read."""
+        stats = prepare(self.model, choice)
+        self.w12 = {**self.w12, **choice}
         self._ws.clear()
+        return stats
 
     @contextlib.contextmanager
     def prefilling(self, on: bool = True):

@@ -14,6 +14,7 @@ from ..kernels import step as kstep
 from .dense import FastTarget, _Workspace, fuse_layer_weights
 from .graphs import GraphCache
 from .support import drafter_support
+from .w12 import W12Weight, prepare_layers
 from .tables import DEFAULT_CONFIGS, DRAFTER_CONTEXT_CONFIGS, FAST_LINEAR_KEY, FAST_LINEAR_MAX_M, LINEAR_ROLES, LinearConfig
 
 
@@ -102,6 +103,14 @@ class FastDrafter(FastTarget):
     def _fuse_weights(self) -> None:
         fuse_layer_weights(self.model.layers)
 
+    def use_w12(self, choice: dict) -> dict:
+        """Hold the drafter layers' roles of ``choice`` in 12 bits (:func:`specpilot.fastpath.w12.prepare_layers`;
+        the draft step then runs them with the 12-bit loader: the same drafts). Returns its stats."""
+        stats = prepare_layers(self.model.layers, choice)
+        self.w12 = {**self.w12, **choice}
+        self._ws.clear()
+        return stats
+
     def _dims(self) -> tuple:
         d = self.model
         if d.ctx_k is None:
@@ -189,11 +198,12 @@ class FastDrafter(FastTarget):
     def _context_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k rows of every layer then v rows of every layer [2 L Hkv D, hidden], k norms [L, D]):
         copies of the drafter's projections (2 L Hkv D x hidden values; 80 MB at the Qwen3-8B
-        drafter shape), made once."""
+        drafter shape), made once (decoded, exactly, where the projections are held in 12 bits)."""
         if getattr(self, "_ctx_w", None) is None:
             c = self.model.config
             nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            qkv = [layer.fused_qkv for layer in self.model.layers]
+            qkv = [layer.fused_qkv.bf16() if isinstance(layer.fused_qkv, W12Weight) else layer.fused_qkv
+                   for layer in self.model.layers]
             self._ctx_w = (torch.cat([w[nq:nq + nkv] for w in qkv] + [w[nq + nkv:] for w in qkv], 0).contiguous(),
                            torch.stack([layer.self_attn.k_norm.weight for layer in self.model.layers]).contiguous())
         return self._ctx_w

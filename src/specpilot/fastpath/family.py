@@ -86,6 +86,13 @@ class FastFamilyTarget(FastTarget):
     def _fuse_weights(self) -> None:
         fuse_family_weights(self.model)
 
+    def use_w12(self, choice: dict) -> dict:
+        """:meth:`FastTarget.use_w12`, then the per-layer parameters re-read (the converted
+        ``o_proj`` / ``out_proj`` weights)."""
+        stats = super().use_w12(choice)
+        self._params()
+        return stats
+
     # ---------------------------------------------------------------- parameters
     @torch.no_grad()
     def _params(self) -> None:

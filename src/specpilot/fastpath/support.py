@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..models.dflash import DFlashDrafter
+from .w12 import PlanesLinear
 
 DENSE_LAYERS = {"full_attention"}
 FAMILY_LAYERS = {"full_attention", "sliding_attention", "linear_attention"}
@@ -28,12 +29,14 @@ def _pow2(n: int) -> bool:
 
 
 def _plain_linears(mods) -> bool:
-    return all(type(m) is nn.Linear for m in mods)
+    """Plain linear layers, or the 12-bit roles the fast path prepared (:class:`PlanesLinear`)."""
+    return all(type(m) in (nn.Linear, PlanesLinear) for m in mods)
 
 
 def dense_support(model) -> str | None:
     """None when the dense step (:class:`~specpilot.fastpath.dense.FastTarget`) can run the target
-    ``model``, else why not: every projection a plain ``nn.Linear`` (not a w12 module), all layers
+    ``model``, else why not: every projection a plain ``nn.Linear`` (or a role prepared in 12 bits
+    for the fast path, not the checkpoint format's w12 module), all layers
     full attention, a power-of-two head_dim (the attention and RoPE kernels tile by it)."""
     c = model.config
     if not _pow2(c.head_dim):
@@ -95,7 +98,7 @@ def drafter_support(drafter) -> str | None:
     for layer in drafter.layers:
         if layer.attention_conv is not None or layer.mlp_conv is not None:
             return "convolution layers"
-    lin = [m for m in drafter.modules() if isinstance(m, nn.Linear)]
-    if not all(type(m) is nn.Linear and m.bias is None for m in lin):
+    lin = [m for m in drafter.modules() if isinstance(m, (nn.Linear, PlanesLinear))]
+    if not all(type(m) in (nn.Linear, PlanesLinear) and m.bias is None for m in lin):
         return "linears with bias or another weight format"
     return None

@@ -1,25 +1,32 @@
-"""12-bit weights inside the engine's CUDA-graph fast path: per matmul role, the fragment-ordered
-tensor-core kernel (:mod:`specpilot.kernels.w12_mma`) or the bf16 step, as tuned on this GPU.
+"""12-bit weights in the engine's fast path: matmul roles whose weight is held as lossless 12-bit
+tile planes and multiplied by the bf16 Triton kernel with the 12-bit loader.
 
-**One choice per role, not per M.** AR decodes one row, a verify step 16 (one request) or more;
-the same prefix must give the same logits in either, or speculative outputs drift from AR's. The
-w12 kernel's reduction order depends only on its K split, never on M (its launch shape, tiles per
-warp x warps x unroll, may change with M; more than 64 rows run in chunks of 64); the bf16 step's
-rows are M-invariant by its own construction. So a role chosen for w12 runs w12 with one split at
-every M of a decode or verify step, and a role not chosen runs bf16 at every M; the choice is made
-from the summed time over the widths the deployment runs (``widths``). Prefill matmuls (``last_only``
-forwards) stay bf16: a prompt is prefilled by the same calls in every engine and in token forcing.
-A w12 role sums the same exact products as bf16 in another order, so an engine with w12 roles is
-compared to the bf16 weights by token forcing (near-tie classification), not bit for bit.
+**Same kernel, another loader.** A 12-bit role runs :func:`specpilot.kernels.step.linear` with
+the same config (tiles, K order, no split, prologue, epilogues) the bf16 step runs at that row
+count; only the weight tile is decoded in registers from the planes instead of loaded
+(:mod:`specpilot.w12.planes`). The decoded values are the bf16 weights' bits, so the step's logits
+are the bf16 step's bit for bit at every M, and a w12 engine is token-forced against the bf16
+teacher-forced pass with margins exactly 0. Prefill matmuls that run cuBLAS on the bf16 weights
+(>= 64 rows on a GPU) run the same cuBLAS call on the weight decoded into a scratch buffer.
 
-**Choice format** (``w12_choice`` of a kernel-agent.json): ``{role: {"split": s, "launch":
-{max_rows: "t{tiles}-w{warps}-u{unroll}"}}}`` for the roles that run w12 (qkv, o, gate_up, down;
-absent roles run bf16). An M uses the launch of the smallest ``max_rows`` >= min(M, 64), the largest
-entry beyond them all.
+**Choice** (``w12_choice``, tuned per GPU and shape by :func:`specpilot.tuning.w12.tune_w12_choice`):
+``{role: value | {max_rows: value}}`` over :data:`ROLES`, a value being ``"bf16"``, ``"w12"``
+(the 12-bit loader with the step's table config at that M) or ``"w12:<config key>"`` (with
+another :class:`~specpilot.fastpath.tables.LinearConfig`: the tuner takes one only after every
+output row was bit-equal to the bf16 step's on the GPU: the configs of this kernel differ in
+tiles, not in the order of the K sum, which is the MMA's k16 steps ascending into one fp32
+accumulator); a role's matmul of M rows uses the entry with the smallest ``max_rows`` >= M (the
+largest beyond them all). Since both give the same bits, the choice per role and M is only about
+speed. A role that is w12 at every M
+keeps no bf16 copy (:func:`prepare` frees it: 1.5 bytes per weight instead of 2); a role that is
+bf16 at some M keeps both.
 
-:func:`specpilot.tuning.w12.tune_w12_choice` measures it per role on a one-layer random copy of the
-target; the backend (:func:`specpilot.engine.backend.choose_backend`) puts a choice into a
-target's step through :class:`W12Roles`.
+:func:`prepare` converts a loaded target (dense or hybrid / sliding-window family, or a DFlash
+drafter's layers) in place, layer by layer (peak memory: the bf16 model plus one layer's planes):
+the role's fused weight (``fused_qkv``, ``fused_in``, ``fused_gate_up``) becomes a
+:class:`W12Weight`, and its linear modules :class:`PlanesLinear` views, whose eager forward decodes
+exactly (so the eager forward, token forcing's eager pass and trees that run eagerly keep working
+and give the bf16 bits).
 """
 
 from __future__ import annotations
@@ -28,171 +35,301 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import SpecpilotError
-from ..kernels import w12_mma
-from ..kernels.w12_mma import SPLITS, TILES, UNROLLS, WARPS
 from ..w12 import W12Linear, pack
+from ..w12.planes import TilePlanes, decode_planes, tile_planes
+from .tables import LinearConfig
 
-ROLES = ("qkv", "o", "gate_up", "down")  # matmul roles that may run w12 (lm_head stays bf16)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # launch-table rows tuned per split
-
-
-@dataclass(frozen=True)
-class W12Role:
-    """How one role runs w12: the K ``split`` (fixes the bits) and launch shapes by row bucket.
-
-    ``tiers``: ((max_rows, (tiles, warps, unroll)), ...) sorted by max_rows."""
-
-    split: int
-    tiers: tuple[tuple[int, tuple[int, int, int]], ...]
-
-    def launch(self, rows: int) -> tuple[int, int, int]:
-        """(tiles, warps, unroll) for a matmul of ``rows`` rows (chunks of 64 beyond 64)."""
-        m = min(rows, 64)
-        for max_rows, launch in self.tiers:
-            if m <= max_rows:
-                return launch
-        return self.tiers[-1][1]
-
-    def to_dict(self) -> dict:
-        return {"split": self.split, "launch": {str(m): "t{}-w{}-u{}".format(*c) for m, c in self.tiers}}
+ROLES = ("qkv", "o", "gate_up", "down")  # the target's matmul roles that may run w12 (lm_head stays bf16)
+CHOICES = ("w12", "bf16")
+ALL = 1 << 30  # max_rows of a one-entry table
 
 
-def _launch_key(key: str, where: str) -> tuple[int, int, int]:
-    try:
-        t, w, u = key.split("-")
-        if t[0] != "t" or w[0] != "w" or u[0] != "u":
-            raise ValueError
-        return int(t[1:]), int(w[1:]), int(u[1:])
-    except (ValueError, IndexError, AttributeError):
-        raise SpecpilotError(f"{where}: launch {key!r} is not 't<tiles>-w<warps>-u<unroll>'") from None
+@dataclass
+class W12Weight:
+    """A matmul role's weight ``[N, K]`` as 12-bit tile planes, with its bf16 copy when kept.
+
+    Attributes:
+        planes: :class:`~specpilot.w12.planes.TilePlanes`; dense: the bf16 weight or None.
+    """
+
+    planes: TilePlanes
+    dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.planes.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes.device
+
+    def numel(self) -> int:
+        return self.planes.shape[0] * self.planes.shape[1]
+
+    def rows(self, lo: int, hi: int) -> "W12Weight":
+        """Rows ``lo .. hi-1`` (views)."""
+        return W12Weight(self.planes.rows(lo, hi), self.dense[lo:hi] if self.dense is not None else None)
+
+    def bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact bf16 weight: the kept copy, else decoded into ``out`` (or a new tensor) by the
+        matmul kernel's decode on CUDA, by the PyTorch reference elsewhere."""
+        if self.dense is not None:
+            return self.dense
+        if self.device.type == "cuda":
+            from ..kernels import step  # Triton: an optional dependency
+
+            return step.decode(self.planes, out)
+        d = decode_planes(self.planes)
+        return out.copy_(d) if out is not None else d
+
+    def nbytes(self) -> int:
+        """Bytes held: the planes, plus the bf16 copy when kept."""
+        return self.planes.nbytes() + (self.dense.numel() * 2 if self.dense is not None else 0)
 
 
-def parse_choice(choice, where: str = "w12_choice") -> dict[str, W12Role]:
-    """Validate a ``w12_choice`` object (module docstring) into ``{role: W12Role}``.
+class PlanesLinear(nn.Module):
+    """A bias-free linear layer whose weight is a :class:`W12Weight` (a role prepared for the fast
+    path): ``.weight`` is that object; the eager forward is ``F.linear(x, weight.bf16())``, exact
+    (the kept bf16 copy, or the weight decoded for the call)."""
+
+    def __init__(self, w: W12Weight):
+        super().__init__()
+        self.w12 = w
+        self.out_features, self.in_features = w.shape
+        self.bias = None
+
+    @property
+    def weight(self) -> W12Weight:
+        return self.w12
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise SpecpilotError(f"w12: input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        w = self.w12.bf16()
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w12, " \
+               f"bf16 kept={self.w12.dense is not None}"
+
+
+def _value(v, where: str) -> tuple[str, LinearConfig | None]:
+    if v in CHOICES:
+        return v, None
+    if isinstance(v, str) and v.startswith("w12:"):
+        try:
+            return "w12", LinearConfig.parse(v[4:])
+        except ValueError as e:
+            raise SpecpilotError(f"{where}: {v!r}: {e}") from None
+    raise SpecpilotError(f"{where}: {v!r} is not 'w12', 'bf16' or 'w12:<config key>'")
+
+
+def parse_choice(choice, where: str = "w12_choice") -> dict[str, tuple]:
+    """Validate a ``w12_choice`` (module docstring) into ``{role: ((max_rows, "w12" | "bf16",
+    LinearConfig or None), ...)}`` sorted by max_rows (roles absent or all-bf16 left out). None or
+    ``{}``: no w12 role.
 
     Raises:
-        SpecpilotError: naming ``where`` and the unknown role, bad split, row count or launch.
+        SpecpilotError: naming ``where`` and the unknown role, bad row count or value.
     """
     if choice is None:
         return {}
     if not isinstance(choice, dict):
-        raise SpecpilotError(f"{where} must be an object {{role: {{split, launch}}}}, got {type(choice).__name__}")
+        raise SpecpilotError(f"{where} must be an object {{role: 'w12' | 'bf16' | {{max_rows: ...}}}}, "
+                             f"got {type(choice).__name__}")
     out = {}
     for role, spec in choice.items():
         if role not in ROLES:
             raise SpecpilotError(f"{where} names role {role!r}; w12 roles: {', '.join(ROLES)}")
-        if not isinstance(spec, dict) or not isinstance(spec.get("launch"), dict) or not spec["launch"]:
-            raise SpecpilotError(f"{where}[{role!r}] must be {{'split': int, 'launch': {{max_rows: key}}}}, got {spec!r}")
-        split = spec.get("split")
-        if split not in SPLITS:
-            raise SpecpilotError(f"{where}[{role!r}]: split {split!r} not among {SPLITS}")
+        table = spec if isinstance(spec, dict) else {str(ALL): spec}
+        if not table:
+            raise SpecpilotError(f"{where}[{role!r}] is an empty table")
         tiers = []
-        for rows, key in spec["launch"].items():
+        for rows, v in table.items():
             try:
                 n = int(rows)
             except (TypeError, ValueError):
                 n = 0
             if n < 1 or str(rows).strip() != str(n):
                 raise SpecpilotError(f"{where}[{role!r}]: row count {rows!r} must be an integer >= 1")
-            t, w, u = _launch_key(key, f"{where}[{role!r}][{rows!r}]")
-            if t not in TILES or w not in WARPS or u not in UNROLLS:
-                raise SpecpilotError(f"{where}[{role!r}][{rows!r}]: launch {key!r} outside tiles {TILES}, "
-                                     f"warps {WARPS}, unroll {UNROLLS}")
-            tiers.append((n, (t, w, u)))
-        out[role] = W12Role(int(split), tuple(sorted(tiers)))
+            tiers.append((n, *_value(v, f"{where}[{role!r}][{rows!r}]")))
+        tiers = tuple(sorted(tiers, key=lambda t: t[0]))
+        if any(v == "w12" for _, v, _ in tiers):
+            out[role] = tiers
     return out
 
 
-def role_weights(layer) -> dict[str, torch.Tensor]:
-    """The engine's weight of each w12 role in one fused decoder layer (see ``fuse_weights``)."""
-    return {"qkv": layer.fused_qkv, "o": layer.self_attn.o_proj.weight, "gate_up": layer.fused_gate_up,
-            "down": layer.mlp.down_proj.weight}
+def every_role() -> dict[str, tuple]:
+    """The parsed choice with every role in w12 at every row count (no bf16 copy kept)."""
+    return {role: ((ALL, "w12", None),) for role in ROLES}
 
 
-def to_plain_linears(model: nn.Module) -> int:
-    """Replace every :class:`~specpilot.w12.W12Linear` of ``model`` by an ``nn.Linear`` holding its
-    exact bf16 weight (lossless: the format decodes bit for bit); returns how many it replaced.
-    The fast path then packs the roles it runs in w12 from those weights again."""
-    names = [n for n, m in model.named_modules() if isinstance(m, W12Linear)]
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        m = getattr(owner, child)
-        lin = nn.Linear(m.in_features, m.out_features, bias=False, device=m.w12_mant.device, dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(m.weight_bf16())
-        setattr(owner, child, lin)
-    return len(names)
+def _json_value(v: str, cfg: LinearConfig | None) -> str:
+    return f"w12:{cfg.key()}" if cfg is not None else v
 
 
+def choice_json(parsed: dict[str, tuple]) -> dict:
+    """The JSON form of a parsed choice (inverse of :func:`parse_choice`)."""
+    return {role: (_json_value(t[0][1], t[0][2]) if len(t) == 1 and t[0][0] == ALL
+                   else {str(m): _json_value(v, c) for m, v, c in t})
+            for role, t in parsed.items()}
 
-class W12Roles:
-    """The roles of one fast step that run the 12-bit kernel: the choice and the fragment-packed
-    weights (lossless copies of the bf16 weights the step keeps for prefill and other roles).
 
-    Args:
-        layers: the target's decoder layers (fused: ``fused_qkv``, ``fused_gate_up``).
-        choice: ``{role: W12Role}`` (:func:`parse_choice`); CUDA only (the kernel library is loaded).
+def tier(tiers: tuple, rows: int) -> tuple[str, LinearConfig | None]:
+    """``("w12" | "bf16", config or None)`` of a role with ``tiers`` for a matmul of ``rows`` rows."""
+    for max_rows, v, cfg in tiers:
+        if rows <= max_rows:
+            return v, cfg
+    return tiers[-1][1], tiers[-1][2]
+
+
+def runs_w12(tiers: tuple, rows: int) -> bool:
+    """Whether a role with ``tiers`` runs w12 for a matmul of ``rows`` rows."""
+    return tier(tiers, rows)[0] == "w12"
+
+
+def lean(tiers: tuple) -> bool:
+    """True when the role runs w12 at every row count (its bf16 copy is not kept)."""
+    return all(v == "w12" for _, v, _ in tiers)
+
+
+def role_groups(layer) -> list[tuple[str, str | None, nn.Module, list[str]]]:
+    """The matmul roles of one decoder layer (a dense, hybrid GDN or sliding-window target's, or a
+    DFlash drafter's) as the fast path fuses them: ``(role, attribute of the fused weight or None
+    for a one-module role, owner module, member linear names in fused order)``."""
+    kind = getattr(layer, "kind", "full_attention")
+    if kind == "linear_attention":
+        g = layer.linear_attn
+        out = [("qkv", "fused_in", g, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]),
+               ("o", None, g, ["out_proj"])]
+    else:
+        a = layer.self_attn
+        extra = ["gate_proj"] if getattr(a, "gate", None) == "proj" else []
+        out = [("qkv", "fused_qkv", a, ["q_proj", "k_proj", "v_proj"] + extra), ("o", None, a, ["o_proj"])]
+    return out + [("gate_up", "fused_gate_up", layer.mlp, ["gate_proj", "up_proj"]),
+                  ("down", None, layer.mlp, ["down_proj"])]
+
+
+def _bf16_weight(mod: nn.Module) -> torch.Tensor:
+    """The exact bf16 weight of a linear module (plain, checkpoint-format 12-bit, or prepared)."""
+    if isinstance(mod, W12Linear):
+        return mod.weight_bf16()
+    if isinstance(mod, PlanesLinear):
+        return mod.w12.bf16()
+    if type(mod) is nn.Linear and mod.bias is None:
+        return mod.weight.detach()
+    raise SpecpilotError(f"w12 fast path: cannot read the weight of a {type(mod).__name__}")
+
+
+def _bf16_values(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as bf16, exactly: a bf16 weight, or an fp32 one that holds bf16 values (the CPU
+    interpreter's models, whose kernels compute in fp32). Raises SpecpilotError otherwise."""
+    if w.dtype == torch.bfloat16:
+        return w.contiguous()
+    b = w.to(torch.bfloat16)
+    if w.dtype != torch.float32 or not torch.equal(b.to(w.dtype), w):
+        raise SpecpilotError(f"w12 roles need bf16 weights (or fp32 holding bf16 values), got {w.dtype} values "
+                             "that bf16 does not hold")
+    return b.contiguous()
+
+
+def _plain(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return lin
+
+
+@torch.no_grad()
+def _prepare_group(layer, attr: str | None, owner: nn.Module, names: list[str], tiers) -> int:
+    """One fused group of one layer (see :func:`prepare`); returns the bf16 bytes freed."""
+    mods = [getattr(owner, n) for n in names]
+    fused = getattr(layer, attr, None) if attr else None
+    if isinstance(fused, W12Weight) or (attr is None and isinstance(mods[0], PlanesLinear)):
+        return 0  # prepared before
+    if isinstance(fused, torch.Tensor):
+        w = fused  # fused before (the members are views of it)
+    elif attr is None:
+        w = _bf16_weight(mods[0])
+        if type(mods[0]) is not nn.Linear:
+            setattr(owner, names[0], _plain(w))
+    else:  # fuse: the members become views of one tensor, as fastpath.dense.fuse_linears does
+        w = torch.cat([_bf16_weight(m) for m in mods], 0)
+        o = 0
+        for n, m in zip(names, mods):
+            setattr(owner, n, _plain(w[o:o + m.out_features]))
+            o += m.out_features
+    if not tiers:  # a bf16 role: its fused tensor, as the bf16 step keeps it
+        if attr is not None:
+            setattr(layer, attr, w)
+        return 0
+    keep = not lean(tiers)
+    ww = W12Weight(tile_planes(pack(_bf16_values(w))), w if keep else None)
+    o = 0
+    for n in names:
+        rows = getattr(owner, n).out_features
+        setattr(owner, n, PlanesLinear(ww if len(names) == 1 else ww.rows(o, o + rows)))
+        o += rows
+    if attr is not None:
+        setattr(layer, attr, ww)
+    return 0 if keep else w.numel() * 2
+
+
+@torch.no_grad()
+def prepare_layers(layers, choice: dict[str, tuple]) -> dict:
+    """:func:`prepare` over decoder layers (a target's, or a DFlash drafter's), in place."""
+    freed = packed = 0
+    for layer in layers:
+        for role, attr, owner, names in role_groups(layer):
+            tiers = choice.get(role)
+            freed += _prepare_group(layer, attr, owner, names, tiers)
+            packed += bool(tiers)
+    return {"roles": sorted(choice), "weights_converted": packed, "bf16_bytes_freed": freed}
+
+
+@torch.no_grad()
+def prepare(model, choice: dict[str, tuple]) -> dict:
+    """Convert a loaded target's matmul roles in place for the fast path (module docstring): every
+    layer's groups fused, the roles of ``choice`` (:func:`parse_choice`) held as :class:`W12Weight`
+    (without their bf16 copy where they run w12 at every M). Linear modules in the checkpoint's
+    12-bit format (:class:`~specpilot.w12.W12Linear`) are decoded layer by layer first. The step
+    built afterwards (:class:`~specpilot.fastpath.dense.FastTarget` or its family subclass) finds
+    the layers fused and the weights converted.
+
+    Returns:
+        ``{"roles", "weights_converted", "bf16_bytes_freed"}``.
     Raises:
-        SpecpilotError: a role outside :data:`ROLES`, or a launch the library lacks for a weight's K
-            (:func:`specpilot.kernels.w12_mma.valid`).
+        SpecpilotError: a projection the fast path cannot read (a bias, another module type).
     """
-
-    def __init__(self, layers, choice: dict[str, W12Role]):
-        bad = [r for r in choice if r not in ROLES]
-        if bad:
-            raise SpecpilotError(f"w12 roles must be among {ROLES}, got {bad}")
-        for role, w in role_weights(layers[0]).items():
-            rc = choice.get(role)
-            # each launch at its bucket's rows (valid there: valid at fewer), the last also at 64
-            # (it runs every 64-row chunk beyond the table)
-            checks = [(min(r, 64), c) for r, c in rc.tiers] + [(64, rc.tiers[-1][1])] if rc is not None else []
-            for m, (tn, warps, unroll) in checks:
-                if not w12_mma.valid(m, rc.split, tn, warps, unroll, w.shape[1]):
-                    raise SpecpilotError(f"w12 role {role}: no kernel for split {rc.split}, tiles {tn}, warps "
-                                         f"{warps}, unroll {unroll} at {m} rows (K = {w.shape[1]}); see w12_mma.valid")
-        self.choice = dict(choice)
-        self.packed = {}  # weight data_ptr -> FragW12
-        for layer in layers:
-            for role, w in role_weights(layer).items():
-                if role in choice:
-                    self.packed[w.data_ptr()] = w12_mma.frag_pack(pack(w.detach()))
-
-    def splits(self) -> dict[str, int]:
-        """``{role: split}`` (what the records show)."""
-        return {role: rc.split for role, rc in self.choice.items()}
-
-    def apply(self, step, role: str, x, w, out, ws, norm=None, residual=None, swiglu=False):
-        """``out = epilogue(norm(x) @ W.T)`` with ``w`` in w12 when ``role`` runs w12 and ``w`` was
-        packed (:func:`w12_apply`); returns ``out``, or None when this call stays bf16."""
-        rc = self.choice.get(role)
-        f = self.packed.get(w.data_ptr()) if rc is not None else None
-        if f is None:
-            return None
-        return w12_apply(step, rc, f, x, out, ws, norm, residual, swiglu)
+    stats = prepare_layers(model.model.layers, choice)
+    if model.config.is_dense:
+        model._fused_weights = True
+    else:
+        model._fused_family = True
+    if isinstance(model.lm_head, W12Linear):
+        lin = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False,
+                        device=model.lm_head.w12_mant.device, dtype=torch.bfloat16)
+        lin.weight = nn.Parameter(model.lm_head.weight_bf16(), requires_grad=False)
+        model.lm_head = lin
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return stats
 
 
-def w12_apply(step, rc: W12Role, f, x: torch.Tensor, out: torch.Tensor, ws, norm=None, residual=None,
-              swiglu: bool = False) -> torch.Tensor:
-    """``out = epilogue(norm(x) @ W.T)`` with W in w12 (``f``, a FragW12) through launch family ``rc``:
-    the RMSNorm and SwiGLU kernels of the bf16 cuBLAS variant of ``step`` (a FastTarget), the w12
-    tensor-core matmul into the workspace buffer ``ws.extra["w12y"]``, then SwiGLU or ``out += y``
-    (``residual`` is ``out``). x [M, K] bf16; out [M, N]. Returns ``out``."""
-    K = step.k
-    M = x.shape[0]
-    if norm is not None:
-        x = K.rmsnorm(x, norm, ws.xn[:M], step.model.config.rms_norm_eps)
-    launch = rc.launch(M)
-    if residual is None and not swiglu:
-        return w12_mma.matmul(x, f, rc.split, *launch, out=out)
-    need = M * f.shape[0]
-    buf = ws.extra.get("w12y")  # flat: the kernel writes rows of exactly N columns
-    if buf is None or buf.numel() < need:
-        buf = ws.extra["w12y"] = torch.empty(need, dtype=x.dtype, device=x.device)
-    y = buf[:need].view(M, f.shape[0])
-    w12_mma.matmul(x, f, rc.split, *launch, out=y)
-    if swiglu:
-        return K.silu_mul(y, out)
-    return out.add_(y)
+def w12_bytes(model) -> int:
+    """Bytes of the 12-bit planes held by a prepared model's roles (each weight once)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, PlanesLinear):
+            p = m.w12.planes
+            key = (p.mant.data_ptr(), p.codes.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += p.nbytes()
+    return total

@@ -112,8 +112,9 @@ class _Targets:
             if self.dtype != torch.bfloat16:
                 raise SpecpilotError("weight_format w12 needs bf16 weights (--dtype bf16)")
             target = self.dep.target
-            apply_w12(target)
             choice = w12_choice_for({"w12_choice": self.w12_choice}, config) if self.device.type == "cuda" else None
+            if not choice:
+                apply_w12(target)  # the eager 12-bit layers (w12_fast off, or the CPU)
             self.dep, self.w12 = self._tables(Deployment.of(target, self.drafter, w12_choice=choice), False), True
         return self.dep
 

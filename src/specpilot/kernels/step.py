@@ -30,6 +30,13 @@ and ``tests/test_gpu_path.py`` under the interpreter.
 The RMSNorm prologue folds the norm into the matmul: ``y = rstd * ((x * w_norm) @ W.T)``, the
 row's sum of squares accumulated from the same x loads, so the norm costs no extra kernel.
 
+Two loaders, one kernel: the matmul reads its weight tile either as bf16 or from lossless 12-bit
+tile planes (:mod:`specpilot.w12.planes`, ``W12``), decoded in registers (inline PTX, 17 integer
+instructions per 8 weights plus the escape test) into the same bf16 values before the same
+``tl.dot``; tiles, K order, prologue and epilogues are shared, so the outputs are the same bits
+(issue 48; a decode kept elementwise, so the dot operand layout stays the bf16 kernel's:
+:mod:`specpilot.kernels.inspect` reads it from the machine code).
+
 ``TRITON_INTERPRET=1`` runs the kernels on the CPU (tests); the interpreter of triton 3.6
 mis-multiplies bf16 ``tl.dot``, so the kernels take an exact fp32 dot when interpreting.
 """
@@ -58,13 +65,86 @@ def _interp_dot(a, b):
     return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
 
 
+# One group of 8 weights -> 8 bf16 (4 registers of 2), per instance of the inline PTX below
+# (tl.inline_asm_elementwise, pack=8). Operands: $0..$3 the pairs (elements 0-1, 2-3, 4-5, 6-7),
+# $4 / $5 the group's sign+mantissa bytes (elements 0-3 / 4-7), $6 its code word (see
+# specpilot.w12.planes: the low nibbles of its bytes are the codes of elements 0, 4, 1, 5, the high
+# nibbles of 2, 6, 3, 7), $14 the side table's address (64-bit), $22 the base exponent in bits 7-14
+# and 23-30 (the other operands repeat these: one per element of the pack).
+# Exponents: with l = C & 0x0F0F0F0F and h = C & 0xF0F0F0F0, the codes of a pair move to bits 7-10
+# and 23-30 of a word and the base is added in one integer multiply-add each: l * 128 (elements
+# 0, 1), h * 8 (2, 3), hi(l * 2^31) = l >> 1 (4, 5), hi(h * 2^27) = h >> 5 (6, 7), + base (no
+# carry leaves a field: base + 15 <= 254; what lands outside bits 7-14 / 23-30 is masked).
+# Sign and mantissa: a byte permute with sign replication (prmt, modes 0x9180 / 0xB3A2) puts each
+# byte's mantissa at bits 0-6 of its lane and its sign at bit 15. One bit select (lop3) merges
+# them. An escape group (code word 0) holds in its first mantissa word the byte offset of its 16
+# exact bytes in the side table, loaded predicated (no traffic for the others).
+_W12_DECODE_ASM = tl.constexpr(
+    "{ .reg .b32 l, h, e, s; .reg .b64 a; .reg .pred p;\n"
+    "and.b32 l, $6, 0x0F0F0F0F; and.b32 h, $6, 0xF0F0F0F0;\n"
+    "prmt.b32 s, $4, $4, 0x9180; mad.lo.u32 e, l, 128, $22; lop3.b32 $0, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $4, $4, 0xB3A2; mad.lo.u32 e, h, 8, $22; lop3.b32 $1, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $5, $5, 0x9180; mad.hi.u32 e, l, 0x80000000, $22; lop3.b32 $2, e, s, 0x7F807F80, 0xE4;\n"
+    "prmt.b32 s, $5, $5, 0xB3A2; mad.hi.u32 e, h, 0x08000000, $22; lop3.b32 $3, e, s, 0x7F807F80, 0xE4;\n"
+    "setp.eq.u32 p, $6, 0; mad.wide.u32 a, $4, 1, $14;\n"
+    "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a]; }")
+_W12_DECODE_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 2 + ["r"] * 8 + ["l"] * 8 + ["r"] * 8))
+
+
+@triton.jit
+def _w12_weight_tile(m_rows, c_rows, side_ptr, side_addr, kk, g, wmask, gmask, base2, BN: tl.constexpr,
+                     BK: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+    """The bf16 weight tile [BN, BK] (natural k order) decoded in registers from the tile planes
+    of :func:`specpilot.w12.planes.tile_planes` (``m_rows``: uint8 sign+mantissa bytes of the
+    tile's rows, natural order; ``c_rows``: int32 code words, one per group of 8): exponent = base
+    + code, and a group whose code word is 0 is an escape group, its 8 exact values read from the
+    side table (16 bytes at ``side + 16 * index``, index = the group's first mantissa word). The
+    values are the weights' bf16 bits exactly, so the tile feeds the same ``tl.dot`` as the bf16
+    load would: an elementwise result (no join / reshape before the dot), so the compiler keeps
+    the bf16 kernel's dot operand layout (a K order within each MMA identical to the bf16
+    kernel's). GPU: :data:`_W12_DECODE_ASM` per group; the interpreter: the same arithmetic
+    element by element."""
+    BG: tl.constexpr = BK // 8
+    if MASKED:
+        mant = tl.load(m_rows + kk[None, :], mask=wmask, other=0, eviction_policy="evict_first")  # uint8 [BN, BK]
+        C = tl.load(c_rows + g[None, :], mask=gmask, other=1, eviction_policy="evict_first")  # int32 [BN, BG]
+    else:
+        mant = tl.load(m_rows + kk[None, :], eviction_policy="evict_first")
+        C = tl.load(c_rows + g[None, :], eviction_policy="evict_first")
+    Cb = tl.reshape(tl.broadcast_to(C[:, :, None], (BN, BG, 8)), (BN, BK))  # each weight: its group's word
+    if INTERP:
+        i = kk % 8  # element of the group; its code is nibble i // 2 + 4 (i % 2) of the code word
+        code = (Cb >> ((i // 2 + 4 * (i % 2)) * 4)[None, :]) & 0xF
+        b = mant.to(tl.int32)
+        bits = ((b & 0x80) << 8) | ((code + ((base2 >> 7) & 0xFF)) << 7) | (b & 0x7F)
+        off = tl.load(m_rows.to(tl.pointer_type(tl.int32)) + ((kk // 8) * 2)[None, :], mask=wmask, other=0)
+        side16 = side_ptr.to(tl.pointer_type(tl.int16))
+        ev = tl.load(side16 + off // 2 + i[None, :], mask=wmask & (Cb == 0), other=0).to(tl.int32) & 0xFFFF
+        bits = tl.where(Cb == 0, ev, bits)
+        w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        w = tl.inline_asm_elementwise(
+            _W12_DECODE_ASM, _W12_DECODE_CONSTRAINTS,
+            [mant, Cb, tl.full((BN, BK), side_addr, tl.int64), tl.full((BN, BK), base2, tl.int32)],
+            dtype=tl.bfloat16, is_pure=False, pack=8)
+    return w
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, eps,
+                   m_ptr, c_ptr, side_ptr, side_addr, base2,
                    NORM: tl.constexpr, RES: tl.constexpr, SWIGLU: tl.constexpr,
                    BM_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                   INTERP: tl.constexpr):
-    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows)."""
+                   INTERP: tl.constexpr, W12: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+    """y[M, N] = epilogue(prologue(x)[M, K] @ W[N, K].T); SWIGLU: W is [2N, K] (gate rows, then up rows).
+
+    W12: the weight comes from the 12-bit tile planes (``m_ptr`` uint8 [N, K] sign+mantissa
+    bytes, ``c_ptr`` int32 [N, K/8] code words, ``side_ptr`` int32 escape words at the address
+    ``side_addr``, ``base2`` the base exponent at bits 7-14 and 23-30 of an int32; ``w_ptr``
+    unused), decoded to the same bf16 values in registers
+    (:func:`_w12_weight_tile`); everything else (tiles, K order, dot, prologue, epilogues) is the
+    bf16 kernel's, so the output is the bf16 kernel's bit for bit."""
     pid_m = tl.program_id(0)  # fastest: the row tiles that share a weight tile run side by side
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM_ + tl.arange(0, BM_)
@@ -73,7 +153,13 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    if W12:
+        G = K // 8
+        offs_g = tl.arange(0, BK // 8)
+        m_rows = m_ptr + offs_n[:, None].to(tl.int64) * K
+        c_rows = c_ptr + offs_n[:, None].to(tl.int64) * G
+    else:
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     acc = tl.zeros((BN, BM_), dtype=tl.float32)
     acc2 = tl.zeros((BN, BM_), dtype=tl.float32)
     ss = tl.zeros((BM_,), dtype=tl.float32)
@@ -95,13 +181,26 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
             else:
                 nw = tl.load(nw_ptr + kk, mask=mk, other=0.0).to(tl.float32)
             x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        if W12:
+            g = k0 // 8 + offs_g
+            if EVEN_K:
+                gmask = mask_n[:, None]
+            else:
+                gmask = mask_n[:, None] & (g < G)[None, :]
+            w = _w12_weight_tile(m_rows, c_rows, side_ptr, side_addr, kk, g, wmask, gmask, base2, BN, BK, INTERP,
+                                 not (EVEN_K and EVEN_N))
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if INTERP:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
         if SWIGLU:
-            w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+            if W12:
+                w2 = _w12_weight_tile(m_rows + N * K, c_rows + N * G, side_ptr, side_addr, kk, g, wmask, gmask, base2,
+                                      BN, BK, INTERP, not (EVEN_K and EVEN_N))
+            else:
+                w2 = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
             if INTERP:
                 acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
             else:
@@ -124,10 +223,15 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr,
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], out.to(dt), mask=mask)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, cfg: LinearConfig = LinearConfig(),
+def linear(x: torch.Tensor, w, out: torch.Tensor | None = None, *, cfg: LinearConfig = LinearConfig(),
            norm: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
            swiglu: bool = False) -> torch.Tensor:
     """``out = epilogue(prologue(x) @ w.T)`` for x [M, K] (row stride free, unit column stride).
+
+    ``w``: the bf16 weight [N, K] (contiguous), or its lossless 12-bit tile planes
+    (:class:`specpilot.w12.planes.TilePlanes`, same shape): the same kernel, tiles, K order and
+    epilogues, the weight tile decoded in registers instead of loaded, so the output is
+    bit-identical to the bf16 weight's.
 
     Rows run in tiles of :func:`row_tile` (M, ``cfg.bm``) rows; each weight tile is read once per
     row tile.
@@ -137,18 +241,60 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     (gate rows then up rows) and the result is ``silu(gate) * up``.
     """
     M, K = x.shape
+    planes = None if isinstance(w, torch.Tensor) else w
     N = w.shape[0] // 2 if swiglu else w.shape[0]
-    assert w.shape[1] == K and x.stride(1) == 1 and w.is_contiguous()
+    assert w.shape[1] == K and x.stride(1) == 1 and (planes is not None or w.is_contiguous())
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bm = row_tile(M, cfg.bm)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.bn))
     r = residual if residual is not None else out
-    _linear_kernel[grid](x, w, out, r, norm if norm is not None else w,
-                         M, N, K, x.stride(0), out.stride(0), r.stride(0), eps,
+    if planes is not None:
+        assert K % 8 == 0 and cfg.bk % 8 == 0
+        if cfg.bn * cfg.bk < 256 * cfg.warps:  # each thread decodes whole groups of 8 contiguous weights
+            raise ValueError(f"w12: tile {cfg.bn} x {cfg.bk} gives a thread fewer than 8 weights with "
+                             f"{cfg.warps} warps")
+        wp, mp, cp, sp, sa, b2 = x, planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2()
+    else:
+        wp, mp, cp, sp, sa, b2 = w, w, w, w, 0, 0
+    _linear_kernel[grid](x, wp, out, r, norm if norm is not None else wp,
+                         M, N, K, x.stride(0), out.stride(0), r.stride(0), eps, mp, cp, sp, sa, b2,
                          NORM=norm is not None, RES=residual is not None, SWIGLU=swiglu,
                          BM_=bm, BN=cfg.bn, BK=cfg.bk, EVEN_K=K % cfg.bk == 0, INTERP=INTERPRET,
-                         num_warps=cfg.warps, num_stages=cfg.stages)
+                         W12=planes is not None, EVEN_N=planes is not None and N % cfg.bn == 0, num_warps=cfg.warps,
+                         num_stages=cfg.stages)
+    return out
+
+
+@triton.jit
+def _w12_decode_kernel(m_ptr, c_ptr, side_ptr, side_addr, base2, out_ptr, N, K,
+                       BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+    """out[N, K] (bf16) = the tile planes decoded (:func:`_w12_weight_tile`), one [BN, BK] tile per program."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    kk = tl.program_id(1) * BK + tl.arange(0, BK)
+    g = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
+    mask_n = offs_n < N
+    wmask = mask_n[:, None] & (kk < K)[None, :]
+    gmask = mask_n[:, None] & (g < K // 8)[None, :]
+    w = _w12_weight_tile(m_ptr + offs_n[:, None].to(tl.int64) * K, c_ptr + offs_n[:, None].to(tl.int64) * (K // 8),
+                         side_ptr, side_addr, kk, g, wmask, gmask, base2, BN, BK, INTERP, True)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + kk[None, :], w, mask=wmask)
+
+
+def decode(planes, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 matrix ``[N, K]`` of 12-bit tile planes (:class:`specpilot.w12.planes.TilePlanes`),
+    decoded by the matmul kernel's own decode (bit-identical to the packed matrix) into ``out``
+    (a contiguous bf16 ``[N, K]`` buffer, or a new one). For prefill matmuls that run cuBLAS on a
+    12-bit weight, and the eager forward of a 12-bit role."""
+    n, k = planes.shape
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.bfloat16, device=planes.device)
+    assert out.is_contiguous() and tuple(out.shape) == (n, k) and out.dtype == torch.bfloat16
+    bn, bk = 32, 128
+    _w12_decode_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        planes.mant, planes.codes, planes.side, planes.side.data_ptr(), planes.base2(), out, n, k, BN=bn, BK=bk,
+        INTERP=INTERPRET,
+        num_warps=4)
     return out
 
 

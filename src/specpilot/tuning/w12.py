@@ -1,14 +1,29 @@
-"""Tuning and checking of the engine's 12-bit (w12) matmul roles on the GPU they run on.
+"""The fast path's 12-bit roles, chosen per matmul role and row count on the GPU they run on (the
+kernel sub-agent's ``w12_choice``, :mod:`specpilot.fastpath.w12`).
 
-:func:`check_split` checks one K split of the w12 tensor-core kernel before anything of it is timed;
-:func:`tune_w12_choice` picks, per matmul role, whether the Triton step runs it in w12 (one split,
-a launch per row bucket: see :mod:`specpilot.fastpath.w12`) or in bf16, by timing each role's whole
-engine call against the bf16 call the step makes at the deployment's widths (the kernel sub-agent's
-``w12_choice``).
+Both loaders of the step's Triton matmul give the same bits, so the choice is about speed only.
+:func:`tune_w12_choice` takes the target's real (fused) role shapes (every layer kind of a dense,
+hybrid or sliding-window target: :func:`role_shapes`), and for each role and row count M of
+``widths``:
+
+1. the bf16 call the step makes at M: the role's table config (``DEFAULT_CONFIGS`` or the
+   installed engine tables; a ``cublas`` entry keeps the role bf16 at M);
+2. candidate 12-bit configs: the same config, then the bucket's other candidates of
+   :func:`specpilot.tuning.matmul.candidate_linear_configs` (same norm placement); each is
+   checked before it is timed: its output bit-equal to the bf16 call's on a probe of M rows and on
+   the bucket's smallest row count (the K sum of every config of this kernel is the same MMA k16
+   steps in the same order, so only a wrong loader, or hardware that sums otherwise, fails);
+3. times in CUDA graphs over weight copies beyond the L2 cache (a step streams every weight), summed
+   over the role's shapes weighted by their layer counts; the role runs w12 at M (with the fastest
+   passing config) when that sum beats bf16's by ``min_gain``.
+
+A role w12 at every M keeps no bf16 copy in the engine (1.5 bytes per weight instead of 2); the
+summary says which.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import Callable
@@ -16,68 +31,17 @@ from typing import Callable
 import torch
 
 from ..errors import SpecpilotError
-from ..fastpath.tables import CUBLAS, PaddedCublas, role_layout
-from ..fastpath.w12 import BUCKETS, ROLES, W12Role, role_weights, w12_apply
-from ..kernels.w12_mma import SPLITS, TILES, UNROLLS, WARPS, frag_pack, matmul, reference_matmul, valid
-from ..w12 import pack
-from .timing import graph_us, rel_err
+from ..fastpath.tables import CUBLAS, DEFAULT_CONFIGS, LinearConfig, config_tiers, role_layout, tier_for
+from ..fastpath.w12 import ROLES, role_groups
+from ..models.qwen3 import Transformer
+from ..w12.planes import planes_of
+from .timing import graph_us
 
 
-def launches(m: int, k: int, split: int) -> list[tuple[int, int, int]]:
-    """The (tiles, warps, unroll) launches the library has for ``m`` rows, K = ``k`` and ``split``."""
-    return [(t, w, u) for t in TILES for w in WARPS for u in UNROLLS if valid(m, split, t, w, u, k)]
-
-
-@torch.inference_mode()
-def check_split(f, w: torch.Tensor, split: int, rows: int = 64, seed: int = 7) -> dict:
-    """Correctness of one K split of the w12 kernel on weight ``w`` (bf16 [N, K]) packed as ``f``
-    (CUDA), before anything of it is timed: output NaN-poisoned first; every launch shape of the
-    split bit-equal on ``rows`` rows, and two runs bit-equal; rows 1..``rows`` computed in smaller
-    batches (M = 1, 3, 16) and alone bit-equal to the same rows of the full batch (M-invariance);
-    relative error against the kernel's own fp32 reference (:func:`~specpilot.kernels.w12_mma.reference_matmul`)
-    below 4e-3 and against the true fp32 product at most twice cuBLAS bf16's (+1e-4).
-
-    Returns ``{"ok": bool, "why": [failures], "err_vs_reference", "err_vs_true", "cublas_err_vs_true"}``.
-    """
-    n, k = f.shape
-    g = torch.Generator(device=w.device).manual_seed(seed)
-    x = torch.randn(rows, k, device=w.device, generator=g).to(torch.bfloat16)
-    why: list[str] = []
-    full = {}
-    for c in launches(rows, k, split):
-        y = torch.full((rows, n), float("nan"), device=w.device, dtype=torch.bfloat16)
-        matmul(x, f, split, *c, out=y)
-        if not torch.equal(y.view(torch.int16), matmul(x, f, split, *c).view(torch.int16)):
-            why.append(f"launch {c}: two runs differ")
-        full[c] = y
-    if not full:
-        return {"ok": False, "why": [f"no launch for split {split} at K = {k}"]}
-    c0, base = next(iter(full.items()))
-    why += [f"launch {c} differs from {c0}" for c, y in full.items() if not torch.equal(y.view(torch.int16), base.view(torch.int16))]
-    for m in (1, 3, 16):
-        for c in launches(m, k, split)[:3]:
-            for r0 in (0, rows - m):
-                y = matmul(x[r0:r0 + m], f, split, *c)
-                if not torch.equal(y.view(torch.int16), base[r0:r0 + m].view(torch.int16)):
-                    why.append(f"M={m} {c} rows {r0}..: differ from the same rows of M={rows}")
-    true = x.float() @ w.float().T
-    fin = torch.isfinite(true).all(1)
-    e_ref = rel_err(base, reference_matmul(x, f))
-    e_true = rel_err(base[fin], true[fin])
-    e_cub = rel_err(torch.mm(x, w.t())[fin], true[fin])
-    if not (e_ref < 4e-3 and e_true < 2 * e_cub + 1e-4):
-        why.append(f"error vs own fp32 reference {e_ref:.2e}, vs true {e_true:.2e} (cuBLAS bf16 {e_cub:.2e})")
-    return {"ok": not why, "why": why[:8], "err_vs_reference": e_ref, "err_vs_true": e_true, "cublas_err_vs_true": e_cub}
-
-
-def bucket(m: int) -> int:
-    """The launch-table bucket of ``m`` rows: the smallest of BUCKETS >= min(m, 64)."""
-    return next(b for b in BUCKETS if b >= min(m, 64))
-
-
+@torch.no_grad()
 def plant_escapes(w: torch.Tensor, seed: int = 0) -> None:
     """Write values the 12-bit format must escape (zeros, subnormals, outliers) into ~0.02 % of
-    ``w`` in place (a random-weight copy has none, a real checkpoint some)."""
+    ``w`` in place (a random-weight copy has few, a real checkpoint some)."""
     n = w.numel()
     g = torch.Generator(device=w.device).manual_seed(seed)
     idx = torch.randint(0, n, (max(8, n // 5000),), device=w.device, generator=g)
@@ -85,151 +49,159 @@ def plant_escapes(w: torch.Tensor, seed: int = 0) -> None:
     w.view(-1)[idx] = vals.repeat(idx.numel() // 8 + 1)[: idx.numel()].to(w.dtype)
 
 
-
-def _role_copies(layer, role: str, l2: int):
-    """The role's weight of the one-layer copy (escapes planted) and enough copies of it, with their
-    w12 packs, to exceed the L2 cache (a step streams every weight from device memory)."""
-    w0 = role_weights(layer)[role]
-    plant_escapes(w0, seed=sum(map(ord, role)))
-    n, k = w0.shape
-    copies = int(min(8, max(2, math.ceil(4 * l2 / (2 * n * k)))))
-    ws_ = [w0] + [w0.roll(i, 0).contiguous() for i in range(1, copies)]
-    return w0, ws_, [frag_pack(pack(w)) for w in ws_]
-
-
-def _split_family(fast, split: int, k: int, widths: tuple, tiers_m: list, fs: list, call_args, timer,
-                  trials: list, role: str):
-    """The fastest launch per row bucket of one K split: (summed us over ``widths``, its W12Role,
-    us per width), or None when some bucket has no launch."""
-    xs, outs, scratch, norm, has_res, swiglu, copies = call_args
-    tiers, t_w = [], {}
-    for b in tiers_m:
-        ms_b = [m for m in widths if bucket(m) == b] or [b]
-        best = None
-        for c in launches(b, k, split):
-            rc = W12Role(split, ((64, c),))
-            per = {}
-            for m in ms_b:
-                x = xs[:m]
-                per[m] = timer([lambda i=i, x=x, m=m, rc=rc: w12_apply(
-                    fast, rc, fs[i], x, outs[i][:m], scratch, norm, outs[i][:m] if has_res else None, swiglu)
-                    for i in range(copies)])
-                trials.append({"role": role, "split": split, "M": m, "launch": "t{}-w{}-u{}".format(*c), "us": per[m]})
-            if best is None or sum(per.values()) < sum(best[1].values()):
-                best = (c, per)
-        if best is None:
-            return None
-        tiers.append((b, best[0]))
-        t_w.update({m: v for m, v in best[1].items() if m in widths})
-    return sum(t_w.values()), W12Role(split, tuple(tiers)), t_w
+def role_shapes(cfg) -> dict[str, list[tuple[int, int, int]]]:
+    """The fast path's fused weight shapes of each w12 role of a target config (any family): ``{role:
+    [(N rows, K columns, layers with that shape), ...]}``, from one layer of each kind built on the
+    meta device (grouped as :func:`specpilot.fastpath.w12.prepare` groups them)."""
+    kinds = list(dict.fromkeys(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers))
+    counts = {k: (cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers).count(k) for k in kinds}
+    out: dict[str, dict[tuple[int, int], int]] = {r: {} for r in ROLES}
+    for kind in kinds:
+        idx = (cfg.layer_types or []).index(kind) if cfg.layer_types else 0
+        one = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=[kind] if cfg.layer_types else [],
+                                  layer_rope=[cfg.layer_rope[idx]] if cfg.layer_rope else [])
+        with torch.device("meta"):
+            layer = Transformer(one).model.layers[0]
+        for role, _, owner, names in role_groups(layer):
+            mods = [getattr(owner, n) for n in names]
+            shape = (sum(m.out_features for m in mods), mods[0].in_features)
+            out[role][shape] = out[role].get(shape, 0) + counts[kind]
+    return {r: [(n, k, c) for (n, k), c in v.items()] for r, v in out.items()}
 
 
-def _decide(role: str, widths: tuple, bf16_us: dict, totals: dict, min_gain: float, res: dict) -> dict:
-    """The role's summary row; records its w12 family in ``res["w12_choice"]`` when it wins."""
-    row = {"role": role, "widths": list(widths), "bf16_us": {str(m): v for m, v in bf16_us.items()}}
-    if not totals:
-        return {**row, "chosen": "bf16", "why": "no split passed its checks"}
-    s = min(totals, key=lambda s: totals[s][0])
-    tw, rc, t_w = totals[s]
-    tb = sum(bf16_us.values())
-    row.update(split=s, w12_us={str(m): v for m, v in t_w.items()}, speedup=tb / tw)
-    if tw < tb * (1 - min_gain):
-        res["w12_choice"][role] = rc.to_dict()
-        return {**row, "chosen": "w12", "why": f"{tb / tw:.3f}x bf16 summed over widths {list(widths)}"}
-    return {**row, "chosen": "bf16", "why": f"w12 {tb / tw:.3f}x bf16 over widths {list(widths)} "
-                                             f"(needs {1 / (1 - min_gain):.3f}x)"}
+class _Probe:
+    """One (role, shape): weight copies beyond the L2 cache and their tile planes, the step's
+    epilogue arguments, a seeded input and the bf16 call at each checked row count."""
+
+    def __init__(self, role: str, n: int, k: int, device, l2: int, seed: int):
+        self.role = role
+        norm_before, self.res, self.swiglu = role_layout(role)
+        g = torch.Generator(device=device).manual_seed(seed)
+        w0 = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        plant_escapes(w0, seed=seed)
+        copies = int(min(8, max(2, math.ceil(4 * l2 / (2 * n * k))))) if l2 else 1
+        self.ws = [w0] + [w0.roll(i, 0).contiguous() for i in range(1, copies)]
+        self.ps = [planes_of(w) for w in self.ws]
+        self.norm = (1.0 + 0.1 * torch.randn(k, device=device, generator=g)).to(torch.bfloat16) if norm_before else None
+        self.n_out = n // 2 if self.swiglu else n
+        self.x = torch.randn(64, k, device=device, generator=g).to(torch.bfloat16)
+        self.r = torch.randn(64, self.n_out, device=device, generator=g).to(torch.bfloat16)
+        self.outs = [torch.zeros(64, self.n_out, device=device, dtype=torch.bfloat16) for _ in self.ws]
+
+    def call(self, K, cfg: LinearConfig, m: int, i: int = 0, w12: bool = False, out=None):
+        """The step's call of a Triton config on ``m`` rows (prenorm as the step runs it)."""
+        x, norm = self.x[:m], self.norm
+        if cfg.prenorm and norm is not None:
+            x, norm = K.rmsnorm(x, norm, torch.empty_like(x), 1e-6), None
+        if out is None:
+            out = self.r[:m].clone() if self.res else torch.empty(m, self.n_out, device=x.device, dtype=x.dtype)
+        w = self.ps[i] if w12 else self.ws[i]
+        return K.linear(x, w, out, cfg=cfg, norm=norm, eps=1e-6, residual=out if self.res else None,
+                        swiglu=self.swiglu)
+
+    def timed(self, K, cfg: LinearConfig, m: int, w12: bool, timer) -> float:
+        return timer([lambda i=i: self.call(K, cfg, m, i, w12, self.outs[i][:m]) for i in range(len(self.ws))])
 
 
-def _check_tune_args(cfg, widths, device, roles) -> None:
-    if device.type != "cuda":
-        raise SpecpilotError("w12 choice tuning needs a CUDA device")
-    if not cfg.is_dense:
-        raise SpecpilotError("w12 choice tuning covers dense targets (the FastTarget step) only")
-    if not widths or min(widths) < 1:
-        raise SpecpilotError(f"w12 choice widths must be row counts >= 1, got {tuple(widths)}")
-    bad = [r for r in roles if r not in ROLES]
-    if bad:
-        raise SpecpilotError(f"w12 choice roles must be among {ROLES}, got {bad}")
+def _candidates(role: str, m: int, table_cfg: LinearConfig, limit: int) -> list[LinearConfig]:
+    from .matmul import candidate_linear_configs  # the Triton step: an optional dependency
+
+    keys = [table_cfg.key()] + [k for k in candidate_linear_configs(role, min(m, 64), limit) if k != table_cfg.key()]
+    out = []
+    for key in keys[:limit]:
+        c = LinearConfig.parse(key)
+        if c.prenorm == table_cfg.prenorm:
+            out.append(c)
+    return out
+
+
+def _bucket(role: str, m: int, probes: list[tuple[_Probe, int]], table_cfg, K, timer, min_gain: float,
+            limit: int, lo: int, trials: list) -> dict:
+    """One (role, row count): the bf16 call and the 12-bit candidates checked and timed (module
+    docstring). Returns the summary row with ``value`` ("bf16" / "w12" / "w12:<key>")."""
+    row = {"role": role, "rows": m, "table_config": table_cfg.key()}
+    bf = sum(c * p.timed(K, table_cfg, m, False, timer) for p, c in probes)
+    row["bf16_us"] = bf
+    best = None
+    for cand in _candidates(role, m, table_cfg, limit):
+        t = {"role": role, "rows": m, "config": cand.key()}
+        try:
+            ok = all(torch.equal(p.call(K, cand, r, w12=True).view(torch.int16),
+                                 p.call(K, table_cfg, r).view(torch.int16)) for p, _ in probes for r in sorted({lo, m}))
+            t["bit_equal"] = ok
+            if ok:
+                t["us"] = sum(c * p.timed(K, cand, m, True, timer) for p, c in probes)
+                if best is None or t["us"] < best[1]:
+                    best = (cand, t["us"])
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / launch is no candidate
+            t.update(bit_equal=False, error=f"{type(e).__name__}: {str(e)[:160]}")
+        trials.append(t)
+    if best is None:
+        return {**row, "value": "bf16", "why": "no 12-bit config was bit-equal to the bf16 call"}
+    cand, w = best
+    row.update(w12_us=w, w12_config=cand.key(), speedup=bf / w)
+    if w < bf * (1 - min_gain):
+        value = "w12" if cand == table_cfg else f"w12:{cand.key()}"
+        return {**row, "value": value, "why": f"{bf / w:.3f}x bf16"}
+    return {**row, "value": "bf16", "why": f"w12 {bf / w:.3f}x bf16 (needs {1 / (1 - min_gain):.3f}x)"}
 
 
 @torch.inference_mode()
-def tune_w12_choice(cfg, widths: tuple[int, ...] = (16,), device: str | torch.device = "cuda",
-                    roles: tuple[str, ...] = ROLES, min_gain: float = 0.02, seed: int = 0,
-                    timer: Callable[[list], float] | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """Per role of a dense target config ``cfg``: does w12 (one split, launch per bucket) beat the
-    engine's bf16 step over ``widths`` (the rows per decode / verify matmul the deployment runs,
-    e.g. (16,) for one request verifying blocks of 16, (1,) for AR)? CUDA only.
+def tune_w12_choice(cfg, widths: tuple[int, ...] = (1, 4, 16, 64), device: str | torch.device = "cuda",
+                    roles: tuple[str, ...] = ROLES, tables: dict | None = None, min_gain: float = 0.02,
+                    max_configs: int = 6, seed: int = 0, timer: Callable[[list], float] | None = None,
+                    log: Callable[[str], None] | None = None) -> dict:
+    """Per role of target config ``cfg`` and row count of ``widths`` (the rows per decode / verify
+    matmul the deployment runs), whether the step runs the 12-bit loader, and with which config
+    (module docstring). CUDA (the CPU interpreter only with a ``timer``, for tests).
 
-    On a one-layer random copy (:func:`~specpilot.tuning.matmul._one_layer_target`, escapes
-    planted), each role's whole call as the engine makes it is timed in CUDA graphs over enough
-    weight copies to exceed the L2 cache: bf16 = ``FastTarget._apply`` with the config the step
-    picks at that M (table entry, or the checked cuBLAS choice from 64 rows); w12 = RMSNorm, the
-    w12 kernel, SwiGLU or the residual add (:func:`~specpilot.fastpath.w12.w12_apply`). Every split
-    is checked (:func:`check_split`) before it is timed; per split the fastest launch per bucket;
-    the split with the least summed time over ``widths`` is the role's w12 family, chosen when it
-    is at least ``min_gain`` faster in sum than bf16.
+    ``tables``: the engine's matmul tables (``{role: key or {max_rows: key}}``; default
+    ``DEFAULT_CONFIGS``). ``max_configs``: 12-bit configs tried per (role, M), the table's first.
 
-    Returns ``{"w12_choice": {role: W12Role.to_dict()}, "w12_choice_summary": [per role: role,
-    widths, bf16_us {M: us}, w12_us {M: us} of the chosen split, split, speedup, chosen, why],
-    "w12_choice_checks": {role: {split: check}}, "w12_choice_trials": [role, split, M, launch, us]}``.
+    Returns ``{"w12_choice": {role: {max_rows: value}} (roles with a w12 entry), "w12_choice_summary":
+    [per (role, M): role, rows, table_config, bf16_us, w12_us, w12_config, speedup, value, why;
+    microseconds summed over the role's layers], "w12_choice_lean": [roles w12 at every M],
+    "w12_choice_trials": [per candidate: role, rows, config, bit_equal, us, error]}``.
 
     Raises:
-        SpecpilotError: not CUDA, a non-dense config, a width < 1, an unknown role.
+        SpecpilotError: no CUDA (and no timer), a width outside 1 .. 256, an unknown role.
     """
-    from .matmul import _one_layer_target  # the Triton step: an optional dependency (CUDA only)
-
     device = torch.device(device)
-    _check_tune_args(cfg, widths, device, roles)
+    if device.type != "cuda" and timer is None:
+        raise SpecpilotError("w12 choice tuning needs a CUDA device")
+    if not widths or min(widths) < 1 or max(widths) > 256:
+        raise SpecpilotError(f"w12 choice widths must be row counts in 1 .. 256, got {tuple(widths)}")
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise SpecpilotError(f"w12 choice roles must be among {ROLES}, got {bad}")
+    from ..kernels import step as K  # the Triton step: an optional dependency
+
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     timer = timer or graph_us
-    model, fast = _one_layer_target(cfg, device, torch.bfloat16, seed)
-    layer = model.model.layers[0]
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    norms = {"qkv": layer.input_layernorm.weight, "gate_up": layer.post_attention_layernorm.weight}
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    tiers = {r: config_tiers((tables or {}).get(r, DEFAULT_CONFIGS[r])) for r in roles}
+    shapes = role_shapes(cfg)
     widths = tuple(sorted(set(int(m) for m in widths)))
-    tiers_m = sorted({bucket(m) for m in widths} | {64})  # 64: the launch of chunks beyond
-    res = {"w12_choice": {}, "w12_choice_summary": [], "w12_choice_checks": {}, "w12_choice_trials": []}
+    res = {"w12_choice": {}, "w12_choice_summary": [], "w12_choice_lean": [], "w12_choice_trials": []}
     for role in roles:
-        w0, ws_, fs = _role_copies(layer, role, l2)
-        n, k = w0.shape
-        has_norm, has_res, swiglu = role_layout(role)
-        norm = norms.get(role) if has_norm else None
-        checks = {s: check_split(fs[0], w0, s) for s in SPLITS if launches(64, k, s)}
-        res["w12_choice_checks"][role] = {str(s): c for s, c in checks.items()}
-        for s, c in checks.items():
-            if not c["ok"]:
-                log(f"w12 choice {role}: split {s} fails its checks: {'; '.join(c['why'][:3])}")
-        P = max(widths + (64,))
-        g = torch.Generator(device=device).manual_seed(11)
-        xs = torch.randn(P, k, generator=g, device=device).to(torch.bfloat16)
-        outs = [torch.zeros(P, n // 2 if swiglu else n, device=device, dtype=torch.bfloat16) for _ in ws_]
-        scratch = Scratch(P, k, n, device)
-        bf16_us = {}
+        probes = [(_Probe(role, n, k, device, l2, seed + i), c) for i, (n, k, c) in enumerate(shapes[role])]
+        entries, lo = {}, 1
         for m in widths:
-            x = xs[:m]
-            cfg_m = fast._pick(role, x, w0, norm, outs[0][:m] if has_res else None, swiglu, room=m)
-            cfg_m = CUBLAS if isinstance(cfg_m, PaddedCublas) else cfg_m
-            bf16_us[m] = timer([lambda i=i, x=x, m=m, c=cfg_m: fast._apply(
-                c, x, ws_[i], outs[i][:m], scratch, norm, outs[i][:m] if has_res else None, swiglu)
-                for i in range(len(ws_))])
-        call_args = (xs, outs, scratch, norm, has_res, swiglu, len(ws_))
-        totals = {}
-        for s in [s for s, c in checks.items() if c["ok"]]:
-            fam = _split_family(fast, s, k, widths, tiers_m, fs, call_args, timer, res["w12_choice_trials"], role)
-            if fam is not None:
-                totals[s] = fam
-        row = _decide(role, widths, bf16_us, totals, min_gain, res)
-        log(f"w12 choice {role}: {row['chosen']} ({row['why']})")
-        res["w12_choice_summary"].append(row)
-        del fs, ws_, outs
+            table_cfg = tier_for(tiers[role], m)
+            if table_cfg == CUBLAS:
+                row = {"role": role, "rows": m, "table_config": CUBLAS, "value": "bf16", "why": "a cuBLAS table entry"}
+            else:
+                row = _bucket(role, m, probes, table_cfg, K, timer, min_gain, max_configs, lo,
+                              res["w12_choice_trials"])
+            lo = m + 1
+            entries[str(m)] = row["value"]
+            res["w12_choice_summary"].append(row)
+            log(f"w12 choice {role} M={m}: {row['value']} ({row['why']})")
+        if any(v != "bf16" for v in entries.values()):
+            res["w12_choice"][role] = entries
+            if all(v != "bf16" for v in entries.values()):
+                res["w12_choice_lean"].append(role)
+        del probes
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return res
-
-
-class Scratch:
-    """The workspace fields ``FastTarget._apply`` and :func:`~specpilot.fastpath.w12.w12_apply` use
-    (norm output, SwiGLU and w12 output buffers) for a tuning call."""
-
-    def __init__(self, rows: int, k: int, n: int, device):
-        self.xn = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
-        self.gu = None
-        self.extra = {"w12y": torch.empty(rows * n, dtype=torch.bfloat16, device=device)}  # flat, as FastTarget's

@@ -1,13 +1,11 @@
 """``W12Linear``: a bias-free linear layer whose bf16 weight is held in the lossless 12-bit format.
 
-* CPU (and any non-CUDA device): decode the weight to bf16 with :func:`specpilot.w12.format.unpack`
-  (bit-identical to the original) and call ``F.linear``: the output is bit-identical to the
-  ``nn.Linear`` it replaced. This is the reference path CI tests.
-* CUDA with Triton: the fused decode+matmul kernels of :mod:`specpilot.kernels.w12_triton` for
-  ``M <= FUSED_MAX_M`` rows of flattened input (decode steps M = 1..32, verify steps up to 256;
-  fp32 accumulation, within bf16 accumulation tolerance of cuBLAS, not bit-identical to it), and
-  for larger M the decode kernel followed by ``F.linear``. Without Triton CUDA also uses the
-  reference decode + ``F.linear``.
+Forward: decode the weight to its exact bf16 values (:func:`specpilot.w12.format.unpack` on the
+CPU; on CUDA the Triton decode kernel of :mod:`specpilot.kernels.w12_triton`, bit-exact) and call
+``F.linear``: the output is the ``nn.Linear`` it replaced, bit for bit, on any device (the
+DFloat11 approach: exact, and slower than bf16 by the decode). The engine's fast path does not
+use this module: it converts 12-bit roles to tile planes and multiplies them with the bf16
+Triton kernels' 12-bit loader (:mod:`specpilot.fastpath.w12`), as fast as the bytes allow.
 
 Checkpoint names follow the converter (``specpilot convert-w12``): the weight ``<module>.weight``
 becomes ``<module>.weight.w12_mant``, ``.w12_codes``, ``.w12_esc_idx``, ``.w12_esc_val`` and
@@ -32,9 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpecpilotError
-from .format import GROUP, W12Tensor, _check_w12, escape_csr, nbytes, pack, unpack
+from .format import GROUP, W12Tensor, _check_w12, nbytes, pack, unpack
 
-FUSED_MAX_M = 256
 SUFFIXES = ("w12_mant", "w12_codes", "w12_esc_idx", "w12_esc_val", "w12_base")
 DEFAULT_SKIP = ("lm_head", "embed")
 
@@ -60,8 +57,7 @@ class W12Linear(nn.Module):
     """``y = x @ W.T`` with W (bf16 ``[out_features, in_features]``) stored in the 12-bit format.
 
     Buffers (moved by ``.to``): ``w12_mant`` uint8 [N, K], ``w12_codes`` uint8 [N, K/2],
-    ``w12_esc_idx`` int64 [E], ``w12_esc_val`` bf16 [E], ``w12_base`` int32 [1], and the
-    non-persistent row-sorted escape lists the fused kernels read.
+    ``w12_esc_idx`` int64 [E], ``w12_esc_val`` bf16 [E], ``w12_base`` int32 [1].
 
     Forward: ``x`` bf16 ``[..., in_features]`` -> bf16 ``[..., out_features]``.
     """
@@ -77,11 +73,6 @@ class W12Linear(nn.Module):
         self.register_buffer("w12_esc_idx", packed.escape_idx)
         self.register_buffer("w12_esc_val", packed.escape_val)
         self.register_buffer("w12_base", torch.tensor([self.base], dtype=torch.int32, device=packed.mant.device))
-        rowptr, row, col, val = escape_csr(packed)
-        self.register_buffer("_esc_rowptr", rowptr, persistent=False)
-        self.register_buffer("_esc_row", row, persistent=False)
-        self.register_buffer("_esc_col", col, persistent=False)
-        self.register_buffer("_esc_val", val, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "W12Linear":
@@ -114,23 +105,7 @@ class W12Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise SpecpilotError(f"w12: input has {x.shape[-1]} features, layer expects {self.in_features}")
-        if x.is_cuda and self.w12_mant.is_cuda:
-            kern = load_kernels()
-            if kern is not None:
-                if x.dtype != torch.bfloat16:
-                    raise SpecpilotError(f"w12: CUDA input must be bfloat16, got {x.dtype}")
-                lead = x.shape[:-1]
-                x2 = x.reshape(-1, self.in_features)
-                x2 = x2.contiguous()
-                if x2.data_ptr() % 16:  # the kernels read x as 16-byte vectors
-                    x2 = x2.clone()
-                if x2.shape[0] <= FUSED_MAX_M:
-                    esc = kern.EscapeCSR(self._esc_rowptr, self._esc_row, self._esc_col, self._esc_val)
-                    y = kern.matmul(x2, self.w12_mant, self.w12_codes, self.base, esc)
-                else:
-                    y = F.linear(x2, self.weight_bf16())
-                return y.reshape(*lead, self.out_features)
-        return F.linear(x, unpack(self.packed()))
+        return F.linear(x, self.weight_bf16().to(x.dtype) if x.dtype != torch.bfloat16 else self.weight_bf16())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, base={self.base}, "
