@@ -1,0 +1,1 @@
+"""The agent loop: cost model, directions, policies, token-forcing gate, structured memory, rounds."""

@@ -1,0 +1,156 @@
+"""Directions registry: one mechanism each, with its parameter space and the cost term it attacks.
+
+A direction turns a point of its space into engine-config keys (:meth:`Direction.apply`). The
+round loop never names a mechanism: it ranks cost terms, takes the directions registered for the
+largest gaps, and asks each direction's agent for candidates. A later mechanism registers itself
+here (``register``) with no change to the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import SpecpilotError
+
+# Cost terms the cost model reports (see costmodel.py).
+COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "prefill_stall", "idle_slots")
+
+
+@dataclass
+class Direction:
+    """One mechanism the agents may explore.
+
+    Attributes:
+        name: registry key, also the agent's file name (``agent-{name}.json``).
+        cost_term: the cost-model term it attacks (one of :data:`COST_TERMS`).
+        space: parameter -> allowed values (a finite grid the offline policy searches).
+        applies: predicate on the deployment context dict (gpu, dtype, concurrency, drafter...).
+        description: one line for reports and LLM prompts.
+        excludes: engine-config keys of other mechanisms this one replaces: :meth:`apply` drops
+            them when it switches this mechanism on (two tree builders never meet in one config).
+    """
+
+    name: str
+    cost_term: str
+    space: dict[str, list[Any]]
+    description: str = ""
+    applies: Callable[[dict], bool] = field(default=lambda ctx: True)
+    excludes: tuple[str, ...] = ()
+
+    def candidates(self) -> list[dict]:
+        """Every point of the grid, in a fixed order."""
+        keys = sorted(self.space)
+        return [dict(zip(keys, vals)) for vals in itertools.product(*(self.space[k] for k in keys))]
+
+    def schema(self) -> dict:
+        """JSON schema a proposal must validate against (one value per parameter, from the space)."""
+        return {"type": "object", "additionalProperties": False, "required": sorted(self.space),
+                "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
+
+    def apply(self, config: dict, params: dict) -> dict:
+        """A new engine config with ``params`` set (the input is not modified), normalized; when a
+        parameter that has an "off" value (:data:`DEFAULTS`) is on, the keys of :attr:`excludes` are dropped first."""
+        on = any(k in DEFAULTS and v not in DEFAULTS[k] for k, v in params.items())
+        base = {k: v for k, v in config.items() if not (on and k in self.excludes)}
+        return normalize({**base, **params})
+
+
+# Engine-config values that mean "mechanism off": a config holding them equals one without them.
+DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
+            "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
+            "tree_nodes": (0,)}
+
+
+def normalize(config: dict) -> dict:
+    """Drop keys at their "off" value (and tree_depth without a tree), so equal engines compare equal."""
+    out = {k: v for k, v in config.items() if v not in DEFAULTS.get(k, ())}
+    if "tree_branch" not in out:
+        out.pop("tree_depth", None)
+    return out
+
+
+REGISTRY: dict[str, Direction] = {}
+
+
+def register(direction: Direction) -> Direction:
+    """Add (or replace) a direction in the registry; returns it."""
+    REGISTRY[direction.name] = direction
+    return direction
+
+
+def applicable(ctx: dict) -> list[Direction]:
+    """Registered directions that apply to a deployment context, in registration order; only those
+    ``ctx["directions"]`` names when it is set (config ``rounds.directions``).
+
+    Raises:
+        SpecpilotError: ``ctx["directions"]`` names a direction that is not registered."""
+    allowed = ctx.get("directions")
+    if allowed:
+        unknown = [n for n in allowed if n not in REGISTRY]
+        if unknown:
+            raise SpecpilotError(f"rounds.directions names {', '.join(map(repr, unknown))}, not a registered "
+                                 f"direction ({', '.join(REGISTRY)})")
+    return [d for d in REGISTRY.values() if d.applies(ctx) and (not allowed or d.name in allowed)]
+
+
+register(Direction(
+    "block_size", "acceptance", {"block_size": [3, 4, 5, 6, 8, 10, 12, 16]},
+    "verification length: tokens per verify step (anchor + drafts); trades verify cost for acceptance"))
+register(Direction(
+    "tree_verify", "acceptance", {"tree_branch": [0, 1, 2, 3], "tree_depth": [1, 2, 3]},
+    "tree verification: the drafter's next-best tokens at the first positions as side branches",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"), excludes=("tree_nodes",)))
+
+
+# GB kept free beside the two copies of a w12 trial (KV cache, CUDA graphs, activations)
+W12_HEADROOM_GB = 10.0
+
+
+def _w12_applies(ctx: dict) -> bool:
+    """bf16 weights on a GPU, a dense target (the w12 fast path runs in the Triton dense step), and
+    room on the device for the 12-bit copy beside the bf16 one (0.75 x its bytes) when the context
+    knows the sizes (``target_gb``, ``device_gb``)."""
+    if ctx.get("dtype") != "bf16" or ctx.get("gpu", "cpu") == "cpu" or ctx.get("dense") is False:
+        return False
+    size, room = ctx.get("target_gb"), ctx.get("device_gb")
+    return size is None or room is None or 1.75 * size + W12_HEADROOM_GB <= room
+
+
+register(Direction(
+    "w12_weights", "weight_bytes", {"weight_format": ["bf16", "w12"]},
+    "lossless 12-bit weights: 25% fewer weight bytes per verify step, bit-identical outputs",
+    applies=_w12_applies))
+
+
+register(Direction(
+    "verify_budget", "verify", {"verify_budget": ["off", "load_aware"]},
+    "load-aware verify length (DSpark Algorithm 1): per step, verify the (request, position) slots of "
+    "highest survival while expected committed tokens per second (profiled step-cost table) rises; "
+    "outputs unchanged, only verify width changes",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup") and int(ctx.get("concurrency", 1)) > 1))
+
+
+register(Direction(
+    "overlap", "host", {"overlap": [False, True]},
+    "overlap scheduling (SGLang speculative v2 pattern): the next draft, the commit and the context "
+    "injection are launched before the host reads the acceptance, so the device drafts while the host "
+    "does its bookkeeping; outputs unchanged (engine.overlap)",
+    applies=lambda ctx: ctx.get("gpu", "cpu") != "cpu" and ctx.get("drafter") not in (None, "none", "lookup")))
+
+
+register(Direction(
+    "tree_shape", "acceptance", {"tree_nodes": [0, 15, 31, 63]},
+    "static token tree of N nodes chosen from the drafter's rank profile (Sequoia's positional-acceptance "
+    "tree: the N most probable rank paths; drafters.static_tree); verify width N + 1",
+    applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"),
+    excludes=("tree_branch", "tree_depth", "second_level")))
+
+
+register(Direction(
+    "two_level", "acceptance", {"second_level": [0, 2, 4, 7]},
+    "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
+    "pass, so a step can commit more than a block (verify width block + second_level)",
+    applies=lambda ctx: ctx.get("drafter") == "dflash" and not ctx.get("replay"), excludes=("tree_nodes",)))
+# (the replay drafter models chains and trees, not a second level: engine.proposers refuses it)

@@ -1,0 +1,245 @@
+"""Trials: measure an engine config on calibration prompts, behind the token-forcing gate.
+
+A candidate passes the gate only if :func:`specpilot.forcing.force` finds no violation: every
+output token is the target's own greedy choice under a teacher-forced pass (near-ties below the
+forcing tolerance excepted), every record is structurally consistent and its first verify steps
+re-run to the same commits, and its requests and token counts equal the AR and stock references'
+exactly. It is the same function, with the same rule, that writes the table's verdict files.
+Its gain is the geometric mean over requests of base decode seconds / candidate decode seconds,
+each the minimum over ``repeats`` alternating runs (robust to a busy machine), with the interval the
+study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`: a seeded
+percentile bootstrap over requests and repeats).
+
+What the rounds do with a trial's gain and interval: :mod:`specpilot.agent.decide`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from ..aggregate import bootstrap_interval, geomean, timing_pairs
+from ..deployment import Deployment
+from ..drafters.replay import AcceptanceProfile
+from ..engine.config import EngineSpec
+from ..engine.serve import ServeOptions, serve
+from ..errors import SpecpilotError
+from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
+from ..io import write_jsonl
+from ..records import Record, write_records
+from ..w12 import apply_w12
+
+
+log = logging.getLogger("specpilot.agent")
+
+
+class Evidence:
+    """The trial records of one round step, in one declared JSON-lines file: each line a record
+    (:class:`specpilot.records.Record` fields) plus ``trial``, the tag of the trial it belongs to.
+
+    One file per step, not a folder of files, so Snakemake knows every file a run writes
+    (``--list-untracked`` looks at files, and a ``directory()`` output's contents are not files
+    of the DAG). :meth:`write` writes it atomically once the step has decided.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path, self.rows = Path(path), []
+
+    def add(self, tag: str, records: list[Record]) -> str:
+        """Keep ``records`` under ``tag``; returns the reference ``PATH#TAG`` a result names."""
+        self.rows += [{**r.to_dict(), "trial": tag} for r in records]
+        return f"{self.path}#{tag}"
+
+    def write(self) -> None:
+        write_jsonl(self.path, self.rows)
+
+
+class Evaluator:
+    """Holds the loaded deployment, the calibration prompts and the AR / stock references.
+
+    ``references``: ``(ar, stock)`` records of exactly these prompts (the workflow's
+    ``round_references`` job, read once and shared by every round step); ``None`` measures them
+    here (``repeats`` runs each, fastest kept).
+
+    ``replay``: an acceptance profile (:class:`~specpilot.drafters.replay.AcceptanceProfile`): every
+    drafting engine runs the replay drafter over the AR references' outputs (a synthetic
+    deployment of random weights; its records are marked ``synthetic``).
+
+    Raises:
+        SpecpilotError: given references do not cover the prompts' request ids one to one.
+    """
+
+    def __init__(self, dep: Deployment, prompts: list[dict], max_new_tokens: int, concurrency: int,
+                 meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
+                 replay_tokens: int = REEXECUTION_TOKENS,
+                 references: tuple[list[Record], list[Record]] | None = None,
+                 replay: AcceptanceProfile | None = None):
+        self.dep, self.prompts, self.replay = dep, prompts, replay
+        self.replay_refs: dict[str, list[int]] | None = None
+        self.replay_tokens = replay_tokens
+        self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
+        self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
+        self.reload_target = reload_target  # () -> a fresh copy of the target (for weight formats)
+        self._w12_dep = None
+        self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
+        if references is None:
+            self.ar = self.best_of("ar", {})
+            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
+            self.stock = self.best_of("stock", {"block_size": stock_block})
+        else:
+            self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
+            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
+
+    def _matching(self, name: str, records: list[Record]) -> list[Record]:
+        """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
+        by_id = {r.request_id: r for r in records}
+        want = [p["request_id"] for p in self.prompts]
+        if sorted(by_id) != sorted(want) or len(records) != len(want) or any(r.engine != name for r in records):
+            raise SpecpilotError(f"{name} references do not match the calibration prompts "
+                                 f"({len(records)} records for {len(want)} prompts)")
+        return [by_id[i] for i in want]
+
+    @property
+    def target(self):
+        """The loaded target (native weights)."""
+        return self.dep.target
+
+    @property
+    def drafter(self):
+        """The loaded drafter network (or None)."""
+        return self.dep.drafter
+
+    def deployment_for(self, config: dict) -> Deployment:
+        """The deployment in the config's weight format (a 12-bit copy of the target is made once
+        and kept, with its own backend). Raises SpecpilotError when w12 is asked without a way to
+        reload the target."""
+        if config.get("weight_format") != "w12":
+            return self.dep
+        if self._w12_dep is None:
+            if self.reload_target is None:
+                raise SpecpilotError("weight_format w12 needs a way to reload the target (reload_target)")
+            target = self.reload_target()
+            apply_w12(target)
+            b = self.dep.backend
+            self._w12_dep = Deployment.of(target, self.dep.drafter, self.dep.eos_id, b.graphs, b.kernels)
+        return self._w12_dep
+
+    def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:
+        """Serve the calibration prompts once with ``engine`` and ``config`` (profiled)."""
+        cfg = dict(config)
+        block = int(cfg.pop("block_size", self.stock_block))
+        replay, meta = (self.replay if engine != "ar" else None), self.meta
+        if replay is not None:  # the replay drafter over the AR references (records marked synthetic)
+            cfg["replay_profile"] = replay.name
+            meta = {**self.meta, "drafter": f"replay:{self.meta.get('drafter')}"}
+        spec = EngineSpec(engine, block, cfg)
+        n = len(prompts or self.prompts)
+        log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
+                 {"block_size": block, **cfg}, n, self.max_new)
+        opts = ServeOptions(progress=False, warmup=True, replay=replay,
+                            references=self.replay_refs if replay is not None else None)
+        with torch.inference_mode():
+            return serve(spec, self.deployment_for(config), prompts or self.prompts, self.max_new,
+                         self.concurrency, meta, opts)
+
+    def best_of(self, engine: str, config: dict) -> list[Record]:
+        """Run ``repeats`` times; keep each request's fastest record (outputs are identical)."""
+        best: dict[str, Record] = {}
+        for _ in range(self.repeats):
+            for r in self.run(engine, config):
+                if r.request_id not in best or r.decode_s < best[r.request_id].decode_s:
+                    best[r.request_id] = r
+        return [best[p["request_id"]] for p in self.prompts]
+
+    def measure(self, config: dict, base: dict, prompts: list[dict] | None = None) -> tuple[list, list]:
+        """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run,
+        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval)."""
+        runs: dict[str, dict[str, list[Record]]] = {"base": {}, "cand": {}}
+        for _ in range(self.repeats):
+            for cfg, side in ((base, runs["base"]), (config, runs["cand"])):
+                for r in self.run("specpilot", cfg, prompts):
+                    side.setdefault(r.request_id, []).append(r)
+
+        def fastest(side: dict[str, list[Record]]) -> list[Record]:
+            return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
+                    for rs in side.values()]
+
+        return fastest(runs["cand"]), fastest(runs["base"])
+
+    def gate(self, records: list[Record], prompts: list[dict] | None = None) -> dict:
+        """Token forcing (:func:`specpilot.forcing.force`) of a candidate's records.
+
+        References: the AR and stock records of the prompts the candidate was asked to serve
+        (``prompts``, default all calibration prompts), so a missing, extra or short request is
+        a violation. The spot re-execution re-runs the candidate's first verify steps with its own
+        engine config on this deployment. Returns the verdict's summary: passed, violations (and
+        by check), near_ties, max_near_tie_margin, tokens_checked, tokens_generated, coverage,
+        exact_match (rate per reference) and ``mismatches``: the first 10 violations, then
+        near-ties, each with ``kind`` ``violation`` / ``near_tie`` and its evidence.
+        """
+        ids = [p["request_id"] for p in (prompts or self.prompts)]
+        ar, st = {r.request_id: r for r in self.ar}, {r.request_id: r for r in self.stock}
+        refs = {"ar": [ar[i] for i in ids], "stock": [st[i] for i in ids]}
+        serve_fn = serve_reexecution(lambda cfg: self.deployment_for(cfg.to_dict()), self.meta)
+        reexecution = Reexecution(serve_fn, self.replay_tokens, self.max_new)
+        v = force(records, refs, self.prompt_ids, self.dep.backend, self.tolerance, reexecution, candidate_name="trial")
+        listed = [{"kind": "violation", **x} for x in v["violation_list"]] + \
+                 [{"kind": "near_tie", **x} for x in v["near_tie_list"]]
+        return {"passed": v["passed"], "violations": v["violations"],
+                "violations_by_check": v["violations_by_check"], "near_ties": v["near_ties"],
+                "max_near_tie_margin": v["max_near_tie_margin"], "tokens_checked": v["tokens_checked"],
+                "tokens_generated": v["tokens_generated"], "coverage": v["coverage"],
+                "exact_match": {k: rep["exact_match_rate"] for k, rep in v["references"].items()},
+                "replay_reproduced": f"{v['replay']['reproduced']}/{v['replay']['requests']}",
+                "mismatches": listed[:10]}
+
+    def trial(self, config: dict, base: dict, evidence: "Evidence | Path | None" = None,
+              prompts: list[dict] | None = None, tag: str = "trial") -> dict:
+        """Gate and measure a candidate against ``base``; keep its records as evidence (``tag``'s
+        part of an :class:`Evidence` file, or a records file of their own at a path).
+
+        Returns ``gain`` (geomean over requests of base / candidate fastest decode time; None when
+        token forcing failed), ``gain_lo``/``gain_hi`` (its 95 % bootstrap interval over requests
+        and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup
+        over AR and tau. A candidate the engine refuses to run (a :class:`SpecpilotError` naming the
+        setting, or the device running out of memory) is a rejected trial with ``gate.refused`` =
+        the reason (:func:`refused_trial`), not a failed job."""
+        try:
+            cand, base_recs = self.measure(config, base, prompts)
+        except (SpecpilotError, torch.cuda.OutOfMemoryError) as e:
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            log.warning("candidate %s refused: %s", config, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return refused_trial(config, e)
+        verdict = self.gate(cand, prompts)
+        if isinstance(evidence, Evidence):
+            ref = evidence.add(tag, cand)
+        elif evidence is not None:
+            write_records(evidence, cand)
+            ref = str(evidence)
+        else:
+            ref = None
+        by_id = {r.request_id: r for r in base_recs}
+        ar = {r.request_id: r for r in self.ar}
+        gain = geomean([by_id[r.request_id].decode_s / r.decode_s for r in cand])
+        lo, hi = bootstrap_interval([timing_pairs(base_recs, cand)])
+        steps = sum(r.verify_steps for r in cand)
+        return {"config": config, "gate": verdict, "gain": gain if verdict["passed"] else None,
+                "raw_gain": gain, "gain_lo": lo, "gain_hi": hi,
+                "speedup_vs_ar": geomean([ar[r.request_id].decode_s / r.decode_s for r in cand]),
+                "tau": sum(sum(r.committed_per_step) for r in cand) / max(steps, 1),
+                "requests": len(cand), "evidence": ref}
+
+
+def refused_trial(config: dict, error: BaseException) -> dict:
+    """The result of a trial whose candidate could not run: the gate not passed, ``refused`` = the
+    error's first line (what the engine said about the setting), every measurement None."""
+    reason = (str(error).splitlines() or [type(error).__name__])[0]
+    gate = {"passed": False, "refused": f"{type(error).__name__}: {reason}", "violations": None,
+            "violations_by_check": {}, "near_ties": None, "max_near_tie_margin": None, "tokens_checked": 0,
+            "tokens_generated": 0, "coverage": 0.0, "exact_match": {}, "replay_reproduced": None, "mismatches": []}
+    return {"config": config, "gate": gate, "gain": None, "raw_gain": None, "gain_lo": None, "gain_hi": None,
+            "speedup_vs_ar": None, "tau": None, "requests": 0, "evidence": None}

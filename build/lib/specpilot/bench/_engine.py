@@ -1,0 +1,195 @@
+"""The one place the benchmark suite reaches into engine internals.
+
+Every engine name a benchmark uses is imported here and nowhere else in :mod:`specpilot.bench`,
+so a move inside the engine is one edit in this file. Besides the names, a few helpers that build
+what the benchmarks run: the random models of a dry run (tiny shapes cut to a few layers, so Triton's
+interpreter takes about a second per step), and the step functions of a target or drafter
+that run the same kernels with or without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from ..drafters.dflash import DFlashProposer
+from ..drafters.proposal import spine_tree_parents
+from ..drafters.replay import AcceptanceProfile, ReplayProposer, expected_tau, expected_tau_tree, load_profile
+from ..drafters.static_tree import optimal_tree
+from ..engine.backend import Backend, choose_backend
+from ..engine.loop import generate, generate_ar
+from ..engine.proposers import make_proposer
+from ..engine.runner import TargetRunner
+from ..engine.verify import compact_path_, tree_inputs
+from ..fastpath import graphs
+from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS
+from ..fastpath.w12 import parse_choice
+from ..kernels_build import use_w12_library
+from ..tuning.w12 import plant_escapes, tune_w12_choice
+from ..models.dflash import DFlashDrafter
+from ..models.layers import chain_ancestors
+from ..models.loading import load_drafter, load_target
+from ..models.random_checkpoint import build_drafter, build_target, drafter_config, fill_random_, hf_config, target_config
+from ..models.target import Transformer
+
+__all__ = [
+    "AcceptanceProfile", "Backend", "backend", "expected_tau_tree", "install_w12_choice", "load_drafter", "make_proposer", "parse_choice",
+    "hf_config", "plant_escapes", "triton_step", "tune_w12_choice", "use_w12_library", "w12_triton",
+    "DECODE_CONFIGS", "DEFAULT_CONFIGS", "DFlashProposer", "fastpath",
+    "ReplayProposer", "TargetRunner", "runner", "build_drafter", "build_target",
+    "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
+    "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
+    "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
+]
+
+def triton_step():
+    """The Triton step's kernel module (imports Triton, so only when asked)."""
+    from ..kernels import step as module
+
+    return module
+
+
+def fastpath():
+    """The fast path's step modules (dense, family, drafter, graphs; they import Triton, so only when asked)."""
+    from ..fastpath import dense, drafter, family  # Triton: an optional dependency
+
+    return dense, family, drafter, graphs
+
+
+def weight_bytes_per_step(model, rows: int) -> int:
+    """Bytes of weights one step of ``rows`` rows reads (:func:`specpilot.fastpath.dense.weight_bytes_per_step`)."""
+    return fastpath()[0].weight_bytes_per_step(model, rows)
+
+
+def kv_bytes_per_step(model, rows: int, context: int, T: int = 1) -> int:
+    """KV-cache bytes one step reads (:func:`specpilot.fastpath.dense.kv_bytes_per_step`)."""
+    return fastpath()[0].kv_bytes_per_step(model, rows, context, T)
+
+
+# Each benchmark's backends, one per (model, graphs, kernels), so runners built one after the other
+# share captured graphs as a deployment's do (weakly keyed: nothing outlives the benchmark's model).
+_BACKENDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def backend(model, graphs: bool | None = None, kernels: str | None = "auto", w12_choice: dict | None = None) -> Backend:
+    """The benchmark's backend of ``model`` (:func:`choose_backend`, built once per graphs x kernels;
+    a ``w12_choice`` builds it anew with those roles)."""
+    per = _BACKENDS.setdefault(model, {})
+    key = (graphs, kernels or "auto")
+    if w12_choice is not None or key not in per:
+        per[key] = choose_backend(model, graphs, kernels, w12_choice)
+    return per[key]
+
+
+def step_graphs(model, kernels: str = "triton", configs: dict | None = None):
+    """The captured steps of ``model`` under CUDA graphs with ``kernels``, ``configs`` installed."""
+    b = backend(model, True, kernels)
+    if configs:
+        b.install_tables(configs, strict=True)
+    return b.step_graphs
+
+
+def install_w12_choice(model, choice: dict):
+    """The Triton dense step of ``model`` with ``choice`` (``{role: W12Role}``) in w12; returns ``{role: split}``."""
+    b = backend(model, True, "triton")
+    b.fast.use_w12(choice)
+    b.step_graphs.cache.entries.clear()
+    return {role: rc.split for role, rc in choice.items()}
+
+
+def w12_triton():
+    """The 12-bit Triton kernels' module (imports Triton, so only when asked)."""
+    from ..kernels import w12_triton as module
+
+    return module
+
+
+DRY_LAYERS = 2  # target layers of a dry run's dense model under the interpreter
+# a dry run's dense target is smaller still: Triton's interpreter runs every program in Python
+DRY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
+
+
+def dry_target(shape: str = "tiny", layers: int | None = None, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> Transformer:
+    """The random target of a dry run, on the CPU: ``shape`` cut to its first ``layers`` layers
+    (default: :data:`DRY_LAYERS` for ``tiny``, shrunk to :data:`DRY_SIZES`; one group of 4 layers
+    for the hybrid and Muse shapes)."""
+    cfg = target_config(shape)
+    layers = layers or (DRY_LAYERS if cfg.is_dense else 4)
+    sizes = DRY_SIZES if shape == "tiny" else {}
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=list(cfg.layer_types[:layers]), **sizes)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return fill_random_(model.to(dtype).to_empty(device="cpu"), seed).eval()
+
+
+def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> DFlashDrafter:
+    """The random DFlash drafter of ``shape`` for a :func:`dry_target` (its sizes, its first and
+    last layers captured)."""
+    t, n = target.config, target.config.num_hidden_layers
+    sizes = {k: getattr(t, k) for k in DRY_SIZES} if shape == "tiny" else {}
+    if sizes:
+        sizes["mask_token_id"] = t.vocab_size - 1
+    cfg = dataclasses.replace(drafter_config(shape, block_size), num_target_layers=n,
+                              target_layer_ids=sorted({0, n - 1}), **sizes)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    return fill_random_(model.to(dtype).to_empty(device="cpu"), seed + 1).eval()
+
+
+def runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (), graphs: bool | None = None,
+           kernels: str | None = "auto") -> TargetRunner:
+    """A :class:`TargetRunner` over the benchmark's backend of ``model`` (see :func:`backend`)."""
+    return TargetRunner(model, batch, max_seq, capture, backend(model, graphs, kernels))
+
+
+def fast_runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
+                graphs: bool = True) -> TargetRunner:
+    """A :class:`TargetRunner` on the Triton fast path: under CUDA graphs on the GPU (``graphs``),
+    uncaptured otherwise (the CPU under the interpreter: decode, verify and row prefill still go
+    through the Triton step)."""
+    if model.lm_head.weight.is_cuda and graphs:
+        return runner(model, batch, max_seq, capture, True, "triton")
+    dense, family, _, graphs_mod = fastpath()
+
+    class Uncaptured(graphs_mod.StepGraphs):
+        def run(self, tokens, start, capture=(), tree=None, write=False):
+            return self.step(tokens, start, capture, tree, write)
+
+    step = dense.FastTarget(model) if model.config.is_dense else family.FastFamilyTarget(model)
+    b = Backend(model, "triton-dense" if model.config.is_dense else "triton-family", "uncaptured (interpreter)",
+                False, "triton", Uncaptured(model, step))
+    return TargetRunner(model, batch, max_seq, capture, b)
+
+
+def step_fast(r: TargetRunner):
+    """The runner's Triton step (None when it runs none)."""
+    return r.backend.fast
+
+
+def replay_generate(runner: TargetRunner, reference: list[int], prompt: list[int], profile, vocab: int,
+                    network, new_tokens: int, block: int, seed: int, profile_phases: bool = False):
+    """Stock with the replay drafter on one prompt: the speculative loop (:func:`generate`) whose
+    proposer drafts ``reference`` (AR's output) with profile-drawn wrong tokens and runs
+    ``network`` (a :class:`DFlashProposer`) each step for its cost. Returns the :class:`RowResult`."""
+    prop = ReplayProposer([reference], profile, vocab, network, seed=seed, block_size=block)
+    return generate(runner, prop, [prompt], new_tokens, profile=profile_phases)[0]
+
+
+def draft_step(drafter: DFlashDrafter, embed: torch.nn.Embedding, head: torch.nn.Linear, impl: str, block: int,
+               graphs: bool):
+    """(add_context(features [B, T, F], start [B]), draft(anchor [B], start [B]) -> drafts [B, block - 1])
+    of ``drafter`` with implementation ``impl``: ``"triton"`` = the Triton draft step
+    (:class:`FastDrafter`), ``"torch"`` = the eager network (cuBLAS, SDPA); each as CUDA graphs
+    (:class:`DrafterGraphs`, as the engine runs it) when ``graphs``, else called directly."""
+    fd = fastpath()[2]
+    if graphs:
+        dg = fd.DrafterGraphs(drafter, embed, head, impl)
+        return dg.add_context, lambda a, s: dg.draft(a, s, block)
+    if impl == "triton":
+        fast = fd.FastDrafter(drafter, embed.weight, head.weight)
+        return fast.add_context, lambda a, s: fast.draft(a, s, block)
+    return drafter.add_context, lambda a, s: drafter.draft(a, s, embed, head, block)[0]

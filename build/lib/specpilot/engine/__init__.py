@@ -1,0 +1,1 @@
+"""The engine: target runner, AR and speculative generation loops, proposers, serving."""

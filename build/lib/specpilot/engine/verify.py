@@ -1,0 +1,288 @@
+"""Verification: one module for what a verify step decides, chain or tree.
+
+A verify step runs every candidate of a :class:`~specpilot.drafters.proposal.Proposal` (the verify
+input: tokens [B, N], parents [B, N] or None for a chain, valid nodes per row) through the target in
+one forward at the rows' committed lengths (node i at position length + depth(i), attending to the
+prefix and its ancestors), then decides acceptance at temperature 0: the accepted path is the
+longest root path whose every token equals the target's argmax at its parent, and the bonus token
+is the target's argmax after it (:class:`VerifyOutput`). A chain is the tree special case
+``parents = [-1, 0, 1, ...]``: :func:`accept_greedy` decides it on the device in one comparison,
+:func:`accept_tree` walks any tree on the host. So each step commits accepted + 1 tokens, every one
+the target's own choice: outputs equal greedy AR decoding token for token (token forcing checks it).
+
+Also here: :class:`Step` / :func:`step` / :func:`advance` (propose, verify, decide; then commit and
+tell the proposer), the tree encodings the Triton step reads (:func:`tree_bits`,
+:func:`tree_paths`, :func:`tree_inputs`) and the on-device compaction of an accepted tree path
+(:func:`compact_path_`). Sources: SGLang ``speculative/eagle_utils.py`` (verify_tree_greedy) and
+DFlash ``dflash_generate`` (linear verification); DDTree / JetSpec for the ancestor-masked tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..drafters.proposal import Proposal
+from ..errors import SpecpilotError
+from ..models.layers import tree_ancestors
+from ..tuning.timing import PhaseTimer
+
+
+def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear verification at temperature 0 (DFlash ``dflash_generate``; SGLang "linear block").
+
+    Draft i is accepted while it equals the target's argmax at block slot i - 1 (slot 0 is the
+    anchor). Args: drafts int64 [B, k]; logits [B, k + 1, vocab] of the verified block.
+    Returns: accepted count int64 [B] in 0..k and the bonus token int64 [B] (target argmax after
+    the accepted prefix).
+    """
+    posterior = logits.argmax(-1)
+    acc = (drafts == posterior[:, :-1]).long().cumprod(1).sum(1)
+    bonus = posterior.gather(1, acc[:, None])[:, 0]
+    return acc, bonus
+
+
+# Verification rules by name (engine config key ``accept``). Only lossless rules belong here; tests
+# register deliberately broken ones to prove the token-forcing gate rejects them.
+ACCEPT_RULES: dict[str, Callable] = {"greedy": accept_greedy}
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                lengths: torch.Tensor | None = None) -> tuple[list[list[int]], list[int]]:
+    """Greedy tree verification (SGLang ``verify_tree_greedy``; DDTree/JetSpec at temperature 0).
+
+    From the root (block index 0, the anchor), repeatedly step to the child whose token equals
+    the target's argmax at the current node; stop when no child matches. The bonus token is the
+    target's argmax at the last node, so every committed token is the target's own choice.
+
+    Args:
+        tokens int64 [B, N], parents int64 [B, N] (-1 for the root), logits [B, N, vocab];
+        lengths int64 [B] valid nodes per row (None = all): padding nodes are never accepted.
+    Returns:
+        per row the accepted path of block indices (root first) and the bonus token.
+    """
+    post = logits.argmax(-1).tolist()
+    toks, pars = tokens.tolist(), parents.tolist()
+    lens = lengths.tolist() if lengths is not None else [tokens.shape[1]] * len(toks)
+    paths, bonus = [], []
+    for b in range(len(toks)):
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(pars[b][: lens[b]]):
+            if p >= 0:
+                children.setdefault(p, []).append(i)
+        node, path = 0, [0]
+        while True:
+            nxt = next((c for c in children.get(node, []) if toks[b][c] == post[b][node]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        paths.append(path)
+        bonus.append(post[b][node])
+    return paths, bonus
+
+
+def chain_drafts(prop: Proposal) -> torch.Tensor:
+    """The drafts int64 [B, k] of a chain proposal as the acceptance rule sees them: padding
+    nodes (index >= ``lengths[b]``) set to -1, which never matches an argmax (token ids are >= 0)."""
+    drafts = prop.tokens[:, 1:]
+    if prop.lengths is not None:
+        pad = torch.arange(drafts.shape[1], device=drafts.device)[None, :] >= (prop.lengths[:, None] - 1)
+        drafts = drafts.masked_fill(pad, -1)
+    return drafts
+
+
+@dataclass
+class VerifyOutput:
+    """The acceptance decision of one verify step.
+
+    Attributes:
+        paths: per row the accepted block indices (root first; the root is the anchor).
+        bonus: per row the target's argmax after the accepted path.
+        proposed: per row the tokens the step would commit (accepted drafts + bonus).
+    """
+
+    paths: list[list[int]]
+    bonus: list[int]
+    proposed: list[list[int]]
+
+    @property
+    def accepted(self) -> list[int]:
+        """Accepted drafts per row (the bonus not counted)."""
+        return [len(p) - 1 for p in self.paths]
+
+    def path_slots(self, device) -> torch.Tensor:
+        """The accepted paths as block indices int64 [B, longest path] (shorter rows padded with 0):
+        what the runner's commit compacts for a tree."""
+        width = max(len(p) for p in self.paths)
+        return torch.tensor([p + [0] * (width - len(p)) for p in self.paths], dtype=torch.long, device=device)
+
+
+def decide(prop: Proposal, logits: torch.Tensor, accept: Callable = accept_greedy) -> VerifyOutput:
+    """The acceptance of ``prop`` given the verified block's logits [B, N, vocab]: a chain under the
+    rule ``accept`` (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]), one host
+    synchronization; a tree by :func:`accept_tree`."""
+    if prop.is_chain:
+        acc, bonus = accept(chain_drafts(prop), logits)
+        host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()  # the one host synchronization of a step
+        paths, bonus_l = [list(range(a + 1)) for a, _ in host], [b for _, b in host]
+    else:
+        paths, bonus_l = accept_tree(prop.tokens, prop.parents, logits, prop.lengths)
+    toks = prop.tokens.tolist()
+    proposed = [[toks[b][i] for i in paths[b][1:]] + [bonus_l[b]] for b in range(len(paths))]
+    return VerifyOutput(paths, bonus_l, proposed)
+
+
+@dataclass
+class Step:
+    """One draft + verify step before commit (see :func:`step`).
+
+    Attributes:
+        proposal: what the drafter proposed (the verify input); output: the acceptance decision
+        (:class:`VerifyOutput`); feats: captured target features [B, N, F] of the verified block
+        (or None); t_draft, t_verify, t_end: clock readings [s] at the draft start, verify start
+        and after the acceptance decision (the first two are 0.0 without ``profile``).
+    """
+
+    proposal: Proposal
+    output: "VerifyOutput"
+    feats: torch.Tensor | None
+    t_draft: float
+    t_verify: float
+    t_end: float
+
+    @property
+    def paths(self) -> list[list[int]]:
+        """Per row the accepted block indices, root first."""
+        return self.output.paths
+
+    @property
+    def bonus(self) -> list[int]:
+        """Per row the target's token after the accepted path."""
+        return self.output.bonus
+
+    @property
+    def proposed(self) -> list[list[int]]:
+        """Per row the tokens the step would commit (accepted drafts + bonus), before budgets/EOS."""
+        return self.output.proposed
+
+
+def step(runner, drafter, last: torch.Tensor, accept: Callable = accept_greedy, profile: bool = True) -> Step:
+    """Propose after ``last`` int64 [B], verify every row's candidates in one target forward and
+    decide acceptance; nothing is committed yet (call :func:`advance`).
+
+    Shared by :func:`specpilot.engine.loop.generate` (static batches) and :mod:`specpilot.engine.scheduler`
+    (continuous batching). Raises SpecpilotError when the drafter proposes the wrong row count.
+    """
+    B = runner.batch
+    timer = PhaseTimer(runner.device, profile)  # no host synchronization between draft and verify
+    timer.mark()
+    prop = drafter.propose(last, runner.length)
+    if prop.tokens.shape[0] != B:
+        raise SpecpilotError(f"drafter proposed {prop.tokens.shape[0]} rows for a batch of {B}")
+    timer.mark()
+    logits, feats = runner.verify(prop.tokens, prop.parents)
+    out = decide(prop, logits, accept)
+    ta, tb, tc = timer.finish()
+    return Step(prop, out, feats, ta, tb, tc)
+
+
+def advance(runner, drafter, st: Step, counts: list[int], committed: list[list[int]]) -> torch.Tensor:
+    """Commit ``counts[b]`` entries of row b's accepted path (0 = row does not advance) and tell
+    the drafter; tree paths are compacted in the cache. Returns the next anchors int64 [B]
+    (the bonus tokens; a row that did not advance gets its bonus too, which its owner ignores)."""
+    dev = runner.device
+    counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+    feats = st.feats
+    path_slots = path_feats = None
+    if not st.proposal.is_chain:
+        path_slots = st.output.path_slots(dev)
+        if feats is not None:
+            path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
+    else:
+        path_feats = feats
+    drafter.observe(path_feats, runner.length, counts_t, committed)
+    runner.commit(counts_t, path_slots=path_slots)
+    return torch.tensor(st.bonus, dtype=torch.long, device=dev)
+
+
+def tree_paths(ancestors: torch.Tensor) -> torch.Tensor:
+    """Per node its ancestors in the order of depth: int32 [B, T, 64] whose entry [b, t, d] is the
+    block index of t's ancestor at depth d (d < depth of t; 0 past it), from an ancestor mask
+    bool [B, T, T] (t itself included, T <= 64; parents before children, so an ancestor's index
+    grows with its depth). Raises ValueError for trees of more than 64 nodes."""
+    B, T, _ = ancestors.shape
+    if T > 64:
+        raise ValueError(f"tree blocks of at most 64 nodes fit the path table, got {T}")
+    eye = torch.eye(T, dtype=torch.bool, device=ancestors.device)
+    anc = ancestors.bool() & ~eye
+    rank = torch.where(anc, anc.long().cumsum(-1) - 1, 64)
+    out = torch.zeros(B, T, 65, dtype=torch.int64, device=ancestors.device)
+    idx = torch.arange(T, device=ancestors.device).expand(B, T, T)
+    out.scatter_(2, rank, idx)
+    return out[..., :64].to(torch.int32).contiguous()
+
+
+def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
+    """Pack an ancestor mask bool [B, T, T] (T <= 64) into int64 [B, T]: bit j of row t set when
+    block node j is t or an ancestor of t (the tree form of :func:`attention`). Raises ValueError
+    for T > 64."""
+    B, T, _ = ancestors.shape
+    if T > 64:
+        raise ValueError(f"tree blocks of at most 64 nodes fit the ancestor bit mask, got {T}")
+    w = torch.ones(T, dtype=torch.int64, device=ancestors.device) << torch.arange(T, device=ancestors.device)
+    if T == 64:
+        w[63] = -(1 << 63)  # the sign bit
+    return (ancestors.to(torch.int64) * w).sum(-1)
+
+
+def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32 [B, T, 64]) of a
+    token tree for :meth:`~specpilot.fastpath.dense.FastTarget.forward` (the attention reads each node's ancestors in the
+    order of their positions: :func:`tree_paths`). A tree whose
+    nodes have their ancestors at the slots of their depths (chains, spine + side-leaf trees)
+    gets the first two only: its ancestor bits sum the keys in the decode's tiles already, at the
+    chain verify's cost (one program per row tile, not per node).
+
+    ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
+    (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
+    """
+    if parents.shape[1] > 64:
+        raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
+    anc, depth = tree_ancestors(parents)
+    bits, depth = tree_bits(anc), depth.to(torch.int32).contiguous()
+    paths = tree_paths(anc)
+    # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
+    # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
+    on_slots = torch.arange(64, device=parents.device, dtype=torch.int32)[None, None, :] < depth[..., None]
+    if bool((paths == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
+        return bits, depth
+    return bits, depth, paths
+
+
+@torch.no_grad()
+def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots: torch.Tensor) -> None:
+    """Move each row's accepted tree path to contiguous slots, on the device (no host sync).
+
+    Row b keeps ``counts[b]`` nodes; node ``path_slots[b, j]`` (block index, increasing along the
+    path) moves from slot ``length[b] + path_slots[b, j]`` to ``length[b] + j`` in every layer's
+    K and V of ``cache`` (a :class:`~specpilot.models.qwen3.KVCache`). Entries j >= counts[b] are
+    left as they are. Same result as the eager path's host-side ``cache.move`` compaction; gathers all
+    sources before writing, so overlapping moves are safe. Graph-capturable (fixed shapes).
+    """
+    B, P = path_slots.shape
+    dev = cache.k.device
+    j = torch.arange(P, device=dev)[None, :]
+    base = length.to(dev)[:, None]
+    src = base + path_slots.to(dev)
+    dst = base + j
+    keep = j < counts.to(dev)[:, None]
+    src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
+    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
+    for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
+        vals = buf[rows, :, :, src]
+        buf[rows, :, :, dst] = vals
+
+

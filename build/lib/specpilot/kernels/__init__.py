@@ -1,0 +1,1 @@
+"""Triton kernels (GPU). Each module imports triton itself; import them only where CUDA is used."""

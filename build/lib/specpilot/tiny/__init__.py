@@ -1,0 +1,1 @@
+"""The embedded tiny deployment: tokenizer, target and drafter built and trained locally on CPU."""
