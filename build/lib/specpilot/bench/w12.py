@@ -20,7 +20,7 @@
 
 Replaces gpu_bench/bench_w12_fast.py (1-3) and gpu_bench/bench_w12.py (4; its config sweep is the
 kernel sub-agent's job). The tensor-core kernel's own sweep (gpu_bench/bench_w12_mma.py) and the
-main-loop variants are archived.
+main-loop variants were one-off scripts (git history: commit 7392204, archive/gpu_bench/).
 """
 
 from __future__ import annotations
