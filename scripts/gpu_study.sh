@@ -13,14 +13,14 @@
 # what the rounds tried and kept. Table, summary, logs and results go under $OUT when it is set.
 # Environment: WHEELS (wheel folder, default .whl), CONFIG (default config/gpu.yaml; more
 # --configfile overlays in EXTRA_CONFIGS), GPU_STUDY_LIMIT (seconds Snakemake may run, default
-# 520), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
+# 500), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
 # CPU check of the same plumbing: GPU=cpu EXTRA_CONFIGS=.test/config/gpu-tiny.yaml bash scripts/gpu_study.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
 CONFIG=${CONFIG:-config/gpu.yaml}
-LIMIT=${GPU_STUDY_LIMIT:-520}
+LIMIT=${GPU_STUDY_LIMIT:-500}
 SITE=${SITE:-/tmp/specpilot-site}
 OUTDIR=${OUT:-results/gpu-study}
 mkdir -p "$OUTDIR"
