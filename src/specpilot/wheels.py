@@ -213,7 +213,12 @@ def write_wheels(out: str | Path, python: str, platforms: list[str] | None, excl
         _pip(["wheel", "--wheel-dir", tmp, "--prefer-binary", _snakemake_spec(snakemake)], "building Snakemake's wheels")
         local = [w for w in Path(tmp).glob("*.whl") if canonicalize_name(parse_wheel_filename(w.name)[0]) not in excluded]
         wheels = _retarget(local, python, platforms, out)
-        _pip(["wheel", "--no-deps", "--wheel-dir", tmp + "/own", str(root)], "building the specpilot wheel")
+        had_build = (root / "build").exists()
+        try:
+            _pip(["wheel", "--no-deps", "--wheel-dir", tmp + "/own", str(root)], "building the specpilot wheel")
+        finally:  # setuptools builds in the source tree: leave the checkout as it was
+            if not had_build:
+                shutil.rmtree(root / "build", ignore_errors=True)
         own = [Path(shutil.copy2(w, out / w.name)) for w in Path(tmp, "own").glob("specpilot-*.whl")]
     env = target_environment(python, (platforms or [sysconfig.get_platform().replace("-", "_")])[0])
     problems = closure_problems(wheels + own, env, excluded, skip={"specpilot"})

@@ -1,1 +1,0 @@
-"""The agent loop: cost model, directions, policies, token-forcing gate, structured memory, rounds."""

@@ -1,1 +1,0 @@
-"""The engine: target runner, AR and speculative generation loops, proposers, serving."""

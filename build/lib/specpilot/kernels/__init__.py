@@ -1,1 +1,0 @@
-"""Triton kernels (GPU). Each module imports triton itself; import them only where CUDA is used."""

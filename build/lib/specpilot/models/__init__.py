@@ -1,1 +1,0 @@
-"""Model architectures: the target (Qwen3 / Llama family) and block drafters (DFlash)."""
