@@ -22,6 +22,9 @@ if _SRC.is_dir():
 BENCHMARK_NAMES = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 ENGINE_NAMES = ["ar", "stock", "specpilot"]
 TINY_TARGET = "tiny"
+# deployments with target "random": a lazy random checkpoint of a named shape (config key shape),
+# written by the random_deployment rule (specpilot.deployment_random), run with the replay drafter
+RANDOM_TARGET = "random"
 # Every deployment with target "tiny" shares one build, resources/deployments/tiny: one target and
 # one drafter of each of these kinds (specpilot build-tiny).
 TINY_BUILD = "tiny"
@@ -60,12 +63,13 @@ def _deployments():
 
 DEPLOYMENTS = _deployments()
 TINY_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] == TINY_TARGET]
-LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] != TINY_TARGET]
+RANDOM_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] == RANDOM_TARGET]
+LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] not in (TINY_TARGET, RANDOM_TARGET)]
 
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
 ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "concurrency": 1,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
-          "chain": [], "seed_memory": None, "llm": {}, **config.get("rounds", {})}
+          "chain": [], "seed_memory": None, "llm": {}, "directions": None, **config.get("rounds", {})}
 ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
 
 
@@ -288,6 +292,10 @@ def _target_params_b(wildcards):
     name = deployment(wildcards)["target"]
     if name == TINY_TARGET:
         return 0.01
+    if name == RANDOM_TARGET:
+        from specpilot.models.shapes import target_params_b
+
+        return target_params_b(deployment(wildcards)["shape"])
     m = re.search(r"(\d+(?:\.\d+)?)b\b", name.lower())
     return _KNOWN_PARAMS_B.get(name.lower(), float(m[1]) if m else 30.0)
 
@@ -399,6 +407,36 @@ def run_inputs(wildcards):
     if "specpilot" in RUN_ENGINES:
         inputs["engine_config"] = engine_config_path(wildcards.gpu, wildcards.deployment)
     return inputs
+
+
+def limit_opt(wildcards):
+    """``--limit N`` for a cell whose concurrency config cell_requests caps (the first N prompts)."""
+    n = config.get("cell_requests", {}).get(str(wildcards.concurrency))
+    return f"--limit {n}" if n else ""
+
+
+def replay_opt(wildcards):
+    """``--replay-profile P`` for a deployment with config replay_profile (a synthetic deployment: the
+    drafting engines run the replay drafter over the AR outputs); nothing otherwise."""
+    profile = deployment(wildcards).get("replay_profile")
+    return f"--replay-profile {shlex.quote(profile)}" if profile else ""
+
+
+def directions_opt():
+    """``--directions a,b`` when config rounds.directions restricts what the plan may choose."""
+    chosen = ROUNDS.get("directions")
+    return f"--directions {','.join(chosen)}" if chosen else ""
+
+
+# The kernel sub-agent's effort (config kernel_agent; specpilot.agent.kernel_agent.tune's defaults)
+KERNEL_AGENT = {"sections": ["w12", "engine", "w12_fast"], "top": 3, "max_configs": 16, "engine_rows": [16, 32, 64],
+                **config.get("kernel_agent", {})}
+
+
+def kernel_agent_opts():
+    k = KERNEL_AGENT
+    return (f"--sections {','.join(k['sections']) or shlex.quote('')} --top {k['top']} --max-configs {k['max_configs']}"
+            f" --engine-rows {','.join(str(r) for r in k['engine_rows'])}")
 
 
 def compute_dtype(wildcards):

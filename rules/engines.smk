@@ -70,6 +70,8 @@ rule run_engine:
         multi_turn="--multi-turn" if config.get("multi_turn") else "",
         eos="--stop-at-eos" if config.get("stop_at_eos") else "",
         repeats=config["timing"]["repeats"],
+        replay=replay_opt,
+        limit=limit_opt,
     threads: timing_threads
     resources:
         timing_slots=timing_slot,
@@ -81,10 +83,10 @@ rule run_engine:
     shell:
         "{params.on_device} python -m specpilot run --engine {params.engines} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
-        " --prompts {input.prompts} --out {params.outs} --deployment {wildcards.deployment}"
+        " --prompts {input.prompts} {params.limit} --out {params.outs} --deployment {wildcards.deployment}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
         " {params.engine_config} --device {params.device} --dtype {params.dtype} {params.weight_format}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
-        " --threads {threads} {params.multi_turn} {params.eos} --timing-repeats {params.repeats}"
+        " --threads {threads} {params.multi_turn} {params.eos} --timing-repeats {params.repeats} {params.replay}"
         " 2>&1 | tee {log}"

@@ -40,6 +40,7 @@ rule kernel_agent:
     params:
         on_device=on_device,
         target=target_dir,
+        effort=kernel_agent_opts(),
     resources:
         timing_slots=timing_slot,
         gpu=gpu_count,
@@ -49,4 +50,4 @@ rule kernel_agent:
         "../envs/engine.yaml"
     shell:
         "{params.on_device} python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
-        " --ceilings {input.ceilings} --kernels-manifest {input.manifest} --out {output} > {log} 2>&1"
+        " --ceilings {input.ceilings} --kernels-manifest {input.manifest} {params.effort} --out {output} > {log} 2>&1"

@@ -74,6 +74,7 @@ rule round_references:
         max_new_tokens=ROUNDS["max_new_tokens"],
         concurrency=ROUNDS["concurrency"],
         repeats=ROUNDS["timing_repeats"],
+        replay=replay_opt,
     threads: timing_threads
     resources:
         timing_slots=timing_slot,
@@ -87,7 +88,7 @@ rule round_references:
         " --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --repeats {params.repeats} --prompts {input.prompts}"
+        " --concurrency {params.concurrency} --repeats {params.repeats} {params.replay} --prompts {input.prompts}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --threads {threads} --out {output.ar} --out-stock {output.stock} 2>&1 | tee {log}"
 
@@ -136,8 +137,10 @@ checkpoint round_plan:
         concurrency=ROUNDS["concurrency"],
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         agents=ROUNDS["agents_per_round"],
+        directions=directions_opt(),
         previous=previous_opt,
     threads: timing_threads
     resources:
@@ -152,8 +155,8 @@ checkpoint round_plan:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats}"
-        " --min-gain {params.min_gain} --agents {params.agents} --prompts {input.prompts}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
+        " --min-gain {params.min_gain} --agents {params.agents} {params.directions} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock} --ceilings {input.ceilings}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} {params.previous} --threads {threads}"
@@ -191,6 +194,7 @@ rule round_agent:
         concurrency=ROUNDS["concurrency"],
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         budget=ROUNDS["budget"],
         llm=llm_opt,
@@ -208,7 +212,7 @@ rule round_agent:
         " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --gpu {wildcards.gpu}"
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
         " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
-        " --tolerance {params.tolerance} --repeats {params.repeats} --min-gain {params.min_gain}"
+        " --tolerance {params.tolerance} --repeats {params.repeats} {params.replay} --min-gain {params.min_gain}"
         " --budget {params.budget} {params.llm} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -246,6 +250,7 @@ rule round_integrate:
         concurrency=ROUNDS["concurrency"],
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         confirm_factor=ROUNDS["confirm_factor"],
     threads: timing_threads
@@ -261,7 +266,7 @@ rule round_integrate:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
         " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"

@@ -129,8 +129,10 @@ def test_test_configs_lint_and_dry_run(tmp_path, cfg):
     n_cells = len(full["deployments"]) * len(full["benchmarks"]) * len(full["concurrency"])
     assert jobs["run_engine"] == n_cells
     # one tiny build per tiny target family, shared by the drafters paired with it
-    assert jobs["build_tiny"] == len({d.get("tiny_kind", "dense") for d in full["deployments"].values()
-                                      if d["target"] == "tiny"})
+    assert jobs.get("build_tiny", 0) == len({d.get("tiny_kind", "dense") for d in full["deployments"].values()
+                                             if d["target"] == "tiny"})
+    # synthetic deployments (target random): one random_deployment job each
+    assert jobs.get("random_deployment", 0) == sum(d["target"] == "random" for d in full["deployments"].values())
     assert ("round_plan" in jobs) == ("specpilot" in full["engines"] and full["rounds"]["count"] > 0)
     lint = snakemake("--lint", "--configfile", str(cfg))
     assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr

@@ -58,6 +58,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from .agent.directions import normalize
 from .devices import table_warnings
 from .errors import SpecpilotError
 from .io import atomic_write_text, read_json
@@ -305,6 +306,13 @@ def combine_forcing(words: Iterable[str]) -> str:
     return "not run"
 
 
+def mechanisms(record: Record) -> dict:
+    """A record's engine config as mechanisms (:func:`specpilot.agent.directions.normalize`: keys at
+    their "off" value dropped), without what only says how it ran (kernels used, replay profile)."""
+    cfg = {k: v for k, v in (record.engine_config or {}).items() if k not in ("kernels", "replay_profile")}
+    return normalize(cfg)
+
+
 def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[Cell, str], dict],
              specpilot_note: str, max_spread: float = MAX_SPREAD) -> dict:
     """One table row for ``cell`` from its records by engine and the forcing verdicts."""
@@ -350,6 +358,9 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
         if word == "not run":
             notes.append(f"{eng} forcing not run")
     row["forcing"] = combine_forcing(words)
+    if engines.get("stock") and engines.get("specpilot") and \
+            mechanisms(engines["specpilot"][0]) == mechanisms(engines["stock"][0]):
+        notes.append("specpilot runs stock's config (the rounds kept it)")
     for col in RATIO_COLS:
         row[col] = math.nan
     if all(row.get(f"{e}_speedup") == row.get(f"{e}_speedup") for e in CANDIDATES):  # both have a speedup

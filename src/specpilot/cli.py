@@ -27,6 +27,7 @@ round              agent.rounds              agent rounds: references, plan, one
 memory             agent.memory              merge structured-memory snapshots into one file
 convert-w12        w12.convert               convert a bf16 checkpoint to the lossless 12-bit format
 random-checkpoint  models.random_checkpoint  write a random-weight checkpoint of a named shape
+wheels             wheels                    write the wheels that install the workflow where no package registry is
 bench              bench                     the maintained benchmark suite: specpilot bench NAME [--dry-run] (no NAME: the list)
 """
 # name -> (module, help)

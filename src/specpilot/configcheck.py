@@ -171,6 +171,8 @@ def check_config(config: dict, schema_path: str | Path) -> dict:
 
     schema = load_schema(schema_path)
     fixed = coerce(copy.deepcopy(dict(config)), schema)
+    if isinstance(fixed.get("cell_requests"), dict):  # YAML reads `1: 6` with an integer key
+        fixed["cell_requests"] = {str(k): v for k, v in fixed["cell_requests"].items()}
     config.clear()
     config.update(fixed)
     validator = jsonschema.Draft202012Validator(schema)

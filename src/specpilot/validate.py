@@ -18,7 +18,14 @@ each naming the deployment, the config key and the value:
   2; DSpark counts drafts, so 1: :class:`specpilot.drafters.dflash.DFlashProposer`,
   :class:`specpilot.drafters.dspark.DSparkProposer`) and at most the block the drafter was trained
   for (``block_size`` of its ``config.json``: the stock system runs the drafter as released);
-- tiny deployments sharing one build agree on ``quick`` (one build, one recipe).
+- tiny deployments sharing one build agree on ``quick`` (one build, one recipe);
+- ``target: random`` (a synthetic deployment, :mod:`specpilot.deployment_random`): ``shape`` names
+  a shape of :data:`specpilot.models.shapes.SHAPES`, the drafter is ``dflash`` (the lazy random
+  drafters are DFlash networks), ``block_size`` is an integer (it is written into the drafter's
+  config), ``weight_format`` bf16 or fp32, and ``replay_profile`` names an acceptance profile (a
+  random target's drafter cannot draft meaningful tokens: the replay drafter stands in for it);
+- ``replay_profile`` (any deployment): a packaged profile's name or a profile file that reads
+  (:func:`specpilot.drafters.replay.load_profile`).
 
 Only ``config.json`` files are read; torch is imported only to check a drafter config that exists
 (:mod:`specpilot.models.loading`).
@@ -34,10 +41,13 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from .deployment_random import RANDOM_DRAFTER, RANDOM_TARGET
 from .drafters import ARCHITECTURES
+from .drafters.replay import load_profile
 from .errors import SpecpilotError
 from .models.config import TargetConfig
 from .models.loading import drafter_config
+from .models.shapes import SHAPES
 
 # smallest block_size per drafter kind, in the kind's own counting (see the module docstring)
 MIN_BLOCK = {"dflash": 2, "dflash2": 2, "dspark": 1}
@@ -140,6 +150,37 @@ def _tiny_problems(name: str, dep: dict, tiny_drafters) -> list[str]:
     return []
 
 
+def _replay_problems(name: str, dep: dict) -> list[str]:
+    profile = dep.get("replay_profile")
+    if profile is None:
+        return []
+    try:
+        load_profile(profile)
+    except SpecpilotError as e:
+        return [f"deployment {name}: replay_profile {_show(profile)}: {e}"]
+    return []
+
+
+def _random_problems(name: str, dep: dict) -> list[str]:
+    """Problems of a synthetic deployment (``target: random``; see the module docstring)."""
+    out = []
+    shape = dep.get("shape")
+    if shape not in SHAPES:
+        out.append(f"deployment {name}: shape {_show(shape)}: a random target needs shape, one of {', '.join(SHAPES)}")
+    if dep["drafter"] != RANDOM_DRAFTER:
+        out.append(f"deployment {name}: drafter {dep['drafter']!r}: a random target's drafter is a random "
+                   f"{RANDOM_DRAFTER} network (drafter: {RANDOM_DRAFTER})")
+    if not isinstance(dep["block_size"], int):
+        out.append(f"deployment {name}: block_size {_show(dep['block_size'])}: a random target needs an integer "
+                   f"(it is written into the random drafter's config)")
+    if dep["weight_format"] not in ("bf16", "fp32"):
+        out.append(f"deployment {name}: weight_format {dep['weight_format']!r}: a random target is drawn in bf16 or fp32")
+    if not dep.get("replay_profile"):
+        out.append(f"deployment {name}: replay_profile missing: a random target writes meaningless text, so its "
+                   f"drafter cannot draft for it; name an acceptance profile (e.g. study_stock)")
+    return out
+
+
 def deployment_problems(name: str, dep: dict, base: Path, tiny_target: str = "tiny",
                         tiny_drafters=("dflash", "dflash2", "dspark"), tiny_dir: Path | None = None) -> list[str]:
     """Every problem of one available deployment (settings as in config ``deployments``).
@@ -159,6 +200,9 @@ def deployment_problems(name: str, dep: dict, base: Path, tiny_target: str = "ti
         out.append(f"deployment {name}: block_size {_show(block)}: a {kind} drafter needs at least "
                    f"{MIN_BLOCK[kind]} ({'anchor included' if kind != 'dspark' else 'drafts per step'})")
         block = None
+    out += _replay_problems(name, dep)
+    if dep["target"] == RANDOM_TARGET:
+        return out + _random_problems(name, dep)
     if dep["target"] == tiny_target:
         out += _tiny_problems(name, dep, tiny_drafters)
         cfg = None if tiny_dir is None else tiny_dir / f"drafter-{kind}" / "config.json"

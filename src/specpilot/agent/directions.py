@@ -12,6 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import SpecpilotError
+
 # Cost terms the cost model reports (see costmodel.py).
 COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "prefill_stall", "idle_slots")
 
@@ -79,8 +81,18 @@ def register(direction: Direction) -> Direction:
 
 
 def applicable(ctx: dict) -> list[Direction]:
-    """Registered directions that apply to a deployment context, in registration order."""
-    return [d for d in REGISTRY.values() if d.applies(ctx)]
+    """Registered directions that apply to a deployment context, in registration order; only those
+    ``ctx["directions"]`` names when it is set (config ``rounds.directions``).
+
+    Raises:
+        SpecpilotError: ``ctx["directions"]`` names a direction that is not registered."""
+    allowed = ctx.get("directions")
+    if allowed:
+        unknown = [n for n in allowed if n not in REGISTRY]
+        if unknown:
+            raise SpecpilotError(f"rounds.directions names {', '.join(map(repr, unknown))}, not a registered "
+                                 f"direction ({', '.join(REGISTRY)})")
+    return [d for d in REGISTRY.values() if d.applies(ctx) and (not allowed or d.name in allowed)]
 
 
 register(Direction(
@@ -102,8 +114,18 @@ register(Direction(
     applies=lambda ctx: ctx.get("drafter") not in (None, "none", "lookup"), excludes=("tree_nodes", "tree_lattice")))
 
 
+# GB kept free beside the two copies of a w12 trial (KV cache, CUDA graphs, activations)
+W12_HEADROOM_GB = 10.0
+
+
 def _w12_applies(ctx: dict) -> bool:
-    return ctx.get("dtype") == "bf16" and ctx.get("gpu", "cpu") != "cpu"
+    """bf16 weights on a GPU (the 12-bit loader of the Triton step, dense and family targets) and
+    room on the device for the 12-bit copy a trial loads beside the bf16 one (0.75 x its bytes)
+    when the context knows the sizes (``target_gb``, ``device_gb``)."""
+    if ctx.get("dtype") != "bf16" or ctx.get("gpu", "cpu") == "cpu":
+        return False
+    size, room = ctx.get("target_gb"), ctx.get("device_gb")
+    return size is None or room is None or 1.75 * size + W12_HEADROOM_GB <= room
 
 
 register(Direction(
@@ -141,4 +163,5 @@ register(Direction(
     "two_level", "acceptance", {"second_level": [0, 2, 4, 7]},
     "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
     "pass, so a step can commit more than a block (verify width block + second_level)",
-    applies=lambda ctx: ctx.get("drafter") == "dflash", excludes=("tree_nodes", "tree_lattice")))
+    applies=lambda ctx: ctx.get("drafter") == "dflash" and not ctx.get("replay"), excludes=("tree_nodes", "tree_lattice")))
+# (the replay drafter models chains and trees, not a second level: engine.proposers refuses it)

@@ -42,7 +42,8 @@ from ..deployment import load_deployment
 from ..device import pick_device, pick_dtype
 from ..devices import device_identity
 from ..errors import SpecpilotError
-from ..io import read_json, read_prompts, write_json
+from ..drafters.replay import load_profile
+from ..io import comma_list, read_json, read_prompts, write_json
 from ..kernels_build import engine_tables, use_kernel_outputs
 from ..models.loading import load_target
 from ..records import read_records, write_records
@@ -60,7 +61,19 @@ log = logging.getLogger("specpilot.agent")
 
 def _ctx(args, dtype: str) -> dict:
     return {"deployment": args.deployment, "gpu": args.gpu, "target": args.target_name or args.target,
-            "drafter": args.drafter_name, "dtype": dtype, "concurrency": args.concurrency}
+            "drafter": args.drafter_name, "dtype": dtype, "concurrency": args.concurrency,
+            "replay": args.replay_profile, "directions": args.directions}
+
+
+def device_context(dep, device: torch.device) -> dict:
+    """What the directions' ``applies`` read of the loaded deployment: whether the target is dense
+    (the Triton dense step: the w12 fast path), its weight bytes and the device's memory in GB
+    (whether a second, 12-bit copy of the target fits beside it)."""
+    target = dep.target
+    nbytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    free = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return {"dense": bool(target.config.is_dense), "target_gb": nbytes / 1e9,
+            "device_gb": None if free is None else free / 1e9}
 
 
 def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
@@ -83,8 +96,10 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    args.block_size, args.tolerance, repeats=args.repeats,
                    reload_target=lambda: load_target(args.target, dtype=dtype, device=device),
                    references=(read_records(args.references_ar), read_records(args.references_stock))
-                   if references else None)
+                   if references else None,
+                   replay=load_profile(args.replay_profile) if args.replay_profile else None)
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
+    ctx.update(device_context(dep, device))
     ctx["kernels"] = kernels
     ctx["device"] = device_identity()  # which GPU timed this step (the device wrapper's)
     return ev, ctx
@@ -121,24 +136,8 @@ def plan(args) -> int:
     base = _base_config(args)
     transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
-        best = memory.best_known(memory.read(args.memory), ctx)
-        applicable = {d.name for d in dirs.applicable(ctx)}
-        for name, entry in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])):
-            if name not in applicable:
-                continue
-            cand = dirs.REGISTRY[name].apply(base, entry["params"])
-            res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
-            tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                          "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
-                          "gain": res["gain"]})
-            if not res["gate"]["passed"]:
-                invalidated.append({"entry": entry["id"],
-                                    "reason": f"failed token forcing on {args.deployment}/{args.gpu}"})
-                log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
-            elif clears(res, args.min_gain):
-                base = cand
-                transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                                    "gain": res["gain"]})
+        base, transferred, invalidated, tried = transfer(ev, base, memory.read(args.memory), ctx, evidence,
+                                                         args.min_gain)
     log.info("measuring the round's base config %s", json.dumps(base))
     base_recs, _ = ev.measure(base, base)
     log.info("cost model")
@@ -163,12 +162,53 @@ def plan(args) -> int:
     Path(args.costmodel_text).write_text(report)
     write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
                      "directions": chosen, "ranked_terms": [t["term"] for t in analysis["terms"]],
+                     "ranked_directions": [{"direction": d.name, "cost_term": d.cost_term,
+                                            "gap_s_per_token": gaps.get(d.cost_term, 0.0)} for d in ranked],
                      "memory_tried": tried, "memory_transferred": transferred, "memory_invalidated": invalidated,
                      "stock_speedup_vs_ar": stock_speedup, "base_speedup_vs_ar": base_speedup,
                      "base_tau": analysis["tau"], "context": ctx, "candidate_order": order})
     print(report, end="")
     print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}")
     return 0
+
+
+def transfer(ev, base: dict, entries: list[dict], ctx: dict, evidence: Evidence, min_gain: float):
+    """Round 1's memory transfer: each direction's best known entry that applies here
+    (:func:`specpilot.agent.memory.best_known`) is trialled on top of ``base``; one whose gain clears
+    ``min_gain`` joins the base, one that fails token forcing is invalidated -- unless the base itself
+    (stock's records) fails the gate here, which says nothing about the entry (it is then only
+    listed as tried).
+
+    Returns:
+        (base, transferred, invalidated, tried): the new base and the plan's three lists.
+    """
+    transferred, invalidated, tried = [], [], []
+    best = memory.best_known(entries, ctx)
+    applicable = {d.name for d in dirs.applicable(ctx)}
+    base_passes = None
+    for name, entry in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])):
+        if name not in applicable:
+            continue
+        cand = dirs.REGISTRY[name].apply(base, entry["params"])
+        res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
+        tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
+                      "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
+                      "gain": res["gain"]})
+        if not res["gate"]["passed"]:
+            if base_passes is None:
+                base_passes = bool(ev.gate(ev.stock)["passed"])
+            if base_passes:
+                invalidated.append({"entry": entry["id"],
+                                    "reason": f"failed token forcing on {ctx['deployment']}/{ctx['gpu']}"})
+                log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
+            else:
+                tried[-1]["note"] = "not invalidated: stock's own records fail token forcing here"
+                log.warning("memory entry %s (%s) failed the gate, as stock does here: kept", entry["id"], name)
+        elif clears(res, min_gain):
+            base = cand
+            transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
+                                "gain": res["gain"]})
+    return base, transferred, invalidated, tried
 
 
 def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], context: dict,
@@ -187,9 +227,11 @@ def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], co
     def trial(params: dict, full: bool) -> dict:
         i = next(counter)
         res = ev.trial(direction.apply(base, params), base, evidence, None if full else half, tag=f"trial-{i:02d}")
-        verdict = ("rejected by token forcing" if not res["gate"]["passed"] else
+        verdict = (f"refused: {res['gate']['refused']}" if res["gate"].get("refused") else
+                   "rejected by token forcing" if not res["gate"]["passed"] else
                    f"gain {res['gain']:.3f} (95% interval {res['gain_lo']:.3f}-{res['gain_hi']:.3f})")
-        log.info("trial %d %s: %s (tau %.2f)", i, json.dumps(params), verdict, res["tau"])
+        log.info("trial %d %s: %s (tau %s)", i, json.dumps(params), verdict,
+                 "-" if res["tau"] is None else f"{res['tau']:.2f}")
         return res
 
     trials = policy.search(direction, base, budget, trial, hints, context)
@@ -289,7 +331,14 @@ def integrate(args) -> int:
     chosen, result, why = decide(ev, base, winners, args.min_gain, args.confirm_factor, evidence)
     evidence.write()
     if not result["gate"]["passed"]:
-        raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
+        if chosen != base:
+            raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
+        # the base itself (round 1: stock's config) fails forcing here: nothing can be validated on top of
+        # it; the round keeps it and says so (the cells' own verdicts show the failure in the table)
+        g = result["gate"]
+        why = (f"nothing validated: the base config itself fails token forcing on this deployment "
+               f"({g.get('refused') or str(g.get('violations')) + ' violation(s)'})")
+        log.warning("round %d: %s", args.round, why)
     known = _invalidated(memory.read(args.memory), p)
     for name, w in winners:
         if all(chosen.get(k) == v for k, v in w["params"].items()):
@@ -324,12 +373,24 @@ def final(args) -> int:
     return 0
 
 
+KERNEL_SECTIONS = ("w12", "engine", "w12_fast")  # the kernel sub-agent's sections (kernel_agent.tune's switches)
+
+
+def _rows(values: list[str] | None) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(v) for v in values) if values else None
+    except ValueError:
+        raise SpecpilotError(f"--engine-rows must be integers (16, 32, 64), got {','.join(values)}") from None
+
+
 def kernels(args) -> int:
     """The kernel sub-agent (see :mod:`specpilot.agent.kernel_agent`)."""
     manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
-    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest)
+    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest,
+               top=args.top, max_configs=args.max_configs, max_engine_configs=args.max_configs,
+               engine_rows=_rows(args.engine_rows), **{s: s in args.sections for s in KERNEL_SECTIONS})
     engine = sum(len(v) for v in res.get("engine_configs", {}).values())
     why = f" ({res['engine_reason']})" if res.get("engine_reason") else ""
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
@@ -385,6 +446,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the merged winners are kept when their gain >= this x the best single winner's")
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--llm", help="JSON {base_url, model, api_key_env} for the LLM policy")
+    p.add_argument("--top", type=int, default=3, help="kernels: the w12 shapes furthest from the bandwidth tuned")
+    p.add_argument("--max-configs", type=int, default=16,
+                   help="kernels: candidate configs per tuned w12 shape and per engine matmul row bucket")
+    p.add_argument("--sections", type=comma_list, default=list(KERNEL_SECTIONS),
+                   help="kernels: the sub-agent's sections to run (w12 kernel configs, engine matmul tables, "
+                        "w12 fast-path roles; default all); a section left out keeps its defaults")
+    p.add_argument("--engine-rows", type=comma_list, default=None,
+                   help="kernels: engine matmul row buckets tuned (comma-separated, among 16,32,64; default all)")
+    p.add_argument("--replay-profile", help="synthetic deployments: drafting engines run the replay drafter with this "
+                   "acceptance profile over the AR references (records marked synthetic)")
+    p.add_argument("--directions", type=comma_list, default=None,
+                   help="the directions the plan may choose (comma-separated registry names; default all)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -392,6 +465,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.top < 0 or args.max_configs < 1:
+        raise SpecpilotError(f"need --top >= 0 and --max-configs >= 1; got {args.top}, {args.max_configs}")
+    unknown = [x for x in args.sections if x not in KERNEL_SECTIONS and x]
+    if unknown:
+        raise SpecpilotError(f"--sections: unknown section(s) {', '.join(unknown)}; use {', '.join(KERNEL_SECTIONS)}")
     if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
         raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
                              f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")

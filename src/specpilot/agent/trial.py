@@ -23,6 +23,7 @@ import torch
 
 from ..aggregate import bootstrap_interval, geomean, timing_pairs
 from ..deployment import Deployment
+from ..drafters.replay import AcceptanceProfile
 from ..engine.config import EngineConfig, EngineSpec
 from ..engine.serve import ServeOptions, serve
 from ..errors import SpecpilotError
@@ -64,6 +65,10 @@ class Evaluator:
     ``round_references`` job, read once and shared by every round step); ``None`` measures them
     here (``repeats`` runs each, fastest kept).
 
+    ``replay``: an acceptance profile (:class:`~specpilot.drafters.replay.AcceptanceProfile`): every
+    drafting engine runs the replay drafter over the AR references' outputs (a synthetic
+    deployment of random weights; its records are marked ``synthetic``).
+
     Raises:
         SpecpilotError: given references do not cover the prompts' request ids one to one.
     """
@@ -71,8 +76,10 @@ class Evaluator:
     def __init__(self, dep: Deployment, prompts: list[dict], max_new_tokens: int, concurrency: int,
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
                  replay_tokens: int = REEXECUTION_TOKENS,
-                 references: tuple[list[Record], list[Record]] | None = None):
-        self.dep, self.prompts = dep, prompts
+                 references: tuple[list[Record], list[Record]] | None = None,
+                 replay: AcceptanceProfile | None = None):
+        self.dep, self.prompts, self.replay = dep, prompts, replay
+        self.replay_refs: dict[str, list[int]] | None = None
         self.replay_tokens = replay_tokens
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
         self.stock_block, self.tolerance, self.repeats = stock_block, tolerance, repeats
@@ -81,9 +88,11 @@ class Evaluator:
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         if references is None:
             self.ar = self.best_of("ar", {})
+            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
             self.stock = self.best_of("stock", {"block_size": stock_block})
         else:
             self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
+            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
 
     def _matching(self, name: str, records: list[Record]) -> list[Record]:
         """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
@@ -130,13 +139,19 @@ class Evaluator:
         """Serve the calibration prompts once with ``engine`` and ``config`` (profiled)."""
         cfg = dict(config)
         block = int(cfg.pop("block_size", self.stock_block))
+        replay, meta = (self.replay if engine != "ar" else None), self.meta
+        if replay is not None:  # the replay drafter over the AR references (records marked synthetic)
+            cfg["replay_profile"] = replay.name
+            meta = {**self.meta, "drafter": f"replay:{self.meta.get('drafter')}"}
         spec = EngineSpec(engine, block, cfg)
         n = len(prompts or self.prompts)
         log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
                  {"block_size": block, **cfg}, n, self.max_new)
+        opts = ServeOptions(progress=False, warmup=True, replay=replay,
+                            references=self.replay_refs if replay is not None else None)
         with torch.inference_mode():
             return serve(spec, self.deployment_for(config), prompts or self.prompts, self.max_new,
-                         self.concurrency, self.meta, ServeOptions(progress=False, warmup=True))
+                         self.concurrency, meta, opts)
 
     def best_of(self, engine: str, config: dict) -> list[Record]:
         """Run ``repeats`` times; keep each request's fastest record (outputs are identical)."""
@@ -197,8 +212,16 @@ class Evaluator:
         Returns ``gain`` (geomean over requests of base / candidate fastest decode time; None when
         token forcing failed), ``gain_lo``/``gain_hi`` (its 95 % bootstrap interval over requests
         and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup
-        over AR and tau."""
-        cand, base_recs = self.measure(config, base, prompts)
+        over AR and tau. A candidate the engine refuses to run (a :class:`SpecpilotError` naming the
+        setting, or the device running out of memory) is a rejected trial with ``gate.refused`` =
+        the reason (:func:`refused_trial`), not a failed job."""
+        try:
+            cand, base_recs = self.measure(config, base, prompts)
+        except (SpecpilotError, torch.cuda.OutOfMemoryError) as e:
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            log.warning("candidate %s refused: %s", config, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return refused_trial(config, e)
         verdict = self.gate(cand, prompts)
         if isinstance(evidence, Evidence):
             ref = evidence.add(tag, cand)
@@ -217,3 +240,14 @@ class Evaluator:
                 "speedup_vs_ar": geomean([ar[r.request_id].decode_s / r.decode_s for r in cand]),
                 "tau": sum(sum(r.committed_per_step) for r in cand) / max(steps, 1),
                 "requests": len(cand), "evidence": ref}
+
+
+def refused_trial(config: dict, error: BaseException) -> dict:
+    """The result of a trial whose candidate could not run: the gate not passed, ``refused`` = the
+    error's first line (what the engine said about the setting), every measurement None."""
+    reason = (str(error).splitlines() or [type(error).__name__])[0]
+    gate = {"passed": False, "refused": f"{type(error).__name__}: {reason}", "violations": None,
+            "violations_by_check": {}, "near_ties": None, "max_near_tie_margin": None, "tokens_checked": 0,
+            "tokens_generated": 0, "coverage": 0.0, "exact_match": {}, "replay_reproduced": None, "mismatches": []}
+    return {"config": config, "gate": gate, "gain": None, "raw_gain": None, "gain_lo": None, "gain_hi": None,
+            "speedup_vs_ar": None, "tau": None, "requests": 0, "evidence": None}

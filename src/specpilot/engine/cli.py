@@ -140,8 +140,8 @@ def engine_specs(args) -> list[EngineSpec]:
         if isinstance(raw, dict) and isinstance(raw.get("engine_config"), dict):
             raw = raw["engine_config"]
         config = EngineConfig.parse(raw, f"{args.engine_config}")
-    if args.replay_profile and args.engine != ["stock"]:
-        raise SpecpilotError("--replay-profile goes with --engine stock")
+    if args.replay_profile:
+        replay_checks(args)
     if args.weight_format and args.weight_format not in WEIGHT_FORMATS:
         raise SpecpilotError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, got {args.weight_format!r}")
     specs = []
@@ -155,6 +155,17 @@ def engine_specs(args) -> list[EngineSpec]:
             block = resolve_block(args.block_size, args.drafter)
         specs.append(EngineSpec(engine=e, block_size=block, config=cfg.without("block_size")))
     return specs
+
+
+def replay_checks(args) -> None:
+    """The replay drafter drafts for stock and specpilot (the AR engine of the same run, when listed,
+    gives the references); refused with lookup (it drafts from the prompt) and with --multi-turn
+    (a later turn's prompt is built from each engine's own answer)."""
+    if "lookup" in args.engine or not any(e in ("stock", "specpilot") for e in args.engine):
+        raise SpecpilotError(f"--replay-profile drafts for the stock and specpilot engines, not for "
+                             f"--engine {','.join(args.engine)}")
+    if args.multi_turn:
+        raise SpecpilotError("--replay-profile cannot be combined with --multi-turn")
 
 
 def _check_args(args) -> None:
@@ -209,15 +220,29 @@ class _Cells:
     def serve_rows(self, sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
         a = self.args
         name = a.drafter_name if sp.engine != "lookup" else "lookup"
+        replay = self.replay if sp.engine != "ar" else None
         opts = ServeOptions(eos_id=self.dep(sp).eos_id if a.stop_at_eos else None, max_seq=max_seq,
                             warmup=self.warm[sp.engine], progress=len(rows) > 1, profile=not a.no_profile,
                             regime=a.regime, prefill_chunk=a.prefill_chunk, prefill_beside=a.prefill_beside == "on",
-                            replay=self.replay, references=self.references)
+                            replay=replay, references=self.references if replay is not None else None)
         meta = {"deployment": a.deployment, "target": a.target_name or a.target,
-                "drafter": f"replay:{name}" if self.replay is not None else name, "gpu": a.gpu}
+                "drafter": f"replay:{name}" if replay is not None else name, "gpu": a.gpu}
         recs = serve(sp, self.dep(sp), rows, a.max_new_tokens, a.concurrency, meta, opts)
         self.warm[sp.engine] = False  # warmed once; later runs are timed as they come
+        if sp.engine == "ar" and self.replay is not None:  # the replay drafter's references: this run's AR outputs
+            self.references = {**(self.references or {}), **{r.request_id: r.output_ids for r in recs}}
         return recs
+
+    def needs_ar_first(self, request_ids: list[str]) -> bool:
+        """Whether the replay drafter still lacks the AR outputs of these requests (AR then runs first)."""
+        return self.replay is not None and "ar" in self.by_name and \
+            any(i not in (self.references or {}) for i in request_ids)
+
+    def order(self, engines: list[str], k: int, request_ids: list[str]) -> list[str]:
+        """The engines rotated by ``k`` (:func:`interleaved_order`), AR moved first while the replay
+        drafter lacks its references (the first pass only: AR's outputs are the same in every run)."""
+        order = interleaved_order(engines, k)
+        return ["ar"] + [e for e in order if e != "ar"] if self.needs_ar_first(request_ids) else order
 
     def serve_pass(self, sp: EngineSpec, rows: list[dict], max_seq: int | None) -> list:
         if self.tokenizer is not None:
@@ -230,7 +255,7 @@ class _Cells:
         done = {e: [] for e in engines}
         clocks = dict.fromkeys(engines, 0.0)  # per engine: seconds served so far in this repeat
         for i, p in enumerate(prompts):
-            for e in interleaved_order(engines, i + rep):
+            for e in self.order(engines, i + rep, [p["request_id"]]):
                 rec = self.serve_rows(self.by_name[e], [p], sizes[e])[0]
                 shift_times(rec, clocks[e])
                 clocks[e] = rec.finish_s if rec.finish_s is not None else clocks[e]
@@ -260,7 +285,7 @@ def _time_engines(args, cells: _Cells, specs: list[EngineSpec], prompts: list[di
             for e, recs in cells.per_request(prompts, engines, rep, sizes).items():
                 runs[e].append(recs)
             continue
-        for e in interleaved_order(engines, rep):
+        for e in cells.order(engines, rep, [p["request_id"] for p in prompts]):
             runs[e].append(cells.serve_pass(cells.by_name[e], prompts, args.max_seq))
     return runs
 
@@ -302,7 +327,9 @@ def run(args) -> int:
     replay = references = None
     if args.replay_profile:
         replay = load_profile(args.replay_profile)
-        specs[0].config = specs[0].config.replace(replay_profile=replay.name)
+        for sp in specs:
+            if sp.engine != "ar":
+                sp.config = sp.config.replace(replay_profile=replay.name)
         if args.replay_reference:
             references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)

@@ -47,59 +47,12 @@ from torch import nn
 
 from safetensors.torch import save_file
 
-from ..errors import SpecpilotError
 from ..io import atomic_write_text
 from .config import TargetConfig
 from .dflash import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from .qwen3 import Transformer
+from .shapes import DRAFTER_KEYS, SHAPES, shape_spec
 
-def _hybrid(groups: int, **sizes) -> dict:
-    """A Qwen3.5 hybrid shape: [3 Gated DeltaNet, 1 gated full attention] x ``groups``, ``1 + w``
-    norms, the interleaved output gate and partial RoPE 0.25, plus the shape's ``sizes``."""
-    return dict(family="qwen3_5", architecture="Qwen3_5ForCausalLM",
-                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * groups, norm_offset=True,
-                final_norm_offset=True, attn_gate="interleaved", partial_rotary_factor=0.25, **sizes)
-
-
-def _muse(groups: int, **sizes) -> dict:
-    """A Muse-Glimmer shape: [3 sliding RoPE, 1 global NoPE] x ``groups``, scale-less q/k norm x 3.87,
-    the ``gate_proj`` output gate, sandwich and embedding norms, softcap 20, plus the shape's ``sizes``."""
-    return dict(family="muse_glimmer", architecture="MuseGlimmerForCausalLM", qk_norm=False,
-                layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * groups,
-                layer_rope=([True] * 3 + [False]) * groups, norm_offset=True, attn_gate="proj", qk_scaleless=True,
-                qk_scale_factor=3.87, sandwich_norm=True, post_norm_eps=1e-8, embed_norm=True,
-                final_logit_softcapping=20.0, **sizes)
-
-
-SHAPES: dict[str, dict] = {
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                     max_position_embeddings=40960, draft_layers=5, mask_token_id=151669),
-    "qwen3-27b-dense": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                            max_position_embeddings=40960, draft_layers=5, mask_token_id=151669),
-    "qwen3.8-27b": _hybrid(16, vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                           num_attention_heads=24, num_key_value_heads=4, head_dim=256, rope_theta=10_000_000.0,
-                           max_position_embeddings=262144, linear_num_key_heads=16, linear_num_value_heads=48,
-                           linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                           draft_layers=5, mask_token_id=248319, draft_heads=(32, 8, 128)),
-    "muse-glimmer-30b": _muse(13, vocab_size=202048, hidden_size=6656, intermediate_size=19968, num_hidden_layers=52,
-                              num_attention_heads=32, num_key_value_heads=2, head_dim=128, rope_theta=500_000.0,
-                              rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=2048,
-                              output_multiplier=0.19611613513818404, draft_layers=5, mask_token_id=202047,
-                              draft_heads=(32, 8, 128)),
-    "tiny-hybrid": _hybrid(2, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
-                           max_position_embeddings=4096, linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=32, linear_value_head_dim=32, draft_layers=2, mask_token_id=1023),
-    "tiny-muse": _muse(2, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
-                       max_position_embeddings=4096, sliding_window=64, output_multiplier=0.5, draft_layers=2,
-                       mask_token_id=1023),
-    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
-                 max_position_embeddings=4096, draft_layers=2, mask_token_id=1023),
-}
 STD = 0.02
 # which family's norm convention random_tensor fills (None: plain w = 1; "qwen3_5": every norm but the
 # GDN output norm stores 1 + w; "muse": every layer norm stores 1 + w, the final norm plain w)
@@ -108,22 +61,16 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
           "fp16": torch.float16}
 
 
-def _shape(name: str) -> dict:
-    if name not in SHAPES:
-        raise SpecpilotError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-    return SHAPES[name]
-
-
 def target_config(shape: str) -> TargetConfig:
     """The :class:`TargetConfig` of a named shape (Qwen3 layout, untied embeddings)."""
-    d = {k: v for k, v in _shape(shape).items() if k not in ("draft_layers", "mask_token_id", "draft_heads")}
+    d = {k: v for k, v in shape_spec(shape).items() if k not in DRAFTER_KEYS}
     d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
     return TargetConfig(**d, tie_word_embeddings=False)
 
 
 def drafter_config(shape: str, block_size: int = 16) -> DrafterConfig:
     """A DFlash drafter config matching the target shape (same width, ``draft_layers`` layers)."""
-    s = _shape(shape)
+    s = shape_spec(shape)
     t = target_config(shape)
     n = s["draft_layers"]
     heads, kv_heads, head_dim = s.get("draft_heads", (t.num_attention_heads, t.num_key_value_heads, t.head_dim))
@@ -251,9 +198,11 @@ def _write(module_factory, config: dict, out: Path, seed: int, dtype: torch.dtyp
 
 def write_random_checkpoint(shape: str, out: str | Path, drafter_out: str | Path | None = None,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                            shard_bytes: int = 4 * 2 ** 30, lazy: bool = False) -> tuple[Path, Path]:
+                            shard_bytes: int = 4 * 2 ** 30, lazy: bool = False,
+                            drafter_block: int = 16) -> tuple[Path, Path]:
     """Write the random target of ``shape`` to ``out`` and its random DFlash drafter to ``drafter_out``
-    (default ``{out}-drafter``). Returns both directories.
+    (default ``{out}-drafter``), whose config.json gives ``drafter_block`` as the block it drafts
+    (its "trained" block: what ``--block-size auto`` reads). Returns both directories.
 
     ``lazy``: write each config.json alone, marked ``specpilot_random.lazy``: the loader then
     draws the weights from the seed on the device it loads to (:func:`materialize_target`), so a
@@ -266,7 +215,7 @@ def write_random_checkpoint(shape: str, out: str | Path, drafter_out: str | Path
     config = hf_config(tcfg)
     config["torch_dtype"] = dname
     config["specpilot_random"] = {"shape": shape, "seed": seed, "std": STD, **({"lazy": True} if lazy else {})}
-    dcfg = drafter_config(shape)
+    dcfg = drafter_config(shape, drafter_block)
     dconf = dcfg.to_hf_dict()
     dconf["torch_dtype"] = dname
     dconf["specpilot_random"] = {"shape": shape, "seed": seed + 1, "std": STD, **({"lazy": True} if lazy else {})}
@@ -288,13 +237,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors shard [GiB]")
+    p.add_argument("--drafter-block", type=int, default=16,
+                   help="the drafter's block size in its config.json (DFlash counting; default 16)")
     p.add_argument("--lazy", action="store_true", help="write config.json only: the loader draws the weights from "
                    "the seed on its device (kilobytes on disk; for GPU boxes without room for 50 GB checkpoints)")
 
 
 def run(args) -> int:
     t, d = write_random_checkpoint(args.shape, args.out, args.drafter_out, DTYPES[args.dtype], args.seed,
-                                   int(args.shard_gb * 2 ** 30), args.lazy)
+                                   int(args.shard_gb * 2 ** 30), args.lazy, args.drafter_block)
     print(json.dumps({"target": str(t), "drafter": str(d), "shape": args.shape, "dtype": args.dtype,
                       "seed": args.seed, "lazy": args.lazy}))
     return 0

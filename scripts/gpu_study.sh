@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU study through the workflow, on a GPU machine that has Python, torch, triton, transformers,
+# pandas and matplotlib but no Snakemake and no package registry: only the working tree and a wheel
+# folder written elsewhere by `specpilot wheels` (default .whl/, its benchmark data in .whl/data):
+#
+#   python -m specpilot wheels --python 3.12 --platform manylinux_2_28_x86_64 --out .whl \
+#       --data ../shared/data/benchmarks          # on a machine that reaches PyPI
+#   bash scripts/gpu_study.sh                     # on the GPU machine, from the repository root
+#
+# It installs the wheels offline into a --target folder (the image's torch is left alone), runs
+#   snakemake --cores all --max-threads N --configfile config/gpu.yaml results/<gpu>/table.csv
+# (gpu detected) under a time guard, and prints the table, the wall time, the forcing verdicts and
+# what the rounds tried and kept. Table, summary, logs and results go under $OUT when it is set.
+# Environment: WHEELS (wheel folder, default .whl), CONFIG (default config/gpu.yaml; more
+# --configfile overlays in EXTRA_CONFIGS), GPU_STUDY_LIMIT (seconds Snakemake may run, default
+# 500), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
+# CPU check of the same plumbing: GPU=cpu EXTRA_CONFIGS=.test/config/gpu-tiny.yaml bash scripts/gpu_study.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$SECONDS
+WHEELS=${WHEELS:-.whl}
+CONFIG=${CONFIG:-config/gpu.yaml}
+LIMIT=${GPU_STUDY_LIMIT:-500}
+SITE=${SITE:-/tmp/specpilot-site}
+OUTDIR=${OUT:-results/gpu-study}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+
+say() { echo "gpu_study: $*"; }
+
+# ---- offline install (no index; the image's packages stay as they are) ----
+if "$PY" -c "import snakemake" 2>/dev/null && [ -z "${FORCE_INSTALL:-}" ]; then
+    say "snakemake already importable: nothing installed"
+else
+    ls "$WHEELS"/*.whl >/dev/null 2>&1 || { say "no wheels in $WHEELS (write them with: python -m specpilot wheels --out $WHEELS ...)"; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl || { say "offline install from $WHEELS failed"; exit 2; }
+    export PATH="$SITE/bin:$PATH"
+    say "installed $(ls "$WHEELS"/*.whl | wc -l) wheels into $SITE in $((SECONDS - T0)) s"
+fi
+export PYTHONPATH="$PWD/src${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+if [ -z "${SPECPILOT_DATA_DIR:-}" ] && [ -f "$WHEELS/data/MANIFEST.json" ]; then
+    export SPECPILOT_DATA_DIR="$PWD/$WHEELS/data"
+fi
+# one Triton cache for every job: a kernel compiled by one job is loaded by the next
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/specpilot-triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+
+GPU=${GPU:-$("$PY" -c 'from specpilot.device import detect_gpu; print(detect_gpu())')}
+[ -n "$GPU" ] || { say "could not detect the device"; exit 2; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c 'import torch, snakemake; print("torch", torch.__version__, "snakemake", snakemake.__version__)'
+say "device $GPU, config $CONFIG ${EXTRA_CONFIGS:-}, data ${SPECPILOT_DATA_DIR:-(config data_dir / shared/)}"
+
+# ---- the workflow, stopped at LIMIT seconds (then what finished is reported) ----
+CORES=$(nproc)
+THREADS=$(( CORES > 2 ? CORES / 2 : 1 ))  # a GPU job's threads: half the cores, the rest for the CPU jobs beside it
+"$PY" -m snakemake --unlock --configfile $CONFIG ${EXTRA_CONFIGS:-} --config gpu=$GPU >/dev/null 2>&1
+S0=$SECONDS
+timeout -s INT -k 30 "$LIMIT" "$PY" -m snakemake --cores all --max-threads $THREADS --keep-going --rerun-incomplete \
+    --configfile $CONFIG ${EXTRA_CONFIGS:-} --config gpu=$GPU -- "results/$GPU/table.csv" > "$OUTDIR/snakemake.log" 2>&1
+RC=$?
+WALL=$((SECONDS - S0))
+grep -E "^specpilot:|Error in rule|Exiting because" "$OUTDIR/snakemake.log" | tail -20
+grep -E "[0-9]+ of [0-9]+ steps" "$OUTDIR/snakemake.log" | tail -1
+[ $RC -eq 124 ] && say "Snakemake stopped by the time guard after ${LIMIT} s"
+say "snakemake exit $RC, wall time ${WALL} s (script ${SECONDS} s so far)"
+
+# ---- the table (or what finished), forcing verdicts, rounds ----
+GPU=$GPU CONFIG_FILES="$CONFIG ${EXTRA_CONFIGS:-}" OUTDIR=$OUTDIR WALL=$WALL RC=$RC "$PY" scripts/gpu_study_report.py \
+    | tee "$OUTDIR/summary.txt"
+REPORT_RC=${PIPESTATUS[0]}
+
+tar czf "$OUTDIR/results.tar.gz" --exclude='*.png' "results/$GPU" results/memory.jsonl results/prompts logs \
+    .snakemake/log 2>/dev/null
+say "outputs in $OUTDIR: $(ls "$OUTDIR" | tr '\n' ' ')"
+say "total ${SECONDS} s"
+[ $RC -eq 0 ] && [ "$REPORT_RC" -eq 0 ] && exit 0
+exit 1

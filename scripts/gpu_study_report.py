@@ -1,0 +1,156 @@
+"""What `scripts/gpu_study.sh` prints after the workflow: the table (or, when the run did not finish,
+a partial table of the cells that did), the forcing verdict of every cell, what the rounds of each
+deployment ranked, tried and kept (and what the memory chain carried), and one line per bar of
+issue 46. Reads results/$GPU/...; writes $OUTDIR/table.csv (or partial-table.csv). Exit 0 when the
+whole table exists, 1 otherwise.
+
+Environment: GPU, CONFIG_FILES (the config files of the run, merged left to right over
+config/config.yaml), OUTDIR, WALL (seconds Snakemake ran), RC (its exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from specpilot.aggregate import build_table, read_forcing, write_table
+from specpilot.records import read_records
+
+GPU = os.environ["GPU"]
+OUT = Path(os.environ.get("OUTDIR", "results/gpu-study"))
+RES = Path("results") / GPU
+COLS = ["deployment", "benchmark", "concurrency", "n_requests", "stock_speedup", "specpilot_speedup",
+        "specpilot_over_stock", "specpilot_over_stock_lo", "specpilot_over_stock_hi", "stock_tau", "specpilot_tau",
+        "forcing", "synthetic", "note"]
+
+
+def merged_config() -> dict:
+    cfg = yaml.safe_load(Path("config/config.yaml").read_text())
+    for f in os.environ.get("CONFIG_FILES", "config/gpu.yaml").split():
+        for k, v in (yaml.safe_load(Path(f).read_text()) or {}).items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k] = {**cfg[k], **{n: ({**cfg[k][n], **s} if isinstance(s, dict) and isinstance(cfg[k].get(n), dict)
+                                           else s) for n, s in v.items()}}
+            else:
+                cfg[k] = v
+    return cfg
+
+
+def deployments(cfg: dict) -> list[str]:
+    return [d for d, v in cfg["deployments"].items() if v.get("available", True)]
+
+
+def table(cfg: dict) -> tuple[pd.DataFrame | None, bool]:
+    """(table, complete): results/$GPU/table.csv, else the cells whose records all exist."""
+    path = RES / "table.csv"
+    if path.is_file():
+        shutil.copy(path, OUT / "table.csv")
+        return pd.read_csv(path), True
+    records, forcing = [], []
+    for d in deployments(cfg):
+        for b in cfg["benchmarks"]:
+            for c in cfg["concurrency"]:
+                files = [RES / d / b / f"{e}-c{c}.jsonl" for e in cfg["engines"]]
+                if all(f.is_file() for f in files):
+                    for f in files:
+                        records += read_records(f)
+                    forcing += [str(p) for p in (RES / d / b).glob(f"*-c{c}.forcing.json")]
+    if not records:
+        return None, False
+    df = build_table(records, read_forcing(forcing), "specpilot not run")
+    write_table(df, OUT / "partial-table.csv")
+    return df, False
+
+
+def show_table(df: pd.DataFrame, complete: bool) -> None:
+    print(("TABLE" if complete else "PARTIAL TABLE (the run did not finish; cells with every engine's records)")
+          + f" results/{GPU}:")
+    with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 70):
+        print(df[[c for c in COLS if c in df.columns]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
+def show_forcing() -> None:
+    print("\nFORCING (per cell and engine: verdict, tokens checked, violations, near ties):")
+    for f in sorted(RES.glob("*/*/*.forcing.json")):
+        v = json.loads(f.read_text())
+        print(f"  {f.relative_to(RES)}: {'pass' if v.get('passed') else 'FAIL'}, {v.get('tokens_checked')} tokens, "
+              f"{v.get('violations')} violations, {v.get('near_ties')} near ties"
+              + ("" if v.get("passed") else f"; first: {json.dumps((v.get('violation_list') or [None])[0])[:200]}"))
+
+
+def show_rounds(cfg: dict) -> None:
+    print("\nROUNDS (per deployment: directions ranked by the cost model, memory carried, agents, kept):")
+    for d in deployments(cfg):
+        for plan in sorted((RES / d / "rounds").glob("round-*/plan.json")):
+            p = json.loads(plan.read_text())
+            rd = plan.parent
+            ranked = ", ".join(f"{x['direction']} ({x['cost_term']} {1e3 * x['gap_s_per_token']:.3f} ms/token)"
+                               for x in p.get("ranked_directions", []))
+            print(f"  {d} {rd.name}: ranked terms {', '.join(p['ranked_terms'])}; directions ranked {ranked or '-'}; "
+                  f"chosen {p['directions'] or 'none'}")
+            for t in p.get("memory_tried", []):
+                print(f"    memory tried: {t['direction']} {json.dumps(t['params'])} from {t['from']}: passed "
+                      f"{t['passed']}, gain {t['gain']}{' (' + t['note'] + ')' if t.get('note') else ''}")
+            for t in p.get("memory_transferred", []):
+                print(f"    memory transferred: {t['direction']} {json.dumps(t['params'])} gain {t['gain']:.3f}")
+            for a in sorted(rd.glob("agent-*.json")):
+                ag = json.loads(a.read_text())
+                trials = "; ".join(f"{json.dumps(t.get('params'))} " + (
+                    f"refused ({t['gate']['refused']})" if t["gate"].get("refused") else
+                    "rejected by forcing" if not t["gate"]["passed"] else
+                    f"gain {t['gain']:.3f} [{t['gain_lo']:.3f}, {t['gain_hi']:.3f}]") for t in ag["trials"])
+                print(f"    agent {ag['direction']}: {trials or 'no trial'}; best "
+                      f"{json.dumps(ag['best']['params']) if ag.get('best') else 'none'}")
+            integ = rd / "integrated.json"
+            if integ.is_file():
+                i = json.loads(integ.read_text())
+                print(f"    kept: {json.dumps(i['config'])} ({i['decision']}); gain over the base {i['gain_vs_base']}")
+
+
+def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
+    print("\nBARS (issue 46):")
+    wall, rc = int(os.environ.get("WALL", "0")), os.environ.get("RC", "?")
+    print(f"  snakemake exit {rc}, {wall} s (<= 540 s: {'yes' if wall <= 540 else 'NO'}); whole table: "
+          f"{'yes' if complete else 'NO'}")
+    if df is None:
+        return
+    cells = df[df["benchmark"] != "geomean"]
+    for d in deployments(cfg):
+        rows = cells[cells["deployment"] == d]
+        have = sorted(int(c) for c in rows["concurrency"])
+        forcing = list(rows["forcing"])
+        ok = []
+        for _, r in rows.iterrows():
+            ratio = r.get("specpilot_over_stock")
+            note = str(r.get("note") or "")
+            ok.append(bool(ratio == ratio and ratio >= 1.0) or "stock's config" in note)
+        print(f"  {d}: concurrencies {have}; forcing {forcing}; specpilot >= stock or stock's config kept: {ok}")
+        plan1 = RES / d / "rounds" / "round-1" / "plan.json"
+        if plan1.is_file():
+            p = json.loads(plan1.read_text())
+            print(f"    round-1 plan: memory tried {[t['from'] for t in p.get('memory_tried', [])]}, transferred "
+                  f"{[t['direction'] for t in p.get('memory_transferred', [])]}")
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    cfg = merged_config()
+    df, complete = table(cfg)
+    if df is None:
+        print(f"no engine cell finished under results/{GPU}")
+    else:
+        show_table(df, complete)
+    show_forcing()
+    show_rounds(cfg)
+    bars(df, complete, cfg)
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
