@@ -178,15 +178,17 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
     m = build_target("tiny", dtype=torch.bfloat16).cuda()
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0)]) == "triton"
-    # trees of up to 64 nodes run in the Triton step (its ancestor bits); wider ones eager
+    # trees run in the Triton step (ancestor bits up to 64 nodes, paths beyond): any width
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
     wide = {"block_size": 16, "tree_branch": 3, "tree_depth": 16}
-    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "triton"
+    # an engine that ran another path (its records say so) is checked eagerly
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "path": "eager"})]) == "eager"
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "eager"
 
 
 def test_tree_width_bound_follows_the_verify_width():
-    """The bound of a config's tree width that decides Triton (<= 64 nodes) or eager forcing."""
+    """The bound of a record config's tree width equals the engine's verify width."""
     from specpilot.fastpath.tables import TREE_FAST_NODES
     from specpilot.engine.config import EngineSpec
     from specpilot.engine.config import tree_width_of as _tree_width_bound

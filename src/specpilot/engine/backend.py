@@ -33,10 +33,9 @@ from torch import nn
 from ..errors import SpecpilotError
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
-from ..fastpath.tables import KERNELS, TREE_FAST_NODES
+from ..fastpath.tables import KERNELS
 from ..fastpath.w12 import to_plain_linears
 from ..kernels import w12_mma
-from .config import tree_width_of
 
 PATHS = ("eager", "torch-graphs", "triton-dense", "triton-family")
 
@@ -104,9 +103,10 @@ class Backend:
 
     @property
     def tree_fast(self) -> bool:
-        """Token trees (<= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) verify in the
-        Triton step under CUDA graphs: the dense path; other paths verify trees eagerly."""
-        return self.path == "triton-dense"
+        """Token trees verify in the Triton step (under CUDA graphs on a GPU): the dense and the
+        family paths, any node count up to depth 64 (deeper trees are refused, never handed to
+        the eager forward); the eager paths verify trees eagerly like every other step."""
+        return self.triton
 
     @property
     def can_prefill_rows(self) -> bool:
@@ -166,11 +166,11 @@ class Backend:
         engine's step, margins exactly 0 for an honest engine) or ``"eager"``.
 
         ``auto``: ``triton`` exactly when the engine ran its prefix and verify steps through a Triton
-        step: this backend's path is ``triton-dense`` (chains, and trees up to
-        :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) or ``triton-family`` (chains: its
-        trees run eagerly), and no record's engine config converts the weights (``weight_format``
-        other than bf16). ``triton`` asked needs a Triton step for the target (on the CPU:
-        ``TRITON_INTERPRET=1``).
+        step: this backend's path is ``triton-dense`` or ``triton-family`` (chains and trees: every
+        tree node's logits are a decode's of its path), no record's engine config converts the
+        weights (``weight_format`` other than bf16) and no record names another execution path
+        (its ``engine_config["path"]``, e.g. an engine run with graphs off). ``triton`` asked needs
+        a Triton step for the target (on the CPU: ``TRITON_INTERPRET=1``).
 
         Raises:
             SpecpilotError: an unknown ``asked``; ``triton`` where the step cannot run.
@@ -190,9 +190,8 @@ class Backend:
             return "triton"
         if not self.triton:
             return "eager"
-        widest = TREE_FAST_NODES if self.path == "triton-dense" else 0
         for cfg in engine_configs:
-            if (cfg.get("weight_format") or "bf16") != "bf16" or tree_width_of(cfg) > widest:
+            if (cfg.get("weight_format") or "bf16") != "bf16" or cfg.get("path", self.path) != self.path:
                 return "eager"
         return "triton"
 

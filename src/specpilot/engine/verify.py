@@ -13,7 +13,7 @@ the target's own choice: outputs equal greedy AR decoding token for token (token
 Also here: :class:`Step` / :func:`step` / :func:`advance` (propose, verify, decide; then commit and
 tell the proposer), the tree encodings the Triton step reads (:func:`tree_bits`,
 :func:`tree_paths`, :func:`tree_inputs`) and the on-device compaction of an accepted tree path
-(:func:`compact_path_`). Sources: SGLang ``speculative/eagle_utils.py`` (verify_tree_greedy) and
+(:func:`compact_path_`, :func:`compact_ring_path_`). Sources: SGLang ``speculative/eagle_utils.py`` (verify_tree_greedy) and
 DFlash ``dflash_generate`` (linear verification); DDTree / JetSpec for the ancestor-masked tree.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from ..drafters.proposal import Proposal
 from ..errors import SpecpilotError
+from ..fastpath.tables import TREE_FAST_NODES
 from ..models.layers import tree_ancestors
 from ..tuning.timing import PhaseTimer
 
@@ -208,16 +209,19 @@ def advance(runner, drafter, st: Step, counts: list[int], committed: list[list[i
     return torch.tensor(st.bonus, dtype=torch.long, device=dev)
 
 
+PATH_DEPTH = 64  # ancestors a node may have in the Triton step's path table (the tree's depth, root at 0)
+
+
 def tree_paths(ancestors: torch.Tensor) -> torch.Tensor:
     """Per node its ancestors in the order of depth: int32 [B, T, 64] whose entry [b, t, d] is the
     block index of t's ancestor at depth d (d < depth of t; 0 past it), from an ancestor mask
-    bool [B, T, T] (t itself included, T <= 64; parents before children, so an ancestor's index
-    grows with its depth). Raises ValueError for trees of more than 64 nodes."""
+    bool [B, T, T] (t itself included; parents before children, so an ancestor's index grows with
+    its depth). Any node count; raises ValueError for a node with more than 64 ancestors."""
     B, T, _ = ancestors.shape
-    if T > 64:
-        raise ValueError(f"tree blocks of at most 64 nodes fit the path table, got {T}")
     eye = torch.eye(T, dtype=torch.bool, device=ancestors.device)
     anc = ancestors.bool() & ~eye
+    if T > PATH_DEPTH + 1 and int(anc.sum(-1).max()) > PATH_DEPTH:
+        raise ValueError(f"a tree node has {int(anc.sum(-1).max())} ancestors; the path table holds {PATH_DEPTH}")
     rank = torch.where(anc, anc.long().cumsum(-1) - 1, 64)
     out = torch.zeros(B, T, 65, dtype=torch.int64, device=ancestors.device)
     idx = torch.arange(T, device=ancestors.device).expand(B, T, T)
@@ -238,28 +242,37 @@ def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
     return (ancestors.to(torch.int64) * w).sum(-1)
 
 
-def tree_inputs(parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def tree_inputs(parents: torch.Tensor, paths: bool = False) -> tuple[torch.Tensor, ...]:
     """(ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32 [B, T, 64]) of a
-    token tree for :meth:`~specpilot.fastpath.dense.FastTarget.forward` (the attention reads each node's ancestors in the
-    order of their positions: :func:`tree_paths`). A tree whose
-    nodes have their ancestors at the slots of their depths (chains, spine + side-leaf trees)
-    gets the first two only: its ancestor bits sum the keys in the decode's tiles already, at the
-    chain verify's cost (one program per row tile, not per node).
+    token tree for the Triton steps (:meth:`~specpilot.fastpath.dense.FastTarget.forward`,
+    :meth:`~specpilot.fastpath.family.FastFamilyTarget.forward`; the attention reads each node's
+    ancestors in the order of their positions: :func:`tree_paths`). A tree of at most 64 nodes
+    whose nodes have their ancestors at the slots of their depths (chains, spine + side-leaf
+    trees) gets the first two only unless ``paths`` (the family step reads every tree by its
+    paths): its ancestor bits sum the keys in the decode's tiles already, at the chain verify's
+    cost (one program per row tile, not per node). A tree of more than 64 nodes is read by its
+    paths (its ancestor bits are zeros: they do not fit one int64).
 
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
-    (:func:`specpilot.models.layers.tree_ancestors`). T <= 64; raises SpecpilotError otherwise.
+    (:func:`specpilot.models.layers.tree_ancestors`). Raises SpecpilotError for a tree deeper than
+    the path table (:data:`PATH_DEPTH` ancestors): the engine's tree_depth / block_size.
     """
-    if parents.shape[1] > 64:
-        raise SpecpilotError(f"tree blocks in the fast path hold at most 64 nodes, got {parents.shape[1]}")
     anc, depth = tree_ancestors(parents)
-    bits, depth = tree_bits(anc), depth.to(torch.int32).contiguous()
-    paths = tree_paths(anc)
+    if int(depth.max()) > PATH_DEPTH:
+        raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "
+                             f"{PATH_DEPTH} levels below the root (engine config tree_depth / block_size)")
+    T = parents.shape[1]
+    bits = tree_bits(anc) if T <= TREE_FAST_NODES else torch.zeros(parents.shape, dtype=torch.int64, device=parents.device)
+    depth = depth.to(torch.int32).contiguous()
+    paths_t = tree_paths(anc)
+    if paths or T > TREE_FAST_NODES:
+        return bits, depth, paths_t
     # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
     # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
     on_slots = torch.arange(64, device=parents.device, dtype=torch.int32)[None, None, :] < depth[..., None]
-    if bool((paths == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
+    if bool((paths_t == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
         return bits, depth
-    return bits, depth, paths
+    return bits, depth, paths_t
 
 
 @torch.no_grad()
@@ -282,6 +295,24 @@ def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots:
     src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
     rows = torch.arange(B, device=dev)[:, None].expand(B, P)
     for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
+        vals = buf[rows, :, :, src]
+        buf[rows, :, :, dst] = vals
+
+
+@torch.no_grad()
+def compact_ring_path_(ring, length: torch.Tensor, counts: torch.Tensor, path_slots: torch.Tensor) -> None:
+    """:func:`compact_path_` for a sliding-window ring (:class:`~specpilot.models.state.RingKV`):
+    position p sits in slot p mod R, so node ``path_slots[b, j]`` moves from slot
+    ``(length[b] + path_slots[b, j]) mod R`` to ``(length[b] + j) mod R``. On the device, no host
+    sync; gathers all sources before writing."""
+    B, P = path_slots.shape
+    dev = ring.k.device
+    j = torch.arange(P, device=dev)[None, :]
+    base = length.to(dev)[:, None]
+    dst = (base + j) % ring.R
+    src = torch.where(j < counts.to(dev)[:, None], (base + path_slots.to(dev)) % ring.R, dst)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
+    for buf in (ring.k, ring.v):  # (B, L, H, R + 1, D)
         vals = buf[rows, :, :, src]
         buf[rows, :, :, dst] = vals
 

@@ -20,7 +20,7 @@ from ..errors import SpecpilotError
 BM = 16  # fewest rows per matmul tile (tensor-core minimum)
 ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
 TUNE_ROWS = (16, 32, 64)  # the row buckets of DEFAULT_CONFIGS the matmul tuner re-tunes (specpilot.tuning.matmul)
-TREE_FAST_NODES = 64  # trees of up to this many nodes verify in the Triton step (its ancestor bits: one int64)
+TREE_FAST_NODES = 64  # trees of up to this many nodes may verify by ancestor bits (one int64); wider ones by paths
 
 
 @dataclass(frozen=True)
