@@ -35,6 +35,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "and the eager W12Linear kernel against bf16 per shape"),
     "ranks": ("ranks", "per-position rank recall of a built drafter against its target, written as a replay "
                        "profile with rank_recall, and trees' measured tau against the tau it predicts (CPU)"),
+    "families": ("families", "hybrid and Muse-Glimmer targets with static trees: AR, stock and trees at c1 and "
+                             "c16, every cell equal to AR and token-forced, and the teacher-forced pass against "
+                             "the engine layer by layer"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
 }
