@@ -1,6 +1,6 @@
 """What a deployment can hold: an engine's verify width against the target's positions and the
 device's memory, checked before any work (``specpilot run``) and when the workflow is planned
-(``snakemake -n``). Torch-free: the plan reads only ``config.json`` files.
+(``snakemake -n``). Only ``config.json`` files are read.
 
 An engine verifies blocks of up to W tokens (:attr:`~specpilot.engine.config.EngineSpec.verify_width`:
 block + 1, a static tree's N + 1, a spine tree's side leaves, the second level; a load-aware
@@ -29,12 +29,14 @@ import json
 import os
 from pathlib import Path
 
+from .agent.directions import REGISTRY
 from .models.config import TargetConfig
+from .models.target import ring_reserve
+from .validate import locate
 
 GIB = 1024 ** 3
 # memory of the GPUs the study names ({gpu} wildcard values), GiB (vendor figures)
 GPU_MEMORY_GIB = {"h100": 80, "h200": 141, "a100": 80, "b200": 180, "l40s": 48, "rtx_pro_6000": 96, "gh200": 96}
-MIN_RESERVE = 64  # models.target.DEFAULT_VERIFY_WIDTH (that module imports torch)
 
 
 def ring_slots(cfg: TargetConfig, max_seq: int, width: int) -> int:
@@ -42,7 +44,7 @@ def ring_slots(cfg: TargetConfig, max_seq: int, width: int) -> int:
     sliding layers): as :class:`~specpilot.models.state.RingKV` allocates them."""
     if "sliding_attention" not in cfg.layer_types:
         return 0
-    return min(cfg.sliding_window + max(MIN_RESERVE, width), max_seq) + 1
+    return min(cfg.sliding_window + ring_reserve(width), max_seq) + 1
 
 
 def state_bytes(cfg: TargetConfig, max_seq: int, width: int, dtype_bytes: int) -> dict[str, int]:
@@ -156,8 +158,6 @@ def rounds_widest(block: int) -> tuple[int, str]:
     """The widest engine the agent rounds may try for a deployment of stock ``block``: the largest
     value of every width-setting key over the registered directions' grids
     (:mod:`specpilot.agent.directions`), combined as the rounds may merge winners."""
-    from .agent.directions import REGISTRY  # torch-free
-
     top: dict[str, int] = {"block_size": block}
     for d in REGISTRY.values():
         for key in ("block_size", "tree_nodes", "tree_branch", "tree_depth", "second_level"):
@@ -173,8 +173,6 @@ def rounds_widest(block: int) -> tuple[int, str]:
 def _target_config(dep: dict, base: Path, tiny_target: str, tiny_dir: Path | None) -> TargetConfig | None:
     """The deployment's target config when its config.json is at hand (else None: the plan's
     other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``)."""
-    from .validate import locate  # the plan's reader of target / drafter sources
-
     if dep["target"] == tiny_target:
         path = tiny_dir / "target" / "config.json" if tiny_dir is not None else None
     else:
@@ -192,8 +190,6 @@ def _stock_block(dep: dict, base: Path) -> int | None:
     block = dep.get("block_size")
     if isinstance(block, int) and not isinstance(block, bool):
         return block
-    from .validate import locate
-
     if block == "auto" and dep.get("drafter_id"):
         path, problem = locate(dep["drafter_id"], base)
         if path is not None and not problem:

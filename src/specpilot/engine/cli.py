@@ -170,6 +170,8 @@ def check_capacity(args, specs: list[EngineSpec], prompts: list[dict]) -> None:
     positions or the device's memory (:func:`specpilot.capacity.width_problem`: the longest
     prompt's KV slots at this concurrency, the sliding-window rings sized for the width, the
     weights). Raises SpecpilotError: one line naming the engine, its width's settings and the limit."""
+    if not prompts:  # serve refuses an empty prompt file, naming it
+        return
     cfg = TargetConfig.from_hf_dict(read_config(args.target), f"{args.target}/config.json")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
