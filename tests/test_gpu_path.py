@@ -765,8 +765,13 @@ def test_tree_bits_pack_ancestors():
     # a spine + side-leaf tree has its ancestors at the slots of their depths: bits and depths only
     from specpilot.drafters.proposal import spine_tree_parents
     assert len(tree_inputs(torch.tensor([spine_tree_parents(6, 2, 3)]))) == 2
-    with pytest.raises(SpecpilotError, match="at most 64"):
-        tree_inputs(torch.full((1, 65), -1))
+    assert len(tree_inputs(torch.tensor([spine_tree_parents(6, 2, 3)]), paths=True)) == 3  # the family step's form
+    # more than 64 nodes: read by paths (no ancestor bits); deeper than the path table: refused
+    wide = torch.tensor([[-1] + [0] * 70 + [70]])
+    b, d, p = tree_inputs(wide)
+    assert not bool(b.any()) and d[0, -1] == 2 and p[0, -1, :2].tolist() == [0, 70]
+    with pytest.raises(SpecpilotError, match="at most 64 levels"):
+        tree_inputs(torch.tensor([[-1] + list(range(65))]))
 
 
 def test_row_tiles_and_config_tables():
