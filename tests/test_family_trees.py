@@ -156,7 +156,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.slow
 def test_family_trees_serve_equal_ar_and_force_interpreted(tmp_path):
-    """The engine through the family step (interpreter, ~10 min on 2 cores): prompts of 130-140
+    """The engine through the family step (interpreter: 10-15 min on 2 shared cores): prompts of 130-140
     tokens + 24 new, window 16, a 127-node static tree (ring reserve 128) at c3 and a spine tree
     of branch 4 x depth 16 at c1: every output equals AR and every margin is exactly 0."""
     from triton_interp import run_interpreted
