@@ -236,11 +236,16 @@ def deployment_dir(name):
 
 def _check_deployments():
     """Stop the plan (``snakemake -n`` included) when a deployment cannot run: one line per
-    problem naming the deployment, the key and the value (specpilot.validate)."""
+    problem naming the deployment, the key and the value (specpilot.validate), and when its widest
+    engine's verify width cannot fit the target's positions or the device's memory
+    (specpilot.capacity)."""
+    from specpilot.capacity import plan_problems
     from specpilot.validate import check_deployments
 
-    problems = check_deployments(DEPLOYMENTS, Path.cwd(), TINY_TARGET, TINY_DRAFTERS,
-                                 {d: Path(deployment_dir(d)) for d in TINY_DEPLOYMENTS})
+    tiny_dirs = {d: Path(deployment_dir(d)) for d in TINY_DEPLOYMENTS}
+    problems = check_deployments(DEPLOYMENTS, Path.cwd(), TINY_TARGET, TINY_DRAFTERS, tiny_dirs)
+    if not problems:
+        problems = plan_problems(DEPLOYMENTS, config, Path.cwd(), target_gpus(), TINY_TARGET, tiny_dirs)
     if problems:
         raise WorkflowError("\n".join(f"specpilot: {p}" for p in problems))
 

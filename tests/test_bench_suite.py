@@ -130,6 +130,24 @@ def test_serving_dry_run(tmp_path, checkpoint):
     assert eq["common"] == 2 and eq["equal"] == 2 and eq["forcing"]["passed"]
 
 
+@needs_triton
+def test_families_dry_run(tmp_path):
+    r = bench(tmp_path, "families")
+    assert r["errors"] == []
+    for shape in ("tiny-hybrid", "tiny-muse"):
+        for c, n in (("c1", 2), ("c3", 3)):
+            cell = r["shapes"][shape]["cells"][c]
+            assert cell["ar"]["forcing"]["passed"] and cell["ar"]["n"] == n
+            for name in ("stock", "tree7", "tree12"):
+                v = cell[name]
+                assert v["equal"] == n and v["forcing"]["passed"] and v["forcing"]["tokens_checked"] == n * 12, v
+                assert v["tau"] > 1 and v["path"] == "eager"
+    t = r["shapes"]["tiny-muse"]["teacher"]  # the Triton family step under the interpreter
+    assert t["path"] == "triton-family" and t["prefill_piece"] == 64
+    assert t["teacher"]["first_difference"] is None and t["teacher"]["max_margin"] == 0.0
+    assert "teacher" not in r["shapes"]["tiny-hybrid"]  # the dry run diagnoses one shape
+
+
 def test_targets_dry_run(tmp_path):
     r = bench(tmp_path, "targets")
     assert r["errors"] == []

@@ -247,7 +247,7 @@ def test_tree_verification_engine_equals_ar(quick_deployment, quick_prompts):
     steps_tree = sum(t.verify_steps for t in tree)
     steps_chain = sum(c.verify_steps for c in chain)
     assert steps_tree <= steps_chain  # side branches only ever add accepted tokens
-    assert tree[0].engine_config == {"block_size": 6, "tree_branch": 2, "tree_depth": 2}
+    assert tree[0].engine_config == {"block_size": 6, "tree_branch": 2, "tree_depth": 2, "path": "eager"}
 
 
 def test_multi_turn_chaining_equal_across_engines(quick_deployment, data_dir, tmp_path):

@@ -178,11 +178,13 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
     m = build_target("tiny", dtype=torch.bfloat16).cuda()
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0)]) == "triton"
-    # trees of up to 256 nodes run in the Triton step (ancestor bits or paths); wider ones eager
+    # trees of up to 256 nodes run in the Triton step (ancestor bits up to 64 nodes, paths beyond)
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "tree_branch": 2})]) == "triton"
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 12, "tree_lattice": 255})]) == "triton"
-    wide = {"block_size": 16, "tree_nodes": 300}
-    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "eager"
+    wide = {"block_size": 16, "tree_branch": 3, "tree_depth": 16}
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg=wide)]) == "triton"
+    # an engine that ran another path (its records say so) is checked eagerly
+    assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "path": "eager"})]) == "eager"
     # w12 in the fast path: the 12-bit loader of the same kernels (the bf16 bits); w12_fast off: eager layers
     assert pick_teacher_forced_path(choose_backend(m), [_rec(0, 1, 0.0, cfg={"block_size": 8, "weight_format": "w12"})]) == "triton"
     off = {"block_size": 8, "weight_format": "w12", "w12_fast": False}
@@ -190,7 +192,7 @@ def test_auto_path_on_cuda_follows_the_engine_config():
 
 
 def test_tree_width_bound_follows_the_verify_width():
-    """The bound of a config's tree width that decides Triton (<= 256 nodes) or eager forcing."""
+    """The bound of a record config's tree width equals the engine's verify width."""
     from specpilot.fastpath.tables import TREE_FAST_NODES
     from specpilot.engine.config import EngineSpec
     from specpilot.engine.config import tree_width_of as _tree_width_bound

@@ -773,14 +773,17 @@ def test_tree_bits_pack_ancestors():
     # a spine + side-leaf tree has its ancestors at the slots of their depths: bits and depths only
     from specpilot.drafters.proposal import spine_tree_parents
     assert len(tree_inputs(torch.tensor([spine_tree_parents(6, 2, 3)]))) == 2
+    assert len(tree_inputs(torch.tensor([spine_tree_parents(6, 2, 3)]), paths=True)) == 3  # the family step's form
     with pytest.raises(SpecpilotError, match="at most 256 nodes"):
         tree_inputs(torch.full((1, 257), -1))
     # wider than the bits: the path form (bits a zero placeholder); no deeper than the path table
     wide = tree_inputs(torch.tensor([[-1] + [0] * 99]))
     assert len(wide) == 3 and not wide[0].any() and wide[1].tolist() == [[0] + [1] * 99]
-    with pytest.raises(SpecpilotError, match="at most 64 deep, got 69"):
+    b, d, p = tree_inputs(torch.tensor([[-1] + [0] * 70 + [70]]))
+    assert not bool(b.any()) and d[0, -1] == 2 and p[0, -1, :2].tolist() == [0, 70]
+    with pytest.raises(SpecpilotError, match="depth 69: .* at most 64 levels"):
         tree_inputs(torch.tensor([[-1] + list(range(69))]))
-    with pytest.raises(SpecpilotError, match="at most 64 deep, got a bound of 70"):
+    with pytest.raises(SpecpilotError, match="depth up to 70: .* at most 64 levels"):
         tree_inputs(torch.tensor([[-1, 0]]), max_depth=70)
     # a tree that changes every step (max_depth given): the path form, no host read, same tables
     par = torch.tensor([[-1, 0, 0, 1, 2]])

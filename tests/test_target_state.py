@@ -64,10 +64,11 @@ _REF = {}
 
 
 def reference(model):
-    """Batched greedy AR of PROMPTS (computed once per target)."""
-    if id(model) not in _REF:
-        _REF[id(model)] = ar(model, PROMPTS)
-    return _REF[id(model)]
+    """Batched greedy AR of PROMPTS (computed once per target; the model is kept with its result, so
+    a later model that reuses a freed one's id never gets its outputs)."""
+    if id(model) not in _REF or _REF[id(model)][0] is not model:
+        _REF[id(model)] = (model, ar(model, PROMPTS))
+    return _REF[id(model)][1]
 
 
 PROMPTS = [[3, 17, 5, 9, 11], list(range(20, 43)), [(7 * i) % V for i in range(40)]]

@@ -38,6 +38,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "trees": ("trees", "tau against node budget of static, spine and DFlash2 lattice trees on a built deployment's "
                        "drafters (every output against AR and the teacher-forced pass), the lattice bound, and the "
                        "measured lattice behaviour as a replay profile (CPU)"),
+    "families": ("families", "hybrid and Muse-Glimmer targets with static trees: AR, stock and trees at c1 and "
+                             "c16, every cell equal to AR and token-forced, and the teacher-forced pass against "
+                             "the engine layer by layer"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
 }

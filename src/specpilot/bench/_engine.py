@@ -168,18 +168,19 @@ def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, 
 
 
 def runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (), graphs: bool | None = None,
-           kernels: str | None = "auto") -> TargetRunner:
-    """A :class:`TargetRunner` over the benchmark's backend of ``model`` (see :func:`backend`)."""
-    return TargetRunner(model, batch, max_seq, capture, backend(model, graphs, kernels))
+           kernels: str | None = "auto", verify_width: int = 1) -> TargetRunner:
+    """A :class:`TargetRunner` over the benchmark's backend of ``model`` (see :func:`backend`), its
+    rings sized for blocks of ``verify_width`` tokens."""
+    return TargetRunner(model, batch, max_seq, capture, backend(model, graphs, kernels), verify_width)
 
 
 def fast_runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
-                graphs: bool = True) -> TargetRunner:
+                graphs: bool = True, verify_width: int = 1) -> TargetRunner:
     """A :class:`TargetRunner` on the Triton fast path: under CUDA graphs on the GPU (``graphs``),
     uncaptured otherwise (the CPU under the interpreter: decode, verify and row prefill still go
     through the Triton step)."""
     if model.lm_head.weight.is_cuda and graphs:
-        return runner(model, batch, max_seq, capture, True, "triton")
+        return runner(model, batch, max_seq, capture, True, "triton", verify_width)
     dense, family, _, graphs_mod = fastpath()
 
     class Uncaptured(graphs_mod.StepGraphs):
@@ -189,7 +190,7 @@ def fast_runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int
     step = dense.FastTarget(model) if model.config.is_dense else family.FastFamilyTarget(model)
     b = Backend(model, "triton-dense" if model.config.is_dense else "triton-family", "uncaptured (interpreter)",
                 False, "triton", Uncaptured(model, step))
-    return TargetRunner(model, batch, max_seq, capture, b)
+    return TargetRunner(model, batch, max_seq, capture, b, verify_width)
 
 
 def step_fast(r: TargetRunner):

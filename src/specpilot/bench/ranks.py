@@ -150,7 +150,8 @@ def measure(a: argparse.Namespace, name: str) -> dict:
     for spec in a.tree:
         b, d = (int(x) for x in spec.split(","))
         tp = E.make_proposer(drafter, block, {"tree_branch": b, "tree_depth": d})
-        trows = E.generate(E.TargetRunner(target, B, max_seq + b * d, tp.capture), tp, prompts, a.new)
+        trows = E.generate(E.TargetRunner(target, B, max_seq + b * d, tp.capture, verify_width=tp.verify_width), tp,
+                           prompts, a.new)
         checks[f"branch{b}_depth{d}"] = {  # the token budget cuts each row's last step: left out
             "measured_tau": tau(trows, True), "predicted_tau": round(E.expected_tau_tree(prof, a.width, b, d), 4),
             "chain_measured_tau": tau(rows, True),

@@ -35,9 +35,9 @@ from torch import nn
 from ..errors import SpecpilotError
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
-from ..fastpath.tables import KERNELS, TREE_FAST_NODES
+from ..fastpath.tables import KERNELS
 from ..fastpath.w12 import choice_json, parse_choice, prepare
-from .config import EngineConfig, tree_width_of
+from .config import EngineConfig
 
 PATHS = ("eager", "torch-graphs", "triton-dense", "triton-family")
 
@@ -107,9 +107,10 @@ class Backend:
 
     @property
     def tree_fast(self) -> bool:
-        """Token trees (<= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) verify in the
-        Triton step under CUDA graphs: the dense path; other paths verify trees eagerly."""
-        return self.path == "triton-dense"
+        """Token trees verify in the Triton step (under CUDA graphs on a GPU): the dense and the
+        family paths, up to 256 nodes and depth 64 (larger trees are refused, never handed to
+        the eager forward); the eager paths verify trees eagerly like every other step."""
+        return self.triton
 
     @property
     def can_prefill_rows(self) -> bool:
@@ -172,12 +173,12 @@ class Backend:
         engine's step, margins exactly 0 for an honest engine) or ``"eager"``.
 
         ``auto``: ``triton`` exactly when the engine ran its prefix and verify steps through a Triton
-        step: this backend's path is ``triton-dense`` (chains, and trees up to
-        :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes) or ``triton-family`` (chains: its
-        trees run eagerly), and no record's engine config converts the weights other than to w12
-        in the fast path (``weight_format: w12`` with ``w12_fast``: the 12-bit loader of the same
-        kernels, bit-identical to this bf16 step). ``triton`` asked needs a Triton step for the target (on the CPU:
-        ``TRITON_INTERPRET=1``).
+        step: this backend's path is ``triton-dense`` or ``triton-family`` (chains and trees: every
+        tree node's logits are a decode's of its path), no record's engine config converts the
+        weights other than to w12 in the fast path (``weight_format: w12`` with ``w12_fast``: the
+        12-bit loader of the same kernels, bit-identical to this bf16 step), and no record names
+        another execution path (its ``engine_config["path"]``, e.g. an engine run with graphs
+        off). ``triton`` asked needs a Triton step for the target (on the CPU: ``TRITON_INTERPRET=1``).
 
         Raises:
             SpecpilotError: an unknown ``asked``; ``triton`` where the step cannot run.
@@ -197,11 +198,10 @@ class Backend:
             return "triton"
         if not self.triton:
             return "eager"
-        widest = TREE_FAST_NODES if self.path == "triton-dense" else 0
         for cfg in engine_configs:
             fmt = cfg.get("weight_format") or "bf16"
             w12_fast = fmt == "w12" and EngineConfig.parse(cfg, "a record's engine_config", record=True).w12_fast
-            if (fmt != "bf16" and not w12_fast) or tree_width_of(cfg) > widest:
+            if (fmt != "bf16" and not w12_fast) or cfg.get("path", self.path) != self.path:
                 return "eager"
         return "triton"
 

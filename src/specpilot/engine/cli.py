@@ -24,11 +24,12 @@ from ..drafters.replay import load_profile
 from ..errors import SpecpilotError
 from ..io import comma_list, one_out_each, read_json, read_prompts
 from ..kernels_build import engine_tables, use_kernel_outputs, w12_choice_for
-from ..models.config import read_config
+from ..capacity import host_memory_bytes, widest_engine, width_problem
+from ..models.config import TargetConfig, read_config
 from ..models.loading import drafter_config
 from ..records import merge_repeats, read_records, write_records
 from .config import ENGINES, WEIGHT_FORMATS, EngineConfig, EngineSpec
-from .serve import ServeOptions, default_max_seq, serve, serve_turns, shift_times
+from .serve import ServeOptions, default_max_seq, kv_slots_needed, serve, serve_turns, shift_times
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,6 +174,34 @@ def _check_args(args) -> None:
         raise SpecpilotError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.timing_repeats < 1:
         raise SpecpilotError(f"--timing-repeats must be >= 1, got {args.timing_repeats}")
+
+
+def check_capacity(args, specs: list[EngineSpec], prompts: list[dict]) -> None:
+    """Refuse, before loading anything, an engine whose verify width cannot fit the target's
+    positions or the device's memory (:func:`specpilot.capacity.width_problem`: the longest
+    prompt's KV slots at this concurrency, the sliding-window rings sized for the width, the
+    weights). Raises SpecpilotError: one line naming the engine, its width's settings and the limit."""
+    if not prompts:  # serve refuses an empty prompt file, naming it
+        return
+    cfg = TargetConfig.from_hf_dict(read_config(args.target), f"{args.target}/config.json")
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    cuda = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
+    batched = args.concurrency > 1 and len(prompts) > 1
+    first = max(prompts, key=lambda p: len(p["prompt_ids"]))
+    longest = len(first["prompt_ids"])
+    for sp in specs:
+        width = sp.verify_width
+        what = "ar" if sp.engine == "ar" else \
+            widest_engine({**sp.config.to_dict(), "block_size": sp.block_size})[1]
+        slots = args.max_seq or kv_slots_needed(longest, args.max_new_tokens, width, batched) + \
+            (64 if cuda and args.regime == "continuous" and args.graphs != "off" else 0)
+        problem = width_problem(cfg, width, what, slots, min(args.concurrency, len(prompts)), dtype.itemsize,
+                                total, str(device), 0.75 if sp.config.weight_format == "w12" else 1.0)
+        if problem:
+            raise SpecpilotError(f"engine {sp.engine}: request {first['request_id']} (prompt of {longest} tokens + "
+                                 f"{args.max_new_tokens} new tokens): {problem}")
 
 
 def load_deployments(args, specs: list[EngineSpec], kernel_outputs: dict) -> dict[str, Deployment]:
@@ -332,6 +361,7 @@ def run(args) -> int:
                 sp.config = sp.config.replace(replay_profile=replay.name)
         if args.replay_reference:
             references = {r.request_id: r.output_ids for r in read_records(args.replay_reference)}
+    check_capacity(args, specs, prompts)
     kernel_outputs = use_kernel_outputs(args.kernels_manifest, args.kernel_agent)
     deps = load_deployments(args, specs, kernel_outputs)
     cells = _Cells(args, specs, deps, replay, references)

@@ -26,7 +26,7 @@ from .verify import ACCEPT_RULES
 ENGINES = ("ar", "stock", "lookup", "specpilot")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "w12")
 VERIFY_BUDGETS = ("off", "load_aware")
-RECORD_ONLY = ("kernels",)  # keys the CLI adds to records' engine_config (not engine settings)
+RECORD_ONLY = ("kernels", "path")  # keys added to records' engine_config (what ran: not engine settings)
 
 
 def _int(lo: int | None = None) -> tuple[Callable[[Any], bool], str]:

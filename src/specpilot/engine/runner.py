@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecpilotError
-from ..fastpath.tables import TREE_FAST_NODES
 from ..models.layers import chain_ancestors, tree_ancestors
 from ..models.state import check_width
-from ..models.target import Transformer
+from ..models.target import PREFILL_PIECE, Transformer, ring_reserve
 from .backend import Backend, choose_backend
-from .verify import compact_path_, tree_inputs
+from .verify import compact_path_, compact_ring_path_, tree_inputs
 
 
 class TargetRunner:
@@ -28,25 +27,26 @@ class TargetRunner:
     default: chosen for ``model`` with graphs and kernels auto). Under CUDA graphs chain verify and
     decode steps replay captured graphs (:class:`~specpilot.fastpath.graphs.StepGraphs`); so does
     tree verification on the Triton dense step (ancestor bits, the accepted path compacted on the
-    device by :func:`~specpilot.engine.verify.compact_path_`); other trees run eager. Prefill runs
+    device by :func:`~specpilot.engine.verify.compact_path_`); the eager backends run trees eager. Prefill runs
     through the Triton step row by row on the Triton paths (:attr:`can_prefill_rows`:
     batch-invariant, the path every continuous-batching refill takes too), else eager. Hybrid (GDN)
     and Muse-Glimmer targets on the Triton family step run the same way (decode graphs advance the
-    GDN state; a chain verify's accepted tokens are re-run into it at :meth:`commit`); their trees
-    run eager. The runner never reads ``length`` on the host inside a step: a host
+    GDN state; a verify's accepted tokens, a tree's accepted path, are re-run into it at
+    :meth:`commit`); their trees verify in the family step too. The runner never reads ``length`` on the host inside a step: a host
     upper bound of it decides whether the cache has room, and only when that bound is too loose
     is the exact length read (a synchronization).
     """
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, verify_width: int = 1):
         self.model = model
         self.batch, self.max_seq, self.capture = batch, max_seq, tuple(capture)
         self.device = model.lm_head.weight.device
         self.backend = backend if backend is not None else choose_backend(model)
         if self.backend.model is not model:
             raise SpecpilotError("the runner's backend was chosen for another model")
-        model.setup_cache(batch, max_seq)
+        self.verify_width = int(verify_width)  # the widest block the engine verifies (sizes the rings)
+        model.setup_cache(batch, max_seq, verify_width=ring_reserve(self.verify_width))
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.steps = self.backend.step_graphs  # the captured steps (None: eager)
         self._recurrent = model.config.is_recurrent
@@ -140,6 +140,23 @@ class TargetRunner:
         """True when :meth:`prefill_row` is available (a Triton step)."""
         return self.backend.can_prefill_rows
 
+    @property
+    def prefill_piece(self) -> int | None:
+        """Tokens per :meth:`prefill_row` forward: :data:`~specpilot.models.target.PREFILL_PIECE`
+        on a target with sliding-window layers, whether or not its ring wraps at this cache size,
+        so every caller (the engine at any concurrency and KV-cache size, token forcing's teacher
+        pass) prefills a prompt in the same pieces (fewer when a ring was sized smaller by hand);
+        None (whole prompts) otherwise."""
+        ring = self.model.state.ring
+        return min(PREFILL_PIECE, ring.reserve) if ring is not None else None
+
+    @property
+    def max_block(self) -> int:
+        """The widest block one :meth:`verify` may hold: the sliding-window ring's reserve (a wider
+        block would evict live ring entries of its own rows), else the KV cache's size."""
+        ring = self.model.state.ring
+        return ring.reserve if ring is not None else self.max_seq
+
     @torch.inference_mode()
     def prefill_row(self, b: int, tokens: list[int], start: int, set_length: bool = True):
         """Prefill ``tokens`` into cache row ``b`` at positions start .. start+T-1 and commit them,
@@ -155,8 +172,7 @@ class TargetRunner:
         T = len(tokens)
         if start + T > self.max_seq:
             raise SpecpilotError(f"row {b}: prefill to {start + T} KV-cache slots but the cache holds {self.max_seq}")
-        ring = self.model.state.ring
-        step = ring.reserve if ring is not None and ring.R < self.max_seq else T  # a wrapping ring: chunks
+        step = self.prefill_piece or T  # sliding-window targets: fixed pieces (PREFILL_PIECE)
         if T > step:
             out = [self.prefill_row(b, tokens[s0:s0 + step], start + s0, set_length) for s0 in range(0, T, step)]
             feats = [f for _, f in out]
@@ -208,27 +224,32 @@ class TargetRunner:
         if parents is None:
             anc, depth = chain_ancestors(B, N, self.device), None
             return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
-        # a static tree shape reuses one parents tensor every step: its mask (or bits) is built
-        # once. The key holds the tensor itself (identity, not its address: a dynamic tree's new
-        # parents tensor may reuse a freed one's memory)
-        fast = self.tree_fast and N <= TREE_FAST_NODES
+        # a static tree shape reuses one parents tensor every step: its mask (or Triton inputs) is
+        # built once. The key holds the tensor itself (identity, not its address: a dynamic tree's
+        # new parents tensor may reuse a freed one's memory). A tree the Triton step cannot take
+        # (wider or deeper than its tables) stops here: it never falls back to the eager forward,
+        # whose arithmetic differs from the step's
+        fast = self.tree_fast
         key = (parents, fast)
         if self._tree_key is None or self._tree_key[0] is not parents or self._tree_key[1] != fast:
-            if fast:
-                self._tree_key, self._tree = key, tree_inputs(parents, max_depth)
-            else:
-                self._tree_key, self._tree = key, tree_ancestors(parents, max_depth)
-        if fast:  # the Triton step with the ancestor bits, replayed like a chain verify
+            self._tree_key = None
+            self._tree = tree_inputs(parents, max_depth, paths=self.backend.path == "triton-family") if fast \
+                else tree_ancestors(parents, max_depth)
+            self._tree_key = key
+        if fast:  # the Triton step with the tree's inputs, replayed like a chain verify
             self._tree_pending = True
-            return self.steps.run(block, self.length, self.capture, tree=self._tree)
+            out = self.steps.run(block, self.length, self.capture, tree=self._tree)
+            if self._recurrent:  # which workspace commit() re-runs the accepted path from
+                self.steps.fast.note_verify(B, N, len(self.capture))
+            return out
         anc, depth = self._tree
         return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
 
     @property
     def tree_fast(self) -> bool:
-        """True when tree verification runs in the Triton step under CUDA graphs (the backend's
-        dense Triton path, trees of <= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES` nodes);
-        else trees run eager."""
+        """True when tree verification runs in the Triton step (the backend's Triton path, dense or
+        family: every tree up to depth 64, bit-equal to decoding its paths); else the backend's
+        whole engine runs eager and trees with it."""
         return self.backend.tree_fast
 
     @torch.inference_mode()
@@ -258,8 +279,14 @@ class TargetRunner:
         their K/V are moved to contiguous slots so the cache stays chain-shaped, and a recurrent
         (GDN) state replays exactly that path from the committed state.
         """
-        if path_slots is not None and self._tree_pending:
-            compact_path_(self.model.cache, self.length, counts, path_slots)  # on the device, no sync
+        if path_slots is not None and self._tree_pending:  # a tree in the Triton step: on the device, no sync
+            st = self.model.state
+            if st.kv is not None:
+                compact_path_(st.kv, self.length, counts, path_slots)
+            if st.ring is not None:
+                compact_ring_path_(st.ring, self.length, counts, path_slots)
+            if self._recurrent:
+                self.steps.fast.commit_recurrent(counts, path_slots)  # re-run the accepted path
         else:
             self.model.commit(self.length, counts, path_slots)
         self._tree_pending = False

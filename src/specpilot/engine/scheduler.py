@@ -531,9 +531,10 @@ class Scheduler:
                 room = runner.max_seq - max(length)
                 if room < 1:  # _check guarantees room >= verify width; a broken invariant must not loop
                     raise SpecpilotError(f"no KV-cache room left for a prefill step (max_seq {runner.max_seq})")
-                W = min(max(len(p) - pos[b] for b, p in prompts.items()), self.chunk or runner.max_seq, room)
+                W = min(max(len(p) - pos[b] for b, p in prompts.items()), self.chunk or runner.max_seq, room,
+                        runner.max_block)
                 Wb = prefill_width([W], self.bucket)
-                if Wb > room:
+                if Wb > min(room, runner.max_block):  # padding columns write entries too
                     Wb = W
                 parts = {b: p[pos[b]: pos[b] + W] for b, p in prompts.items()}
                 block = torch.zeros(runner.batch, Wb, dtype=torch.long)

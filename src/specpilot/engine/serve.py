@@ -100,9 +100,18 @@ def generate_batch(spec: EngineSpec, dep: Deployment, prompts: list[list[int]], 
         references = [r.output_ids for r in generate_batch(EngineSpec("ar"), dep, prompts, max_new_tokens, max_seq,
                                                             eos_id)]
     proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay, references)
-    runner = TargetRunner(dep.target, len(prompts), max_seq, proposer.capture, dep.backend)
+    runner = TargetRunner(dep.target, len(prompts), max_seq, proposer.capture, dep.backend,
+                          verify_width=engine_width(spec, proposer))
     return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile,
                     overlap=spec.overlap)
+
+
+def engine_width(spec: EngineSpec, proposer=None) -> int:
+    """The widest block engine ``spec`` verifies, which sizes its runner's sliding-window rings:
+    the config's bound (:attr:`~specpilot.engine.config.EngineSpec.verify_width`: static tree
+    N + 1, spine tree, second level, at any concurrency; a load-aware verify budget only narrows
+    it) or the proposer's own width, whichever is larger (1 for AR)."""
+    return max(spec.verify_width, int(proposer.verify_width) if proposer is not None else 1)
 
 
 def default_max_seq(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_new_tokens: int,
@@ -190,17 +199,20 @@ def serve(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_new_tokens
         rows = _serve_static(spec, dep, prompts, max_new_tokens, concurrency, max_seq, opts)
     else:
         rows = _serve_continuous(spec, dep, prompts, max_new_tokens, concurrency, max_seq, opts)
-    return [_record(spec, p, r, concurrency, meta, opts) for p, r in zip(prompts, rows)]
+    return [_record(spec, p, r, concurrency, meta, opts, dep.backend.path) for p, r in zip(prompts, rows)]
 
 
-def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dict, opts: ServeOptions) -> Record:
-    """One request's :class:`~specpilot.records.Record`."""
+def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dict, opts: ServeOptions,
+            path: str) -> Record:
+    """One request's :class:`~specpilot.records.Record`; ``path``: the execution path every step
+    of the engine ran (the backend's, :data:`~specpilot.engine.backend.PATHS`), recorded as
+    ``engine_config["path"]`` (token forcing's teacher pass follows it)."""
     return Record(
         request_id=p["request_id"], benchmark=p["benchmark"], engine=spec.engine,
         concurrency=concurrency, prompt_tokens=len(p["prompt_ids"]), new_tokens=len(r.output_ids),
         prefill_s=r.prefill_s, decode_s=r.decode_s, verify_steps=r.verify_steps,
         committed_per_step=r.committed_per_step, output_ids=r.output_ids,
-        engine_config=spec.record_config(), draft_s=r.draft_s, verify_s=r.verify_s,
+        engine_config={**spec.record_config(), "path": path}, draft_s=r.draft_s, verify_s=r.verify_s,
         synthetic=bool(meta.get("synthetic", False)) or opts.replay is not None,
         deployment=meta["deployment"], target=meta["target"],
         drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"],
@@ -223,16 +235,12 @@ def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], ma
     proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay,
                                     [r.reference for r in requests[:B]] if replay is not None else None)
     capture = proposer.capture if proposer is not None else ()
-    runner = TargetRunner(dep.target, B, max_seq, capture, dep.backend)
+    runner = TargetRunner(dep.target, B, max_seq, capture, dep.backend, verify_width=engine_width(spec, proposer))
     bar = tqdm(total=len(requests), desc=f"{spec.engine} c{concurrency}", unit="req", disable=not opts.progress)
-    chunk = opts.prefill_chunk
-    ring = dep.target.state.ring if dep.target.state is not None else None
-    if ring is not None and ring.R < ring.window + (chunk or max_seq):
-        # a sliding-window target's ring holds only `reserve` slots beyond the window: a refill's
-        # prompt goes in chunks no wider, so it never evicts a running row's live entries
-        chunk = min(chunk or ring.reserve, ring.reserve)
+    # (a sliding-window target's prompts go in the runner's fixed pieces, TargetRunner.prefill_piece,
+    # and a refill block over every row is cut to its widest block, TargetRunner.max_block)
     sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=opts.eos_id, profile=opts.profile,
-                      prefill_chunk=chunk, overlap=spec.overlap, prefill_beside=opts.prefill_beside)
+                      prefill_chunk=opts.prefill_chunk, overlap=spec.overlap, prefill_beside=opts.prefill_beside)
     if opts.warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
     sched.on_finish = lambda i: bar.update(1)

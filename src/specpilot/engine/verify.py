@@ -14,7 +14,7 @@ the target's own choice: outputs equal greedy AR decoding token for token (token
 Also here: :class:`Step` / :func:`step` / :func:`advance` (propose, verify, decide; then commit and
 tell the proposer), the tree encodings the Triton step reads (:func:`tree_bits`,
 :func:`tree_paths`, :func:`tree_inputs`) and the on-device compaction of an accepted tree path
-(:func:`compact_path_`). Sources: SGLang ``speculative/eagle_utils.py`` (verify_tree_greedy) and
+(:func:`compact_path_`, :func:`compact_ring_path_`). Sources: SGLang ``speculative/eagle_utils.py`` (verify_tree_greedy) and
 DFlash ``dflash_generate`` (linear verification); DDTree / JetSpec for the ancestor-masked tree.
 """
 
@@ -297,42 +297,52 @@ def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
     return (ancestors.to(torch.int64) * w).sum(-1)
 
 
-def tree_inputs(parents: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, ...]:
+def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool = False) -> tuple[torch.Tensor, ...]:
     """(ancestor bits int64 [B, T], depth int32 [B, T], ancestors by depth int32 [B, T, 64]) of a
-    token tree for :meth:`~specpilot.fastpath.dense.FastTarget.forward` (the attention reads each node's ancestors in the
-    order of their positions: :func:`tree_paths`). A tree of at most 64 nodes whose
-    nodes have their ancestors at the slots of their depths (chains, spine + side-leaf trees)
-    gets the first two only: its ancestor bits sum the keys in the decode's tiles already, at the
-    chain verify's cost (one program per row tile, not per node).
+    token tree for the Triton steps (:meth:`~specpilot.fastpath.dense.FastTarget.forward`,
+    :meth:`~specpilot.fastpath.family.FastFamilyTarget.forward`; the attention reads each node's
+    ancestors in the order of their positions: :func:`tree_paths`). A tree of at most 64 nodes
+    whose nodes have their ancestors at the slots of their depths (chains, spine + side-leaf
+    trees) gets the first two only unless ``paths`` (the family step reads every tree by its
+    paths): its ancestor bits sum the keys in the decode's tiles already, at the chain verify's
+    cost (one program per row tile, not per node).
 
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
-    (:func:`specpilot.models.layers.tree_ancestors`). T <= :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`
-    (raises SpecpilotError otherwise). ``max_depth``: a bound of the depth (a tree that changes
-    every step, e.g. a lattice tree): built with no host synchronization, always in the path form.
-    Above 64 nodes the bits are not built (a zero placeholder; the path form never reads them);
-    a tree deeper than :data:`PATH_DEPTH` is refused (its paths would not fit the table).
+    (:func:`specpilot.models.layers.tree_ancestors`). ``max_depth``: a bound of the depth (a tree
+    that changes every step, e.g. a lattice tree): built with no host synchronization, always in
+    the path form. Above 64 nodes the bits are not built (a zero placeholder; the path form never
+    reads them).
+
+    Raises:
+        SpecpilotError: T > :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`, or a tree deeper
+            than the path table (:data:`PATH_DEPTH` levels below the root: the engine's
+            tree_depth / block_size). The engine stops there: a tree never falls back to the
+            eager forward, whose arithmetic differs from the step's.
     """
     T = parents.shape[1]
     if T > TREE_FAST_NODES:
-        raise SpecpilotError(f"tree blocks in the fast path hold at most {TREE_FAST_NODES} nodes, got {T}")
+        raise SpecpilotError(f"a token tree of {T} nodes: the Triton step verifies trees of at most "
+                             f"{TREE_FAST_NODES} nodes (engine config tree_nodes / tree_lattice / tree_branch)")
     if max_depth is not None and max_depth > PATH_DEPTH:
-        raise SpecpilotError(f"trees in the fast path are at most {PATH_DEPTH} deep, got a bound of {max_depth}")
+        raise SpecpilotError(f"a token tree of depth up to {max_depth}: the Triton step verifies trees of at most "
+                             f"{PATH_DEPTH} levels below the root (engine config block_size)")
     anc, depth = tree_ancestors(parents, max_depth)
     if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
-        raise SpecpilotError(f"trees in the fast path are at most {PATH_DEPTH} deep, got {int(depth.max())}")
+        raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "
+                             f"{PATH_DEPTH} levels below the root (engine config tree_depth / block_size)")
     depth = depth.to(torch.int32).contiguous()
-    paths = tree_paths(anc)
-    if T > TREE_BIT_NODES or max_depth is not None:
+    paths_t = tree_paths(anc)
+    if paths or T > TREE_BIT_NODES or max_depth is not None:
         bits = tree_bits(anc) if T <= TREE_BIT_NODES else torch.zeros(parents.shape, dtype=torch.int64,
                                                                         device=parents.device)
-        return bits, depth, paths
+        return bits, depth, paths_t
     bits = tree_bits(anc)
     # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
     # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
     on_slots = torch.arange(64, device=parents.device, dtype=torch.int32)[None, None, :] < depth[..., None]
-    if bool((paths == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
+    if bool((paths_t == torch.arange(64, device=parents.device, dtype=torch.int32)).logical_or(~on_slots).all()):
         return bits, depth
-    return bits, depth, paths
+    return bits, depth, paths_t
 
 
 @torch.no_grad()
@@ -355,6 +365,24 @@ def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots:
     src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
     rows = torch.arange(B, device=dev)[:, None].expand(B, P)
     for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
+        vals = buf[rows, :, :, src]
+        buf[rows, :, :, dst] = vals
+
+
+@torch.no_grad()
+def compact_ring_path_(ring, length: torch.Tensor, counts: torch.Tensor, path_slots: torch.Tensor) -> None:
+    """:func:`compact_path_` for a sliding-window ring (:class:`~specpilot.models.state.RingKV`):
+    position p sits in slot p mod R, so node ``path_slots[b, j]`` moves from slot
+    ``(length[b] + path_slots[b, j]) mod R`` to ``(length[b] + j) mod R``. On the device, no host
+    sync; gathers all sources before writing."""
+    B, P = path_slots.shape
+    dev = ring.k.device
+    j = torch.arange(P, device=dev)[None, :]
+    base = length.to(dev)[:, None]
+    dst = (base + j) % ring.R
+    src = torch.where(j < counts.to(dev)[:, None], (base + path_slots.to(dev)) % ring.R, dst)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
+    for buf in (ring.k, ring.v):  # (B, L, H, R + 1, D)
         vals = buf[rows, :, :, src]
         buf[rows, :, :, dst] = vals
 

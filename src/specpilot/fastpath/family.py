@@ -20,7 +20,12 @@ working on the same tensors. A chain verify (``write=False``) leaves the GDN sta
 keeps every GDN layer's projections (the tape); :meth:`FastFamilyTarget.commit_recurrent` then
 re-runs each row's accepted tokens from the committed state (checkpoint + re-run) in two kernel
 launches for all layers. Decode and prefill (``write=True``) advance the state directly.
-Trees on these targets stay on the eager path (the runner routes them there).
+Token trees (static trees, spine + side-leaf trees, any node count up to depth 64) verify in the
+same step by their paths: attention reads each node's ancestors in position order (a sliding layer
+through the ring, inside the window of the node's position), a GDN layer runs its conv and delta
+rule along each node's path, so every node's logits are bit-equal to a decode of its path; the
+runner compacts the accepted path's K/V (KV cache and ring) and :meth:`commit_recurrent` re-runs
+the accepted path's tokens into the recurrent state.
 """
 
 from __future__ import annotations
@@ -185,8 +190,9 @@ class FastFamilyTarget(FastTarget):
         return ws
 
     # ---------------------------------------------------------------- layers
-    def _attention(self, x, p, st, rows, start, T, M, ws):
+    def _attention(self, x, p, st, rows, start, T, M, ws, tree=None):
         c, f = self.model.config, self.f
+        depth, path = (tree[1], tree[2]) if tree is not None else (None, None)
         self._linear("qkv", x, self.model.model.layers[p["layer"]].fused_qkv, ws.qkv, ws, norm=p["in"])
         if p["window"]:
             ring = st.ring
@@ -196,9 +202,9 @@ class FastFamilyTarget(FastTarget):
         f.attn_prep(ws.qkv[:M], ws.q, kc, vc, start, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                     q_stride=p["q_stride"], k_off=p["k_off"], v_off=p["v_off"], norm=p["norm"], q_norm=p["q_norm"],
                     k_norm=p["k_norm"], qscale=p["qscale"], eps=c.rms_norm_eps, cos=self.model.cos,
-                    sin=self.model.sin, rot=p["rot"], ring=R)
+                    sin=self.model.sin, rot=p["rot"], ring=R, depth=depth)
         self.k.attention(ws.q, kc, vc, start, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim, ws.attn,
-                         ws.attn_ws, window=p["window"], ring=R)
+                         ws.attn_ws, window=p["window"], ring=R, path=path, depth=depth)
         if p["gate"] is not None:
             f.gate_mul(ws.attn[:M], ws.qkv[:M], c.num_attention_heads, c.head_dim, *p["gate"])
         if "post_attn" in p:
@@ -207,18 +213,20 @@ class FastFamilyTarget(FastTarget):
         else:
             self._linear("o", ws.attn, p["o_w"], x, ws, residual=x)
 
-    def _gdn(self, x, p, st, rows, start, T, M, ws, write: bool):
+    def _gdn(self, x, p, st, rows, start, T, M, ws, write: bool, tree=None):
         c, f = self.model.config, self.f
+        depth, path = (tree[1], tree[2]) if tree is not None else (None, None)
         j = 0 if write else p["slot"]
         proj, mixed = ws.extra["proj"][j], ws.extra["mixed"][j]
         self._linear("qkv", x, self.model.model.layers[p["layer"]].fused_in, proj, ws, norm=p["in"])
         conv = st.gdn.conv[rows]
         rec = st.gdn.rec[rows]
         s = p["slot"]
-        f.gdn_conv(proj, conv[:, s], p["conv_w"], mixed, T)
+        f.gdn_conv(proj, conv[:, s], p["conv_w"], mixed, T, depth, path)
         f.gdn_recurrent(ws.extra["mixed"][j:j + 1], ws.extra["proj"][j:j + 1], self.a_log[s:s + 1],
                         self.dt_bias[s:s + 1], rec[:, s:s + 1], ws.extra["o"], T,
-                        n_key_heads=c.linear_num_key_heads, a_off=p["a_off"], b_off=p["b_off"], write=write)
+                        n_key_heads=c.linear_num_key_heads, a_off=p["a_off"], b_off=p["b_off"], write=write,
+                        depth=depth, path=path)
         if write:
             f.gdn_conv_commit(ws.extra["proj"][j:j + 1], conv[:, s:s + 1], T)
         f.gated_rmsnorm(ws.extra["o"], proj, p["z_off"], p["norm_w"], ws.extra["y"], c.linear_num_value_heads,
@@ -240,22 +248,32 @@ class FastFamilyTarget(FastTarget):
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, capture: tuple[int, ...] = (),
                 tree=None, rows: slice | None = None, last_only: bool = False, write: bool = False):
         """Logits [B, T, vocab] (or [B, 1, vocab] with ``last_only``) and captured features of the
-        chain block ``tokens`` [B, T] at ``start`` [B] (see :meth:`FastTarget.forward`).
+        block ``tokens`` [B, T] at ``start`` [B] (see :meth:`FastTarget.forward`): a chain, or a
+        token tree given ``tree`` = (ancestor bits, depth int32 [B, T], ancestors by depth int32
+        [B, T, 64]) from :func:`~specpilot.engine.verify.tree_inputs` with ``paths=True``: each node
+        attends to the prefix and its ancestors in position order (a sliding layer: those inside
+        the window of its position start + depth), RoPE at start + depth, and a GDN layer runs its
+        conv and delta rule along the node's path from the committed state, so a node's logits are
+        bit-equal to a decode of its path (any node count, depth <= 64); its K/V go to block slot
+        start + t (the runner compacts the accepted path; :meth:`commit_recurrent` with the path).
 
         ``write``: advance the GDN state by the whole block (decode, prefill); else keep the
         projections for :meth:`commit_recurrent`. Sliding layers need T <= the ring's reserve
-        when the ring wraps (:meth:`TargetRunner.prefill_row` chunks prompts to it).
-        Raises SpecpilotError for a tree, a missing state, or a block wider than the ring allows.
+        when the ring wraps (:meth:`TargetRunner.prefill_row` prefills in pieces no wider).
+        Raises SpecpilotError for a tree without paths or with ``write``, a missing state, or a
+        block wider than the ring allows.
         """
         m, c = self.model, self.model.config
-        if tree is not None:
-            raise SpecpilotError("tree verification of hybrid / sliding-window targets runs on the eager path")
+        if tree is not None and (len(tree) < 3 or write):
+            raise SpecpilotError("the family step verifies a token tree by its paths (tree_inputs(parents, "
+                                 "paths=True)) and never writes a tree into the recurrent state")
         st = m.state
         if st is None:
             raise SpecpilotError("setup_cache() must be called before the forward")
         B, T = tokens.shape
         if st.ring is not None and st.ring.R < m._state_key[1] and T > st.ring.reserve:
-            raise SpecpilotError(f"a block of {T} tokens exceeds the sliding-window ring's reserve of {st.ring.reserve}")
+            raise SpecpilotError(f"a block of {T} tokens is wider than the {st.ring.reserve} tokens the sliding-window "
+                                 f"ring was sized for (the engine's verify width sizes the runner)")
         M, H = B * T, c.hidden_size
         rows = rows if rows is not None else slice(None)
         ws = self._family_ws(B, T, len(capture), keep=not last_only, write=write)
@@ -270,9 +288,9 @@ class FastFamilyTarget(FastTarget):
             for i, layer in enumerate(m.model.layers):
                 p = self.P[i]
                 if p["kind"] == "linear_attention":
-                    self._gdn(x, p, st, rows, start, T, M, ws, write)
+                    self._gdn(x, p, st, rows, start, T, M, ws, write, tree)
                 else:
-                    self._attention(x, p, st, rows, start, T, M, ws)
+                    self._attention(x, p, st, rows, start, T, M, ws, tree)
                 self._mlp(x, p, layer, ws)
                 if i in capture:
                     j = capture.index(i)
@@ -297,10 +315,11 @@ class FastFamilyTarget(FastTarget):
             logits.div_(cap).tanh_().mul_(cap)
 
     @torch.no_grad()
-    def commit_recurrent(self, counts: torch.Tensor) -> None:
-        """After a chain verify (``write=False``): advance every GDN layer's recurrent and conv
-        state by the first ``counts[b]`` (int64 [B], on the device) block tokens of each row,
-        re-run from the committed state in two launches. A no-op without a pending verify."""
+    def commit_recurrent(self, counts: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """After a verify (``write=False``): advance every GDN layer's recurrent and conv state by
+        the first ``counts[b]`` (int64 [B], on the device) block tokens of each row (a tree: the
+        accepted path's block indices ``path`` int64 [B, P] in order), re-run from the committed
+        state in two launches. A no-op without a pending verify."""
         if self._last is None:
             return
         B, T, rows, ws = self._last
@@ -308,10 +327,11 @@ class FastFamilyTarget(FastTarget):
         c, st = self.model.config, self.model.state.gdn
         g = self.gdn0
         counts = counts.to(ws.tok.device)
+        index = path.to(ws.tok.device).long().contiguous() if path is not None else None
         self.f.gdn_recurrent(ws.extra["mixed"], ws.extra["proj"], self.a_log, self.dt_bias, st.rec[rows], None, T,
                              n_key_heads=c.linear_num_key_heads, a_off=g["a_off"], b_off=g["b_off"], write=True,
-                             counts=counts)
-        self.f.gdn_conv_commit(ws.extra["proj"], st.conv[rows], T, counts)
+                             counts=counts, index=index)
+        self.f.gdn_conv_commit(ws.extra["proj"], st.conv[rows], T, counts, index)
 
     def note_verify(self, B: int, T: int, n_capture: int) -> None:
         """A chain verify of (B, T) over all rows just ran (a graph replay runs no Python, so the

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 
 from ..engine.backend import Backend
+from ..engine.config import EngineConfig, EngineSpec
 from ..engine.runner import TargetRunner
 from ..errors import SpecpilotError
 from ..fastpath.graphs import StepGraphs
-from ..models.target import DEFAULT_VERIFY_WIDTH
 from ..records import Record
 
 # config forcing.tolerance's default (config/schema.yaml), for the CLI without --tolerance
@@ -156,6 +156,22 @@ def _fast_target(backend: Backend, kernel_configs: dict | None = None):
     return fast
 
 
+def engine_verify_width(candidate: list[Record]) -> int:
+    """The widest block the engine of ``candidate`` verified: the largest
+    :attr:`~specpilot.engine.config.EngineSpec.verify_width` of the records' engine configs (1 for
+    AR; a record whose config does not parse counts 1: the structure check reports it)."""
+    width = 1
+    for r in candidate:
+        try:
+            cfg = EngineConfig.parse(r.engine_config or {}, "the record's engine_config", record=True)
+            block = cfg.block_size if isinstance(cfg.block_size, int) else 1
+            spec = EngineSpec(r.engine, block, cfg.without("block_size"))
+        except SpecpilotError:
+            continue
+        width = max(width, spec.verify_width)
+    return width
+
+
 def _engine_width(prompts: list[list[int]], outputs: list[list[int]], width: int | None) -> int:
     """Output positions per row per Triton step, after checking the rows (see
     :func:`teacher_forced_engine`'s Raises)."""
@@ -218,26 +234,27 @@ class _Uncaptured(StepGraphs):
 
 
 def _family_pass(backend: Backend, fast, prompts: list[list[int]], outputs: list[list[int]], W: int,
-                 top1: list[list[int]], margin: list[list[float]]) -> None:
+                 top1: list[list[int]], margin: list[list[float]], verify_width: int = 1) -> None:
     """The teacher-forced pass of a hybrid / sliding-window target through the family step, as the
-    engine runs it: a runner over ``fast`` prefills each prompt with the engine's ``prefill_row``
-    calls (chunked to the ring's reserve where a sliding-window ring wraps; the recurrent state
-    written as it goes), then feeds the outputs in verify steps of at most ``W`` positions per
-    row, each committed as the engine commits an accepted block (the Gated DeltaNet state re-run
-    over the committed tokens, :meth:`~specpilot.fastpath.family.FastFamilyTarget.commit_recurrent`).
-    The family step computes a token's row with the same arithmetic whatever the block it is in,
-    so these are the logits the engine saw. The cache is sized so a sliding ring has the engine's
-    slot layout (window + the default verify width, or no wrap)."""
-    model, c = backend.model, backend.model.config
+    engine runs it: a runner over ``fast``, its rings sized for the engine's ``verify_width`` as
+    the engine's were, prefills each prompt with the engine's ``prefill_row`` calls (in the
+    runner's fixed pieces on a sliding-window target,
+    :attr:`~specpilot.engine.runner.TargetRunner.prefill_piece`: the engine's pieces whatever its
+    cache size; the recurrent state written as it goes), then feeds the outputs in verify steps of
+    at most ``W`` positions per row (no wider than the ring allows), each committed as the engine
+    commits an accepted block (the Gated DeltaNet state re-run over the committed tokens,
+    :meth:`~specpilot.fastpath.family.FastFamilyTarget.commit_recurrent`). The family step computes
+    a token's row with the same arithmetic whatever the block it is in, the cache size or the
+    ring's slot of each position (its attention reads keys by position), so these are the logits
+    the engine saw."""
+    model = backend.model
     B, P = len(prompts), [len(p) for p in prompts]
     seqs = [list(o[:-1]) for o in outputs]
     total = max(len(x) for x in seqs)
-    S = max(max(P) + max(1, total), (c.sliding_window or 0) + DEFAULT_VERIFY_WIDTH if c.sliding_window else 0)
+    S = max(P) + max(1, total)
     step = Backend(model, "triton-family", "teacher-forced pass", False, "triton", _Uncaptured(model, fast))
-    runner = TargetRunner(model, B, S, (), step)
-    ring = model.state.ring
-    if ring is not None and ring.R < S:
-        W = min(W, ring.reserve)
+    runner = TargetRunner(model, B, S, (), step, verify_width=verify_width)
+    W = min(W, runner.max_block)
     dev = runner.device
     for b, p in enumerate(prompts):
         lg = runner.prefill_row(b, list(p), 0)[0].float()
@@ -261,7 +278,8 @@ class _RunnerStep:
 
 
 def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: list[list[int]], width: int | None = None,
-                          kernel_configs: dict | None = None) -> list[tuple[list[int], list[float]]]:
+                          kernel_configs: dict | None = None, verify_width: int = 1
+                          ) -> list[tuple[list[int], list[float]]]:
     """The teacher-forced check through the engine's own kernels, for one batch of requests.
 
     What the Triton fast path of the engine computes, reproduced: each prompt is prefilled as the
@@ -290,8 +308,11 @@ def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: l
             ``TRITON_INTERPRET=1``), any float dtype.
         prompts, outputs: per row the prompt and the candidate's output token ids (non-empty,
             inside the vocabulary).
-        width: output positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1).
+        width: output positions per row per Triton step (default ``TF_ROWS // len(prompts)``, >= 1;
+            on a sliding-window target at most the ring's reserve).
         kernel_configs: FastTarget matmul configs on top of the engine's (see :func:`_fast_target`).
+        verify_width: the widest block the engine verified (:func:`engine_verify_width` of its
+            records): sizes the sliding-window rings as the engine's were.
     Returns:
         per row (top1, margin), each of length ``len(output)``: the target's argmax token id and
         ``max logit - logit[output[j]]`` (float, logit units, >= 0; fp32 from the model-dtype
@@ -313,7 +334,7 @@ def teacher_forced_engine(backend: Backend, prompts: list[list[int]], outputs: l
         fast = _fast_target(backend, kernel_configs)  # fuses q/k/v, gate/up as the engine did before its prefill
         with torch.inference_mode():
             if not target.config.is_dense:
-                _family_pass(backend, fast, prompts, outputs, W, top1, margin)
+                _family_pass(backend, fast, prompts, outputs, W, top1, margin, verify_width)
                 return _finish(top1, margin, outputs)
             target.setup_cache(B, max(P) + max(1, total))  # the step's results do not depend on the cache size
             _prefill_rows(fast, prompts, outputs, dev, top1, margin)

@@ -21,7 +21,8 @@ from ..records import Record
 from .reexecute import Reexecution, reexecution_check
 from .reference import LISTED, compare_reference
 from .structure import structure_problems
-from .teacher import CHUNK, engine_prefill_batches, pick_teacher_forced_path, teacher_forced, teacher_forced_engine
+from .teacher import (CHUNK, engine_prefill_batches, engine_verify_width, pick_teacher_forced_path, teacher_forced,
+                      teacher_forced_engine)
 
 PromptOf = Callable[[Record], "list[int] | None"]
 Margins = Callable[[Record, "list[int]"], "tuple[list[int], list[float]]"]
@@ -66,9 +67,10 @@ def _engine_pass(backend: Backend, candidate: list[Record], prompt_of: PromptOf,
         return p if ok else None
 
     out: dict[str, tuple[list[int], list[float]]] = {}
+    width = engine_verify_width(candidate)  # the engine's rings were sized for it
     for recs in engine_prefill_batches(candidate, checkable):
         res = teacher_forced_engine(backend, [prompt_of(r) for r in recs], [r.output_ids for r in recs],
-                                    kernel_configs=kernel_configs)
+                                    kernel_configs=kernel_configs, verify_width=width)
         out.update({r.request_id: x for r, x in zip(recs, res)})
     return out
 

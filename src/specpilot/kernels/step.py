@@ -383,8 +383,9 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     sums, in the same slots and tiles, also for a tree node (whose own key sits at block slot
     start + t, not at start + depth as in the decode; its ancestors on the spine sit where the
     decode has them).
-    WINDOWED (chain only): positions are read from slot position mod RING and a row at position
-    P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring).
+    WINDOWED (chains and PATH trees): positions are read from slot position mod RING and a row at
+    position P sees positions P-WIN+1 .. P (a sliding-window layer's KV ring); a PATH tree node
+    sits at position start + depth[t], its ancestors at block slots start + path[t, d] mod RING.
     PATH (token trees of the target): one program per block token t (its G query heads); the keys
     are read in the order of positions, not of block slots: the virtual slot start + d (d <
     depth[t]) is the block slot start + path[t, d] of t's ancestor at depth d, so a tree node sums
@@ -440,7 +441,10 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
             onpath = (jv >= 0) & (jv < dep)
             pj = tl.load(path_ptr + (b * T + rt).to(tl.int64) * 64 + tl.where(onpath, jv, 0), mask=onpath, other=0)
             smask = smask & ((jv < 0) | onpath)
-            kv_off = tl.where(jv >= 0, start + pj, offs_s)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            src = tl.where(jv >= 0, start + pj, offs_s)
+            if WINDOWED:  # a sliding layer's ring: position p (or block slot start + j) in slot mod RING
+                src = src % RING
+            kv_off = src[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         elif WINDOWED:
             kv_off = (offs_s % RING)[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         else:
@@ -453,6 +457,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
         sc = sc * scale
         if PATH:
             vis = smask[None, :] & rmask[:, None]
+            if WINDOWED:  # the node sits at position start + depth[t]: it sees the WIN positions up to it
+                vis = vis & (offs_s[None, :] > start + dep - WIN)
         elif TREE:
             j = (offs_s - start).to(tl.int64)
             inblk = (j >= 0) & (j < T)
@@ -591,8 +597,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     its ancestors). Tree by paths (``path`` int32 [B, T, 64] and ``depth`` int32 [B, T] from
     :func:`tree_paths`; a target's token tree): node t sees the prefix and its ancestors, read in
     the order of their positions, so its sums are bit-equal to a decode at position start +
-    depth[t] (see ``_attn_partial_kernel``). Writes ``out`` [B*T, Hq*D].
+    depth[t] (see ``_attn_partial_kernel``; any node count, depth <= 64). ``window`` W > 0 with
+    ``ring`` R (a sliding-window layer's ring, slot = position mod R): a row at position P sees
+    positions P-W+1 .. P (chains and trees by paths; not trees by ancestor bits). Writes ``out``
+    [B*T, Hq*D].
     """
+    if window > 0 and anc_bits is not None and path is None:
+        raise ValueError("a windowed (ring) attention of a tree needs the tree's paths (tree_paths)")
     B = start.shape[0]
     G = n_heads // n_kv
     scale = head_dim ** -0.5

@@ -282,7 +282,11 @@ class TargetState(nn.Module):
 
 
 def check_width(state: TargetState, n: int) -> None:
-    """Raise when a verify block of ``n`` entries is wider than the sliding rings were sized for."""
+    """Raise when a verify block of ``n`` entries is wider than the sliding rings were sized for
+    (an engine is sized for its verify width when its runner is built, so this names the engine
+    settings that set the width)."""
     if state.ring is not None and n > state.ring.reserve and state.ring.R < state.ring.window + n:
-        raise SpecpilotError(f"verify block of {n} tokens exceeds the sliding-window ring's reserve of "
-                             f"{state.ring.reserve} (setup_cache(verify_width=...))")
+        raise SpecpilotError(f"a verify block of {n} tokens is wider than the {state.ring.reserve} tokens the "
+                             f"sliding-window ring was sized for: the engine's verify width (block_size, "
+                             f"tree_nodes, tree_branch x tree_depth, second_level) must size the runner "
+                             f"(TargetRunner verify_width)")

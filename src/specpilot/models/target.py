@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import SpecpilotError
 from .attention import Attention
 from .config import TargetConfig
 from .gdn import GatedDeltaNet
@@ -25,7 +26,28 @@ from .layers import MLP, block_mask, rope_tables
 from .norms import ScalelessRMSNorm, WeightedRMSNorm, make_norm
 from .state import GDNState, KVCache, RingKV, StepContext, TargetState
 
-DEFAULT_VERIFY_WIDTH = 64  # widest verify block a sliding-window ring is sized for by default
+DEFAULT_VERIFY_WIDTH = 64  # the smallest reserve of a sliding-window ring: also its prefill piece width
+
+
+def ring_reserve(verify_width: int) -> int:
+    """Slots a sliding-window ring keeps beyond the window for an engine that verifies blocks of
+    up to ``verify_width`` tokens: that width, but never fewer than :data:`DEFAULT_VERIFY_WIDTH`
+    (prompts prefill in pieces of that many tokens, :data:`PREFILL_PIECE`, whatever the engine).
+
+    Raises:
+        SpecpilotError: a width below 1.
+    """
+    if int(verify_width) < 1:
+        raise SpecpilotError(f"verify width must be >= 1, got {verify_width}")
+    return max(DEFAULT_VERIFY_WIDTH, int(verify_width))
+
+
+# Tokens per prefill call of a target with sliding-window layers, on every path and at every cache
+# size: the engine at any concurrency and token forcing's teacher pass prefill a prompt in the same
+# pieces, so on a GPU (where a prefill matmul's bits depend on its rows: cuBLAS picks its algorithm
+# by shape) a prompt's K/V and first-token logits are the same bits in both. At most a ring's
+# reserve, so a piece never evicts a live ring entry.
+PREFILL_PIECE = DEFAULT_VERIFY_WIDTH
 
 
 def layer_slots(cfg: TargetConfig) -> list[int]:
@@ -122,7 +144,8 @@ class Transformer(nn.Module):
         """Allocate the per-layer state and RoPE tables.
 
         Full attention: KV cache (batch, full layers, kv_heads, max_seq, head_dim); sliding:
-        rings of window + ``verify_width`` slots; GDN: conv (batch, layers, conv_dim, K-1) and
+        rings of window + ``verify_width`` slots (the widest block a verify may hold: pass
+        :func:`ring_reserve` of the engine's verify width); GDN: conv (batch, layers, conv_dim, K-1) and
         fp32 recurrent (batch, layers, HV, Dk, Dv) states. A state of the same shapes, dtype and
         device is kept rather than reallocated, so its addresses stay fixed across requests and
         captured CUDA graphs stay valid.
