@@ -268,6 +268,13 @@ def block_size(wildcards):
     return deployment(wildcards)["block_size"]
 
 
+def block_reason_opt(wildcards):
+    """``--block-reason ...`` when the deployment runs stock at a block other than its drafter's
+    trained one (config key block_reason; the table's note shows it), else nothing."""
+    reason = deployment(wildcards).get("block_reason")
+    return f"--block-reason {shlex.quote(reason)}" if reason else ""
+
+
 # ---- memory of a model-loading job (resources: mem_mb; SLURM sizes its jobs from it) ----
 
 # Parameter counts [billions] of the study's targets by Hub id, for the dry run (before the

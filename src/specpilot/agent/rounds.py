@@ -41,6 +41,7 @@ from ..aggregate import geomean
 from ..deployment import load_deployment
 from ..device import pick_device, pick_dtype
 from ..devices import device_identity
+from ..engine.cli import resolve_block
 from ..errors import SpecpilotError
 from ..io import read_json, read_prompts, write_json
 from ..kernels_build import engine_tables, use_kernel_outputs
@@ -368,7 +369,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, help=help_)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=8, help="the stock block size")
+    p.add_argument("--block-size", default="auto",
+                   help="the stock block size in the drafter's own counting, or 'auto' (default): the drafter "
+                        "config's block_size, the block it was trained for")
     p.add_argument("--agents", type=int, default=2, help="directions per round")
     p.add_argument("--budget", type=int, default=6, help="trials per agent")
     p.add_argument("--repeats", type=int, default=2, help="alternating timing repeats per trial")
@@ -388,5 +391,7 @@ def run(args) -> int:
     if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
         raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
                              f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")
+    if args.step not in ("final", "kernels"):  # the stock block: an integer, or the drafter's own (auto)
+        args.block_size = resolve_block(args.block_size, args.drafter, "--block-size")
     return {"references": references, "plan": plan, "agent": agent, "integrate": integrate, "final": final,
             "kernels": kernels}[args.step](args)

@@ -26,7 +26,10 @@ from .verify import ACCEPT_RULES
 ENGINES = ("ar", "stock", "lookup", "specpilot")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "w12")
 VERIFY_BUDGETS = ("off", "load_aware")
-RECORD_ONLY = ("kernels",)  # keys the CLI adds to records' engine_config (not engine settings)
+STEP_PATHS = ("plain", "fused")  # the target's / drafter's step: as the model computes it, or the fused CPU step
+# keys the CLI adds to records' engine_config (not engine settings): the kernels used; why stock runs
+# at a block other than its drafter's trained one (``specpilot run --block-reason``; the table's note)
+RECORD_ONLY = ("kernels", "block_reason")
 
 
 def _int(lo: int | None = None) -> tuple[Callable[[Any], bool], str]:
@@ -77,6 +80,8 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "replay_profile": (None, _name(), "the replay drafter's acceptance profile (set by the CLI)"),
     "max_ngram": (3, _int(1), "prompt lookup: longest n-gram matched"),
     "confidence_threshold": (0.0, _fraction(), "DSpark: stop a row's chain below this survival (0: off)"),
+    "verify_path": ("plain", _choice(STEP_PATHS), "the target's verify/decode step: plain, or fused (CPU, dense)"),
+    "draft_path": ("plain", _choice(STEP_PATHS), "the drafter's step and context injection: plain, or fused (CPU)"),
 }
 
 
@@ -202,6 +207,11 @@ class EngineSpec:
     def overlap(self) -> bool:
         """Engine config ``overlap``: batching mechanism (b), :mod:`specpilot.engine.overlap`."""
         return self.config.overlap
+
+    @property
+    def fused_verify(self) -> bool:
+        """Engine config ``verify_path`` is ``fused``: the target's steps run the fused CPU step."""
+        return self.config.verify_path == "fused"
 
     @property
     def verify_width(self) -> int:
