@@ -174,7 +174,8 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     they go into a target's step (:func:`engine_tables`, :meth:`~specpilot.engine.backend.Backend.install_tables`).
 
     Returns:
-        ``{"applies": False, "reason": str}``, or ``{"applies": True, "gpu", "w12_tuned": number of
+        ``{"applies": False, "reason": str}`` (on the CPU with ``"cpu": {"verify_path", "draft_path"}``,
+        the step paths the sub-agent chose, when its output has them), or ``{"applies": True, "gpu", "w12_tuned": number of
         tuned shapes installed, "w12_from_agent": how many came from the sub-agent,
         "engine_configs": the sub-agent's engine matmul entries {role: {max_rows: key}} (those that
         differ from DEFAULT_CONFIGS; may be empty), "engine_from_agent": their number, "agent": its
@@ -193,8 +194,12 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
     engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
     w12_choice = agent_w12_choice(agent, str(agent_path))
+    cpu = agent.get("cpu")
     if not m.get("applies"):
-        return {"applies": False, "reason": m.get("note", "")}
+        out = {"applies": False, "reason": m.get("note", "")}
+        if cpu:  # the CPU step paths the sub-agent chose (agent.kernel_cpu; the rounds' directions read them)
+            out["cpu"] = {"verify_path": cpu.get("verify_path", "plain"), "draft_path": cpu.get("draft_path", "plain")}
+        return out
     use_w12_library(m, manifest_path)
     table: dict[str, dict] = {}
     w12 = m.get("kernels", {}).get("w12")

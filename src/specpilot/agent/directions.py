@@ -58,7 +58,7 @@ class Direction:
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
             "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
-            "tree_nodes": (0,)}
+            "tree_nodes": (0,), "verify_path": ("plain",), "draft_path": ("plain",)}
 
 
 def normalize(config: dict) -> dict:
@@ -131,3 +131,23 @@ register(Direction(
     "two-level drafting: a second block drafted beyond level 1's last draft, verified with it in one "
     "pass, so a step can commit more than a block (verify width block + second_level)",
     applies=lambda ctx: ctx.get("drafter") == "dflash", excludes=("tree_nodes",)))
+
+
+def _cpu_path(key: str):
+    """Applies where the kernel sub-agent chose the fused CPU step for ``key`` (its checks passed and
+    it timed faster: :mod:`specpilot.agent.kernel_cpu`), as ``ctx["kernels"]["cpu"]`` records."""
+    return lambda ctx: ((ctx.get("kernels") or {}).get("cpu") or {}).get(key) == "fused"
+
+
+register(Direction(
+    "verify_path", "verify", {"verify_path": ["plain", "fused"]},
+    "the target's verify and decode steps through the fused CPU step (q/k/v and gate/up in one matmul each, "
+    "attention over the slots in use, one K/V write per layer: fastpath.cpu_target), as the kernel sub-agent "
+    "checked and chose it",
+    applies=_cpu_path("verify_path")))
+register(Direction(
+    "draft_path", "draft", {"draft_path": ["plain", "fused"]},
+    "the drafter's draft and context injection through its fused CPU step (every layer's context K/V in one "
+    "matmul, q/k/v and gate/up fused, the block beside the context: fastpath.cpu_drafter), as the kernel "
+    "sub-agent checked and chose it",
+    applies=lambda ctx: _cpu_path("draft_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))

@@ -323,7 +323,17 @@ def kernels(args) -> int:
     manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
-    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu = None
+    if args.gpu == "cpu" and args.prompts:
+        cpu = {"drafter": args.drafter, "prompts": read_prompts(args.prompts), "tolerance": args.tolerance,
+               "block": resolve_block(args.block_size, args.drafter, "--block-size")}
+    res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest,
+               cpu=cpu)
+    if "cpu" in res:
+        print("kernel sub-agent on cpu: " + "; ".join(res["cpu"]["why"]))
+        return 0
     engine = sum(len(v) for v in res.get("engine_configs", {}).values())
     why = f" ({res['engine_reason']})" if res.get("engine_reason") else ""
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
