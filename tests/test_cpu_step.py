@@ -20,6 +20,7 @@ from specpilot.engine.runner import TargetRunner
 from specpilot.engine.serve import ServeOptions, serve
 from specpilot.errors import SpecpilotError
 from specpilot.fastpath.cpu_drafter import FusedDrafter, fused_drafter
+from specpilot.fastpath.cpu_linear import onednn_problem
 from specpilot.fastpath.cpu_target import FusedTarget, cpu_support
 from specpilot.models.layers import tree_ancestors
 from specpilot.models.random_checkpoint import build_target
@@ -38,12 +39,17 @@ def _rows(quick_prompts, n=3):
     return [p for p in quick_prompts if p["benchmark"] in ("gsm8k", "mbpp")][:n]
 
 
-def test_fused_target_equals_the_plain_forward(quick_deployment):
+KERNELS = ["aten"] + ([] if onednn_problem() else ["onednn"])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_target_equals_the_plain_forward(quick_deployment, kernel):
     """Chains (one row, and two rows at different lengths), a one-token step and a tree: the fused
-    step's logits, features and written K/V against the plain forward at the same state."""
+    step's logits, features and written K/V against the plain forward at the same state, with each
+    matmul kernel."""
     dep = _dep(quick_deployment)
     m = dep.target
-    step = FusedTarget(m)
+    step = FusedTarget(m, kernel)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, 500, (2, 40), generator=g)
     for B, T, parents in ((1, 9, None), (2, 7, None), (1, 1, None), (1, 6, torch.tensor([[-1, 0, 1, 0, 3, 1]]))):
@@ -63,14 +69,15 @@ def test_fused_target_equals_the_plain_forward(quick_deployment):
         assert (k_plain[..., :hi, :] - m.cache.k[..., :hi, :]).abs().max() < 1e-5
 
 
-def test_fused_drafter_drafts_what_the_network_drafts(quick_deployment):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_drafter_drafts_what_the_network_drafts(quick_deployment, kernel):
     """Context injection writes the network's K/V; the draft's tokens equal the network's, its scores
     agree; for one row (the mask-free draft) and for two rows at different lengths (masks)."""
     g = torch.Generator().manual_seed(1)
     for kind in DRAFTERS:
         dep = _dep(quick_deployment, kind)
         net = dep.drafter
-        fused = FusedDrafter(net)
+        fused = FusedDrafter(net, kernel)
         embed, head = (net.embed_tokens, net.lm_head) if kind == "dspark" else \
             (dep.target.model.embed_tokens, dep.target.lm_head)
         for B in (1, 2):
@@ -99,7 +106,7 @@ def test_fused_engine_equals_ar_and_plain_steps(quick_deployment, quick_prompts,
     rows = _rows(quick_prompts)
     block = 7 if kind == "dspark" else 8
     ar = serve(EngineSpec("ar"), dep, rows, 24, 1, META, ServeOptions(progress=False))
-    fused = {"verify_path": "fused", "draft_path": "fused"}
+    fused = {"verify_path": "fused", "draft_path": "fused", "context_path": "fused"}
     for c in (1, 2):
         for extra in ({}, {"tree_branch": 2, "tree_depth": 2}):
             plain = serve(EngineSpec("specpilot", block, extra), dep, rows, 24, c, META, ServeOptions(progress=False))
@@ -128,10 +135,11 @@ def test_kernel_agent_checks_then_chooses_and_rejects_a_wrong_step(quick_deploym
     rows = _rows(quick_prompts, 2)
     res = choose_paths(str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash"), rows, 8, 1e-3,
                        new_tokens=12)
-    assert res["target"]["check"]["passed"] and res["drafter"]["check"]["passed"]
-    assert res["target"]["check"]["max_logit_diff"] <= 1e-3
-    assert {"verify_plain", "verify_fused", "draft_plain", "draft_fused"} <= set(res["times_ms"])
-    assert res["verify_path"] in ("plain", "fused") and len(res["why"]) == 2
+    for k, check in res["target"]["check"].items():
+        assert check["passed"] and check["max_logit_diff"] <= 1e-3 and res["drafter"]["check"][k]["passed"]
+    assert {f"{s}_{p}" for s in ("verify", "draft") for p in ("plain", "fused_aten")} <= set(res["times_ms"])
+    assert res["verify_path"] in ("plain", "fused") and res["matmul"] in res["target"]["check"]
+    assert sum(w.startswith(("verify_path", "draft_path", "context_path")) for w in res["why"]) == 3
     forward = FusedTarget.forward
 
     def skewed(self, tokens, start, capture=(), ancestors=None, depth=None):
@@ -150,12 +158,12 @@ def test_verify_and_draft_directions_apply_where_the_sub_agent_chose_fused():
     assert not {"verify_path", "draft_path"} & names(ctx)
     ctx["kernels"] = {"applies": False, "cpu": {"verify_path": "fused", "draft_path": "plain"}}
     assert "verify_path" in names(ctx) and "draft_path" not in names(ctx)
-    ctx["kernels"]["cpu"]["draft_path"] = "fused"
-    assert {"verify_path", "draft_path"} <= names(ctx)
+    ctx["kernels"]["cpu"].update(draft_path="fused", context_path="fused")
+    assert {"verify_path", "draft_path", "context_path"} <= names(ctx)
     base = {"block_size": 8}
     assert dirs.REGISTRY["verify_path"].apply(base, {"verify_path": "plain"}) == base  # "plain" = off
     terms = {d.cost_term for d in dirs.applicable(ctx)}
-    assert {"verify", "draft", "acceptance"} <= terms
+    assert {"verify", "draft", "host", "acceptance"} <= terms  # a direction for every term ranked on the CPU
 
 
 def test_forcing_checks_a_cell_that_ran_the_fused_steps(quick_deployment, quick_prompts, tmp_path, monkeypatch):
@@ -165,7 +173,7 @@ def test_forcing_checks_a_cell_that_ran_the_fused_steps(quick_deployment, quick_
 
     rows = [p for p in quick_prompts if p["benchmark"] == "gsm8k"]
     dep = _dep(quick_deployment)
-    cfg = {"verify_path": "fused", "draft_path": "fused"}
+    cfg = {"verify_path": "fused", "draft_path": "fused", "context_path": "fused"}
     ar = serve(EngineSpec("ar"), dep, rows, 24, 1, META, ServeOptions(progress=False))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -37,6 +37,7 @@ import torch
 from .device import detect_gpu
 from .engine.config import EngineConfig
 from .errors import SpecpilotError
+from .fastpath.cpu_linear import set_matmul
 from .fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, LinearConfig
 from .fastpath.w12 import W12Role, parse_choice
 from .io import read_json, write_json
@@ -174,8 +175,9 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     they go into a target's step (:func:`engine_tables`, :meth:`~specpilot.engine.backend.Backend.install_tables`).
 
     Returns:
-        ``{"applies": False, "reason": str}`` (on the CPU with ``"cpu": {"verify_path", "draft_path"}``,
-        the step paths the sub-agent chose, when its output has them), or ``{"applies": True, "gpu", "w12_tuned": number of
+        ``{"applies": False, "reason": str}`` (on the CPU with ``"cpu": {"verify_path", "draft_path",
+        "context_path", "matmul"}``, the step paths and the matmul kernel the sub-agent chose, when its output has them;
+        the kernel is installed for the fused CPU steps, :func:`specpilot.fastpath.cpu_linear.set_matmul`), or ``{"applies": True, "gpu", "w12_tuned": number of
         tuned shapes installed, "w12_from_agent": how many came from the sub-agent,
         "engine_configs": the sub-agent's engine matmul entries {role: {max_rows: key}} (those that
         differ from DEFAULT_CONFIGS; may be empty), "engine_from_agent": their number, "agent": its
@@ -198,7 +200,9 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     if not m.get("applies"):
         out = {"applies": False, "reason": m.get("note", "")}
         if cpu:  # the CPU step paths the sub-agent chose (agent.kernel_cpu; the rounds' directions read them)
-            out["cpu"] = {"verify_path": cpu.get("verify_path", "plain"), "draft_path": cpu.get("draft_path", "plain")}
+            out["cpu"] = {k: cpu.get(k, d) for k, d in (("verify_path", "plain"), ("draft_path", "plain"),
+                                                          ("context_path", "plain"), ("matmul", "aten"))}
+            set_matmul(out["cpu"]["matmul"])  # the fused CPU steps' matmul kernel, process-wide
         return out
     use_w12_library(m, manifest_path)
     table: dict[str, dict] = {}

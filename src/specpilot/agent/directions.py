@@ -58,7 +58,7 @@ class Direction:
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
             "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
-            "tree_nodes": (0,), "verify_path": ("plain",), "draft_path": ("plain",)}
+            "tree_nodes": (0,), "verify_path": ("plain",), "draft_path": ("plain",), "context_path": ("plain",)}
 
 
 def normalize(config: dict) -> dict:
@@ -147,7 +147,13 @@ register(Direction(
     applies=_cpu_path("verify_path")))
 register(Direction(
     "draft_path", "draft", {"draft_path": ["plain", "fused"]},
-    "the drafter's draft and context injection through its fused CPU step (every layer's context K/V in one "
-    "matmul, q/k/v and gate/up fused, the block beside the context: fastpath.cpu_drafter), as the kernel "
+    "the drafter's draft forward through its fused CPU step (q/k/v and gate/up in one matmul each, the block's "
+    "K/V beside the context instead of the context copied to the block: fastpath.cpu_drafter), as the kernel "
     "sub-agent checked and chose it",
     applies=lambda ctx: _cpu_path("draft_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))
+register(Direction(
+    "context_path", "host", {"context_path": ["plain", "fused"]},
+    "the drafter's context injection after each verify (host time in the cost model: outside the draft and "
+    "verify phases) through its fused CPU step: every layer's context K/V in one matmul and one write "
+    "(fastpath.cpu_drafter), as the kernel sub-agent checked and chose it",
+    applies=lambda ctx: _cpu_path("context_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))

@@ -64,9 +64,9 @@ class DFlashProposer(Proposer):
                 raise SpecpilotError(f"second_level must lie in 1..block_size - 1 = {self.block_size - 1}, "
                                      f"got {self.second_level}")
         self.capture = tuple(drafter.config.target_layer_ids)
-        # what runs the network's draft and context injection: the network itself, or its fused CPU
-        # step (engine config draft_path: fused, :mod:`specpilot.fastpath.cpu_drafter`; same interface)
-        self.step = drafter
+        # what runs the network's draft forward and its context injection: the network itself, or its
+        # fused CPU step (engine config draft_path / context_path: fused, :mod:`specpilot.fastpath.cpu_drafter`)
+        self.step = self.inject = drafter
         # attach each draft's top-1 probability as its confidence (the load-aware verify length's
         # survival proxy; eager drafting only, since the captured draft graph returns tokens only)
         self.confidence = False
@@ -108,7 +108,7 @@ class DFlashProposer(Proposer):
             g = runner.backend.drafter_graphs(self.drafter, self.embed, self.lm_head)
             self.graphs = g if self.branch == 0 or g.fast is not None else None
         with torch.inference_mode():
-            self.step.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
+            self.inject.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
     def _draft(self, last, start):
         """(tokens [B, k], scores [B, k, V] for side branches) of one network forward."""
@@ -184,4 +184,4 @@ class DFlashProposer(Proposer):
         if self.graphs is not None:
             self.graphs.add_context(features, start)
             return
-        self.step.add_context(features, start)
+        self.inject.add_context(features, start)

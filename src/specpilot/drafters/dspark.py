@@ -46,7 +46,7 @@ class DSparkProposer(DFlashProposer):
         self.embed, self.lm_head = self.drafter.embed_tokens, self.drafter.lm_head
         self.drafter.setup_cache(len(prompts), runner.max_seq)
         with torch.inference_mode():
-            self.step.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
+            self.inject.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
     @torch.inference_mode()
     def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:

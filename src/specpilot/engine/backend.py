@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecpilotError
+from ..fastpath.cpu_linear import matmul
 from ..fastpath.cpu_target import FusedTarget
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
@@ -145,7 +146,7 @@ class Backend:
         if self.path != "eager" or self.model.lm_head.weight.device.type != "cpu":
             raise SpecpilotError(f"verify_path fused is the CPU step; this target runs {self.path} on "
                                  f"{self.model.lm_head.weight.device.type}: {self.reason}")
-        if self._fused is None:
+        if self._fused is None or self._fused.kernel != matmul():  # the installed matmul kernel (cpu_linear)
             self._fused = FusedTarget(self.model)
         return self._fused
 

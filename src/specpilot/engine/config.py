@@ -81,7 +81,8 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "max_ngram": (3, _int(1), "prompt lookup: longest n-gram matched"),
     "confidence_threshold": (0.0, _fraction(), "DSpark: stop a row's chain below this survival (0: off)"),
     "verify_path": ("plain", _choice(STEP_PATHS), "the target's verify/decode step: plain, or fused (CPU, dense)"),
-    "draft_path": ("plain", _choice(STEP_PATHS), "the drafter's step and context injection: plain, or fused (CPU)"),
+    "draft_path": ("plain", _choice(STEP_PATHS), "the drafter's draft forward: plain, or fused (CPU)"),
+    "context_path": ("plain", _choice(STEP_PATHS), "the drafter's context injection: plain, or fused (CPU)"),
 }
 
 

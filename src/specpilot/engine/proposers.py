@@ -25,7 +25,8 @@ def make_proposer(network, block_size: int | None = None, config: EngineConfig |
         network: a drafter network; block_size: in the drafter's own counting (None = its config's).
         config: engine config (:class:`~specpilot.engine.config.EngineConfig` or a dict):
             ``tree_branch``, ``tree_depth`` (side branches; 0 = chain), ``second_level`` (DFlash:
-            two-level drafting, 0 = off), ``draft_path`` (``fused``: the network's fused CPU step,
+            two-level drafting, 0 = off), ``draft_path`` / ``context_path`` (``fused``: the draft
+            forward / the context injection through the network's fused CPU step,
             :func:`specpilot.fastpath.cpu_drafter.fused_drafter`) and, for DSpark, ``confidence_threshold``.
     Raises:
         SpecpilotError: unknown drafter kind or bad settings.
@@ -41,8 +42,10 @@ def make_proposer(network, block_size: int | None = None, config: EngineConfig |
         proposer = DFlash2Proposer(network, **tree)
     else:
         proposer = DSparkProposer(network, **tree, confidence_threshold=cfg.confidence_threshold)
-    if cfg.draft_path == "fused":  # the network's draft and context injection through its fused CPU step
+    if cfg.draft_path == "fused":  # the network's draft forward through its fused CPU step
         proposer.step = fused_drafter(network)
+    if cfg.context_path == "fused":  # its context injection through the fused CPU step
+        proposer.inject = fused_drafter(network)
     return proposer
 
 

@@ -9,6 +9,8 @@ weights and its context cache in place, with fewer operations:
   matmul (every layer reads the same fused context), their norms and RoPE over all layers at once,
   and one write of all layers' K/V (the cache is batch-major: one row's context of every layer is
   one block);
+- every matmul through the kernel the kernel sub-agent chose (:mod:`.cpu_linear`: aten's or oneDNN's
+  prepacked), the LM head's too;
 - the draft forward (:meth:`FusedDrafter.draft`): q/k/v in one matmul, gate/up in one; with one
   row, no window or causal layer in reach and no ``ctx_len``, the block's K/V are written beside the
   context (slots ``start ..``, which only the block itself reads; the context injection of the
@@ -36,9 +38,10 @@ from ..errors import SpecpilotError
 from ..models.dflash import DFlashDrafter, _visible
 from ..models.dflash2 import DFlash2Drafter
 from ..models.dspark import DSparkDrafter
+from .cpu_linear import Linear, matmul
 from .cpu_target import rotate
 
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, FusedDrafter]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # net -> {kernel: step}
 
 
 def drafter_support(net) -> str | None:
@@ -55,13 +58,17 @@ def drafter_support(net) -> str | None:
     return None
 
 
-def fused_drafter(net) -> "FusedDrafter":
-    """The fused step of drafter network ``net`` (built once per network and kept while it lives).
+def fused_drafter(net, kernel: str | None = None) -> "FusedDrafter":
+    """The fused step of drafter network ``net`` with matmul ``kernel`` (default the installed one,
+    :func:`specpilot.fastpath.cpu_linear.matmul`), built once per network and kernel and kept while
+    the network lives.
 
     Raises SpecpilotError for a network :func:`drafter_support` refuses."""
-    if net not in _CACHE:
-        _CACHE[net] = FusedDrafter(net)
-    return _CACHE[net]
+    kernel = kernel or matmul()
+    steps = _CACHE.setdefault(net, {})
+    if kernel not in steps:
+        steps[kernel] = FusedDrafter(net, kernel)
+    return steps[kernel]
 
 
 class FusedDrafter:
@@ -74,23 +81,30 @@ class FusedDrafter:
         SpecpilotError: a network :func:`drafter_support` refuses (the reason named).
     """
 
-    def __init__(self, net: DFlashDrafter):
+    def __init__(self, net: DFlashDrafter, kernel: str | None = None):
         why = drafter_support(net)
         if why is not None:
             raise SpecpilotError(f"the fused CPU drafter step cannot run this drafter: {why}")
         c = net.config
-        self.net, self.config, self.kind = net, c, net.kind
+        self.net, self.config, self.kind, self.kernel = net, c, net.kind, kernel or matmul()
         self.nh, self.nkv, self.hd, self.eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         self.hidden, self.inter, self.L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
         self.gqa = self.nh != self.nkv
+        lin = lambda w: Linear(w.contiguous(), self.kernel)  # noqa: E731
         with torch.no_grad():
             attn = [layer.self_attn for layer in net.layers]
+            self.fc = lin(net.fc.weight)
             # all layers' context K/V in one matmul: rows [k_0; v_0; k_1; v_1; ...]
-            self.wkv = torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)], 0).contiguous()
+            self.kv = lin(torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)], 0))
             self.k_norms = torch.stack([a.k_norm.weight for a in attn])[:, None]  # [L, 1, D]
-            self.wqkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous() for a in attn]
-            self.wgu = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], 0).contiguous()
-                        for layer in net.layers]
+            self.qkv = [lin(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)) for a in attn]
+            self.o = [lin(a.o_proj.weight) for a in attn]
+            self.gu = [lin(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], 0))
+                       for layer in net.layers]
+            self.down = [lin(layer.mlp.down_proj.weight) for layer in net.layers]
+            self.convs = [[lin(conv.kernel_projection.weight) if conv is not None else None
+                           for conv in (layer.attention_conv, layer.mlp_conv)] for layer in net.layers]
+        self._heads: dict[int, Linear] = {}  # id(LM head weight) -> its matmul
         # the mask-free draft: every layer non-causal; a window only while it spans every position
         self.windows = [c.layer_window(i) for i in range(self.L)]
         self.open_block = not any(c.layer_causal(i) for i in range(self.L))
@@ -106,8 +120,8 @@ class FusedDrafter:
         from target features [B, T, n_layers * hidden], in one projection and one write."""
         net = self.net
         B, T, _ = features.shape
-        ctx = net.hidden_norm(F.linear(features, net.fc.weight))
-        kv = F.linear(ctx, self.wkv).view(B, T, self.L, 2, self.nkv, self.hd)
+        ctx = net.hidden_norm(self.fc(features))
+        kv = self.kv(ctx).view(B, T, self.L, 2, self.nkv, self.hd)
         lo = int(start.min())
         if B == 1:
             cos, sin = net.cos[lo:lo + T][None, :, None, None], net.sin[lo:lo + T][None, :, None, None]
@@ -167,8 +181,8 @@ class FusedDrafter:
         for i, layer in enumerate(net.layers):
             x = F.rms_norm(h, (self.hidden,), layer.input_layernorm.weight, eps)
             if layer.attention_conv is not None:
-                x, dyn = _conv_prepare(layer.attention_conv, x)
-            qkv = F.linear(x, self.wqkv[i]).view(B, T, nh + 2 * nkv, hd)
+                x, dyn = _conv_prepare(layer.attention_conv, self.convs[i][0], x)
+            qkv = self.qkv[i](x).view(B, T, nh + 2 * nkv, hd)
             a = layer.self_attn
             q = rotate(F.rms_norm(qkv[:, :, :nh], (hd,), a.q_norm.weight, eps), cos, sin).transpose(1, 2)
             k = rotate(F.rms_norm(qkv[:, :, nh:nh + nkv], (hd,), a.k_norm.weight, eps), cos, sin).transpose(1, 2)
@@ -182,19 +196,28 @@ class FusedDrafter:
                 keys = torch.cat([net.ctx_k[i][:, :, :C], k], 2)
                 vals = torch.cat([net.ctx_v[i][:, :, :C], v], 2)
                 y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[i], enable_gqa=self.gqa)
-            y = F.linear(y.transpose(1, 2).reshape(B, T, nh * hd), a.o_proj.weight)
+            y = self.o[i](y.transpose(1, 2).reshape(B, T, nh * hd))
             if layer.attention_conv is not None:
                 y = _conv(y, dyn, layer.attention_conv.base_kernel[1], layer.attention_conv.group_size)
             h = h + y
             x = F.rms_norm(h, (self.hidden,), layer.post_attention_layernorm.weight, eps)
             if layer.mlp_conv is not None:
-                x, dyn = _conv_prepare(layer.mlp_conv, x)
-            g, u = F.linear(x, self.wgu[i]).split(self.inter, -1)
-            y = F.linear(F.silu(g) * u, layer.mlp.down_proj.weight)
+                x, dyn = _conv_prepare(layer.mlp_conv, self.convs[i][1], x)
+            g, u = self.gu[i](x).split(self.inter, -1)
+            y = self.down[i](F.silu(g) * u)
             if layer.mlp_conv is not None:
                 y = _conv(y, dyn, layer.mlp_conv.base_kernel[1], layer.mlp_conv.group_size)
             h = h + y
         return net.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """:meth:`DFlashDrafter.logits` through this step's matmul (the LM head's packed once)."""
+        head = self._heads.get(id(lm_head.weight))
+        if head is None or head.weight is not lm_head.weight:
+            head = self._heads[id(lm_head.weight)] = Linear(lm_head.weight, self.kernel)
+        out = head(hidden) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
 
     def _block(self, anchor: torch.Tensor, T: int) -> torch.Tensor:
         block = torch.full((anchor.shape[0], T), self.config.mask_token_id, dtype=torch.long)
@@ -212,7 +235,7 @@ class FusedDrafter:
             toks, logits, _ = self.draft_full(anchor, start, block_size - 1)
             return toks, logits
         hidden = self.block_hidden(self._block(anchor, block_size), start, embed, ctx_len)[:, 1:]
-        logits = net.logits(hidden, lm_head)
+        logits = self.logits(hidden, lm_head)
         if isinstance(net, DFlash2Drafter):
             path, cands, scores = _walk(net.candidate_selector, hidden, logits, anchor)
             return path, torch.full_like(logits, float("-inf")).scatter(-1, cands, scores.to(logits.dtype))
@@ -224,7 +247,7 @@ class FusedDrafter:
         [B, gamma, V] and confidences float32 [B, gamma] (ones without a confidence head)."""
         net = self.net
         hidden = self.block_hidden(self._block(anchor, gamma), start, None)
-        base = net.logits(hidden, net.lm_head)
+        base = self.logits(hidden, net.lm_head)
         w1, w2 = net.markov_head.markov_w1.weight, net.markov_head.markov_w2.weight
         prev, toks, logits = anchor, [], []
         for j in range(gamma):
@@ -241,10 +264,10 @@ class FusedDrafter:
         return toks_t, torch.stack(logits, 1), conf
 
 
-def _conv_prepare(conv, x: torch.Tensor):
+def _conv_prepare(conv, projection: Linear, x: torch.Tensor):
     """:meth:`GroupedDynamicCausalConv.prepare` over one block: (in-convolved x, out taps)."""
     G = x.shape[-1] // conv.group_size
-    dyn = F.linear(x, conv.kernel_projection.weight).view(*x.shape[:-1], 2, conv.kernel_size, G)
+    dyn = projection(x).view(*x.shape[:-1], 2, conv.kernel_size, G)
     return _conv(x, dyn[..., 0, :, :], conv.base_kernel[0], conv.group_size), dyn[..., 1, :, :]
 
 

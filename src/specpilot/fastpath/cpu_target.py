@@ -7,6 +7,8 @@ operations; every weight and state is the plain model's, read in place:
 
 - one matmul for the q/k/v projections of a layer and one for its gate/up projections (the weights
   concatenated once, at construction: ``[q; k; v]``, ``[gate; up]``); the split outputs are views;
+  every matmul through the kernel the kernel sub-agent chose (:mod:`.cpu_linear`: aten's or
+  oneDNN's prepacked);
 - the K/V of the block written as one slice copy per layer when the batch is one row (a static
   cache row, slots ``start .. start + T - 1``), and attention over the slots in use only
   (``max(start) + T`` of ``max_seq``), its mask built once per step and shared by every layer (none
@@ -29,6 +31,7 @@ from torch.nn import functional as F
 
 from ..errors import SpecpilotError
 from ..models.layers import RMSNorm
+from .cpu_linear import Linear, matmul
 
 
 def cpu_support(model) -> str | None:
@@ -50,6 +53,8 @@ def cpu_support(model) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm) + ((a.q_norm, a.k_norm) if c.qk_norm else ())
         if not all(type(n) is RMSNorm for n in norms):
             return "norms that are not plain RMSNorms"
+    if type(model.model.norm) is not RMSNorm or type(model.lm_head) is not nn.Linear:
+        return "a final norm or LM head of another kind"
     return None
 
 
@@ -61,15 +66,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class _Layer:
-    """One decoder layer's weights for the fused step (the q/k/v and gate/up weights concatenated)."""
+    """One decoder layer's weights for the fused step (the q/k/v and gate/up weights concatenated),
+    its matmuls through ``kernel`` (:class:`~specpilot.fastpath.cpu_linear.Linear`)."""
 
-    def __init__(self, layer, qk_norm: bool):
+    def __init__(self, layer, qk_norm: bool, kernel: str):
         a, m = layer.self_attn, layer.mlp
         self.w_in, self.w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()
-        self.wo = a.o_proj.weight
-        self.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()
-        self.wd = m.down_proj.weight
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous(), kernel)
+        self.o = Linear(a.o_proj.weight, kernel)
+        self.gu = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous(), kernel)
+        self.down = Linear(m.down_proj.weight, kernel)
         self.q_norm = a.q_norm.weight if qk_norm else None
         self.k_norm = a.k_norm.weight if qk_norm else None
 
@@ -85,17 +91,18 @@ class FusedTarget:
         SpecpilotError: a target :func:`cpu_support` refuses (the reason named).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, kernel: str | None = None):
         why = cpu_support(model)
         if why is not None:
             raise SpecpilotError(f"the fused CPU step cannot run this target: {why}")
         c = model.config
-        self.model = model
+        self.model, self.kernel = model, kernel or matmul()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.hidden, self.inter, self.eps = c.hidden_size, c.intermediate_size, c.rms_norm_eps
         self.gqa = self.nh != self.nkv
         with torch.no_grad():
-            self.layers = [_Layer(layer, c.qk_norm) for layer in model.model.layers]
+            self.layers = [_Layer(layer, c.qk_norm, self.kernel) for layer in model.model.layers]
+            self.head = Linear(model.lm_head.weight, self.kernel)
 
     def _mask(self, start: torch.Tensor, lo: int, T: int, hi: int, ancestors: torch.Tensor | None):
         """bool [B, 1, T, hi] visibility of cache slots 0..hi-1 (committed slots, then the block's
@@ -150,7 +157,7 @@ class FusedTarget:
         feats = {}
         for i, L in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), L.w_in, eps)
-            qkv = F.linear(h, L.wqkv).view(B, T, nh + 2 * nkv, hd)
+            qkv = L.qkv(h).view(B, T, nh + 2 * nkv, hd)
             q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
             if L.q_norm is not None:
                 q, k = F.rms_norm(q, (hd,), L.q_norm, eps), F.rms_norm(k, (hd,), L.k_norm, eps)
@@ -164,9 +171,10 @@ class FusedTarget:
                 vc[rows, :, slots] = v
             y = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :hi], vc[:, :, :hi], attn_mask=mask,
                                                enable_gqa=self.gqa)
-            x = x + F.linear(y.transpose(1, 2).reshape(B, T, nh * hd), L.wo)
-            g, u = F.linear(F.rms_norm(x, (self.hidden,), L.w_post, eps), L.wgu).split(self.inter, -1)
-            x = x + F.linear(F.silu(g) * u, L.wd)
+            x = x + L.o(y.transpose(1, 2).reshape(B, T, nh * hd))
+            g, u = L.gu(F.rms_norm(x, (self.hidden,), L.w_post, eps)).split(self.inter, -1)
+            x = x + L.down(F.silu(g) * u)
             if i in capture:
                 feats[i] = x
-        return m._logits(x), (torch.cat([feats[i] for i in capture], -1) if capture else None)
+        logits = self.head(m.model.norm(x))  # a dense target: no output multiplier, no softcap
+        return logits, (torch.cat([feats[i] for i in capture], -1) if capture else None)
