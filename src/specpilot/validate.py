@@ -13,7 +13,8 @@ each naming the deployment, the config key and the value:
   local Hub cache has its ``config.json`` checked as a local one, others are checked when
   ``link_deployment`` downloads them, see :mod:`specpilot.deployment_link`);
 - ``drafter``: the drafter folder's architecture is that kind (a DSpark checkpoint is not a
-  ``dflash`` deployment), and a tiny target pairs only with the drafters a tiny build trains;
+  ``dflash`` deployment), and a tiny target pairs only with the drafters a tiny build trains (and
+  takes no ``drafter_id``: its drafter is built, not linked);
 - ``block_size``: at least the drafter kind's smallest block (DFlash/DFlash2 count the anchor, so
   2; DSpark counts drafts, so 1: :class:`specpilot.drafters.dflash.DFlashProposer`,
   :class:`specpilot.drafters.dspark.DSparkProposer`) and at most the block the drafter was trained
@@ -140,6 +141,10 @@ def drafter_problems(cfg: Path, kind: str, block, reason: str | None = None) -> 
 
 
 def _tiny_problems(name: str, dep: dict, tiny_drafters) -> list[str]:
+    if dep.get("drafter_id"):  # a tiny deployment's drafter is the one its build trains: never silently ignored
+        return [f"deployment {name}: drafter_id {_show(dep['drafter_id'])}: a tiny target's drafter is built with "
+                f"it (resources/deployments/.../drafter-{dep['drafter']}), not linked: drop drafter_id, or give "
+                f"target a real checkpoint"]
     if dep["drafter"] not in tiny_drafters:
         return [f"deployment {name}: drafter {dep['drafter']!r}: a tiny build trains only "
                 f"{', '.join(tiny_drafters)}"]

@@ -47,6 +47,15 @@ class Direction:
         return {"type": "object", "additionalProperties": False, "required": sorted(self.space),
                 "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
 
+    def explorable(self, base: dict) -> bool:
+        """Whether the grid holds a candidate that changes ``base`` other than switching the mechanism
+        off (a mechanism already on at its only setting has nothing left to try)."""
+        for c in self.candidates():
+            off = all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items())
+            if not off and self.apply(base, c) != base:
+                return True
+        return False
+
     def apply(self, config: dict, params: dict) -> dict:
         """A new engine config with ``params`` set (the input is not modified), normalized; when a
         parameter that has an "off" value (:data:`DEFAULTS`) is on, the keys of :attr:`excludes` are dropped first."""
@@ -81,6 +90,21 @@ def register(direction: Direction) -> Direction:
 def applicable(ctx: dict) -> list[Direction]:
     """Registered directions that apply to a deployment context, in registration order."""
     return [d for d in REGISTRY.values() if d.applies(ctx)]
+
+
+def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int) -> list[str]:
+    """The directions of a round: of those that apply to ``ctx``, attack a term with a positive gap
+    (``gaps``: term -> seconds per token) and have something to try from ``base``
+    (:meth:`Direction.explorable`), first the best-ranked direction of each term, terms by gap (so
+    every term the cost model ranks gets a direction, not only the largest one's many), then the
+    others by gap; ``agents`` of them (registration order breaks ties)."""
+    live = sorted((d for d in applicable(ctx) if gaps.get(d.cost_term, 0.0) > 0 and d.explorable(base)),
+                  key=lambda d: -gaps[d.cost_term])
+    firsts = {}
+    for d in live:
+        firsts.setdefault(d.cost_term, d)
+    order = list(firsts.values()) + [d for d in live if d not in firsts.values()]
+    return [d.name for d in order][:agents]
 
 
 register(Direction(

@@ -7,8 +7,9 @@ is a declared output:
   the AR speed every step compares against; measured once per (gpu, deployment)).
 - ``plan``: measure the round's base config (round 1: stock, or the best entries of the memory it
   starts from that transfer and pass here; round k: round k-1's integrated config), run the cost
-  model (``costmodel.json`` / ``.txt``), and choose the directions registered for the largest gaps
-  (``plan.json``; a Snakemake checkpoint: the directions decide the agent jobs).
+  model (``costmodel.json`` / ``.txt``), and choose the directions registered for the largest gaps,
+  one per ranked term first (:func:`specpilot.agent.directions.plan_directions`; ``plan.json``; a
+  Snakemake checkpoint: the directions decide the agent jobs).
 - ``agent``: one direction's agent trials candidates through its policy behind the token-forcing
   gate (``agent-{direction}.json``; the trials' records in ``agent-{direction}/``).
 - ``integrate``: merge the winners into one config, re-validate and re-measure it
@@ -121,24 +122,8 @@ def plan(args) -> int:
     base = _base_config(args)
     transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
-        best = memory.best_known(memory.read(args.memory), ctx)
-        applicable = {d.name for d in dirs.applicable(ctx)}
-        for name, entry in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])):
-            if name not in applicable:
-                continue
-            cand = dirs.REGISTRY[name].apply(base, entry["params"])
-            res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
-            tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                          "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
-                          "gain": res["gain"]})
-            if not res["gate"]["passed"]:
-                invalidated.append({"entry": entry["id"],
-                                    "reason": f"failed token forcing on {args.deployment}/{args.gpu}"})
-                log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
-            elif clears(res, args.min_gain):
-                base = cand
-                transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                                    "gain": res["gain"]})
+        base, transferred, invalidated, tried = transfer(ev, ctx, base, memory.read(args.memory), evidence,
+                                                         args.min_gain)
     log.info("measuring the round's base config %s", json.dumps(base))
     base_recs, _ = ev.measure(base, base)
     log.info("cost model")
@@ -149,8 +134,7 @@ def plan(args) -> int:
                        ceilings, dtype_bytes, block)
     report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
-    ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
-    chosen = [d.name for d in ranked if gaps.get(d.cost_term, 0.0) > 0][: args.agents]
+    chosen = dirs.plan_directions(ctx, gaps, base, args.agents)
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
     base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
@@ -165,6 +149,52 @@ def plan(args) -> int:
     print(report, end="")
     print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}")
     return 0
+
+
+def transfer(ev, ctx: dict, base: dict, entries: list[dict], evidence: Evidence | None, min_gain: float):
+    """Round 1's start from memory: the best valid entry per direction that applies here
+    (:func:`specpilot.agent.memory.best_known`), each trialled behind the token-forcing gate.
+
+    All of them merged into ``base`` are trialled first; when that passes and clears ``min_gain``
+    every entry transfers at once (one trial, not one per entry). Otherwise each is trialled on its
+    own, best gain first, and kept when it clears ``min_gain``; one that fails the gate is
+    invalidated here.
+
+    Returns:
+        (the new base, transferred entries, invalidations ``{entry, reason}``, every entry tried).
+    """
+    best = memory.best_known(entries, ctx)
+    applicable = {d.name for d in dirs.applicable(ctx)}
+    picks = [(n, e) for n, e in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])) if n in applicable]
+    transferred, invalidated, tried = [], [], []
+
+    def note(name, entry, res, together):
+        tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
+                      "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
+                      "gain": res["gain"], "merged": together})
+
+    if len(picks) > 1:
+        merged = base
+        for name, entry in reversed(picks):  # the best last, so its exclusions hold
+            merged = dirs.REGISTRY[name].apply(merged, entry["params"])
+        res = ev.trial(merged, base, evidence, tag="memory-merged")
+        for name, entry in picks:
+            note(name, entry, res, True)
+        if clears(res, min_gain):
+            return merged, [{"entry": e["id"], "direction": n, "params": e["params"], "gain": res["gain"],
+                             "merged": True} for n, e in picks], invalidated, tried
+    for name, entry in picks:
+        cand = dirs.REGISTRY[name].apply(base, entry["params"])
+        res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
+        note(name, entry, res, False)
+        if not res["gate"]["passed"]:
+            invalidated.append({"entry": entry["id"], "reason": f"failed token forcing on {ctx['deployment']}/{ctx['gpu']}"})
+            log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
+        elif clears(res, min_gain):
+            base = cand
+            transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
+                                "gain": res["gain"], "merged": False})
+    return base, transferred, invalidated, tried
 
 
 def search(ev, direction, base: dict, budget: int, policy, hints: list[dict], context: dict,

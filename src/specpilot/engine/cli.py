@@ -141,8 +141,11 @@ def engine_specs(args) -> list[EngineSpec]:
     config = EngineConfig()
     if args.engine_config:
         raw = read_json(args.engine_config)
-        if isinstance(raw, dict) and isinstance(raw.get("engine_config"), dict):
+        if isinstance(raw, dict) and "engine_config" in raw:
             raw = raw["engine_config"]
+        if raw is None:  # not silently "no mechanisms": an empty config is {}
+            raise SpecpilotError(f"{args.engine_config}: the engine config is JSON null; write {{}} for an engine "
+                                 f"without mechanisms")
         config = EngineConfig.parse(raw, f"{args.engine_config}")
     if args.replay_profile and args.engine != ["stock"]:
         raise SpecpilotError("--replay-profile goes with --engine stock")

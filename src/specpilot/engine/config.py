@@ -6,7 +6,8 @@ its type, its default and what it allows is in :data:`FIELDS`, the one place def
 config stops before any work with one :class:`~specpilot.errors.SpecpilotError` naming the key, the
 value and what is allowed: an unknown key (with the nearest known key), a string where an integer
 belongs, a float for an integer (``8.5`` is not silently 8), a boolean for a number (``true`` is not
-1), a value out of range, or a config that is not a JSON object. ``to_dict`` gives back exactly the
+1), a value out of range, a config that is not a JSON object, or a key set where it has no effect
+(:data:`NEEDS`: ``tree_depth`` without ``tree_branch``, ...). ``to_dict`` gives back exactly the
 keys that were set, typed, for the records' ``engine_config``.
 
 :class:`EngineSpec` is what one engine run is: the engine (``ar``, ``stock``, ``lookup``,
@@ -86,6 +87,22 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
 }
 
 
+# key -> (the setting it needs to have any effect, a test of the config's values, what that setting is)
+NEEDS: dict[str, tuple[str, Callable[[dict], bool], str]] = {
+    "tree_depth": ("tree_branch", lambda v: v.get("tree_branch", 0) > 0, "tree_branch > 0 (a spine tree)"),
+    "tree_profile": ("tree_nodes", lambda v: v.get("tree_nodes", 0) > 0, "tree_nodes > 0 (a static tree)"),
+    "w12_fast": ("weight_format", lambda v: v.get("weight_format") == "w12", "weight_format w12"),
+}
+
+
+def _check_effect(values: dict, where: str) -> None:
+    """Refuse a key set where it has no effect (:data:`NEEDS`): a config that says more than it does."""
+    for key, (other, ok, what) in NEEDS.items():
+        if key in values and not ok(values):
+            raise SpecpilotError(f"{where}: {key} = {values[key]!r} has no effect without {what}; set {other} or "
+                                 f"drop {key}")
+
+
 def _describe(v: Any) -> str:
     kind = {bool: "a boolean", str: "a string", float: "a number", int: "an integer", list: "a list",
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
@@ -128,6 +145,8 @@ class EngineConfig:
             if not check(v):
                 raise SpecpilotError(f"{where}: {key} = {_describe(v)} is not allowed: {allowed}")
             values[key] = v
+        if not record:
+            _check_effect(values, where)
         return cls(values)
 
     def to_dict(self) -> dict:
