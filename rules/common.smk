@@ -520,15 +520,22 @@ def references_of(wildcards):
 
 
 def previous_round(wildcards):
-    """Round k-1's integrated config (round k plans from it); none for round 1."""
+    """Round k-1's integrated config and its cost model (round k plans from them); none for round 1."""
     k = int(wildcards.k)
     if k <= 1:
         return []
-    return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
+    prev = f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}"
+    return [f"{prev}/integrated.json", f"{prev}/costmodel-integrated.txt"]
 
 
 def previous_opt(wildcards, input):
-    return f"--previous {input.previous[0]}" if input.previous else ""
+    return f"--previous {input.previous[0]} --previous-costmodel {input.previous[1]}" if input.previous else ""
+
+
+def last_round_costmodel(wildcards):
+    """The cost model of the last round's integrated config (specpilot.json carries it)."""
+    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
+            f"round-{ROUNDS['count']}/costmodel-integrated.txt")
 
 
 def llm_opt(wildcards):

@@ -44,10 +44,10 @@ from ..device import pick_device, pick_dtype
 from ..devices import device_identity
 from ..engine.cli import resolve_block
 from ..errors import SpecpilotError
-from ..io import read_json, read_prompts, write_json
+from ..io import atomic_write_text, read_json, read_prompts, write_json
 from ..kernels_build import engine_tables, use_kernel_outputs
 from ..models.loading import load_target
-from ..records import read_records, write_records
+from ..records import read_records, record_from_dict, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
@@ -124,20 +124,26 @@ def plan(args) -> int:
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
         base, transferred, invalidated, tried = transfer(ev, ctx, base, memory.read(args.memory), evidence,
                                                          args.min_gain)
-    log.info("measuring the round's base config %s", json.dumps(base))
-    base_recs, _ = ev.measure(base, base)
-    log.info("cost model")
-    block = int(base.get("block_size", args.block_size))
-    ceilings = read_json(args.ceilings)
-    dtype_bytes = 2 if ctx["dtype"] == "bf16" else 4
-    analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
-                       ceilings, dtype_bytes, block)
-    report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
+    previous = read_json(args.previous) if args.previous else {}
+    if previous.get("costmodel") and args.previous_costmodel:
+        # round k > 1: the base is round k-1's config, whose cost model its integration measured last
+        log.info("the base config %s: round %d's cost model of it (its last measurement)", json.dumps(base),
+                 previous["round"])
+        analysis, base_speedup = previous["costmodel"], previous["speedup_vs_ar"]
+        report = Path(args.previous_costmodel).read_text()
+    else:
+        log.info("measuring the round's base config %s", json.dumps(base))
+        base_recs, _ = ev.measure(base, base)
+        block = int(base.get("block_size", args.block_size))
+        analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
+                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block)
+        report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
+        ar = {r.request_id: r for r in ev.ar}
+        base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
     chosen = dirs.plan_directions(ctx, gaps, base, args.agents)
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
-    base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     evidence.write()
     write_json(args.costmodel, analysis)
     Path(args.costmodel_text).write_text(report)
@@ -314,6 +320,7 @@ def integrate(args) -> int:
     evidence.write()
     if not result["gate"]["passed"]:
         raise SpecpilotError(f"round {args.round}: the integrated config failed token forcing: {result['gate']}")
+    analysis = _integrated_costmodel(args, ev, ctx, chosen, result, evidence)
     known = _invalidated(memory.read(args.memory), p)
     for name, w in winners:
         if all(chosen.get(k) == v for k, v in w["params"].items()):
@@ -333,18 +340,36 @@ def integrate(args) -> int:
                           "min_gain": args.min_gain, "decision": why,
                           "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
                           "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"],
-                          "device": ctx["device"]})
+                          "device": ctx["device"], "costmodel": analysis})
     print(f"round {args.round} integrated: {json.dumps(chosen)} ({why}; speedup vs AR {result['speedup_vs_ar']:.2f}, "
           f"tau {result['tau']:.2f}); memory: {len(known)} entries")
     return 0
 
 
+def _integrated_costmodel(args, ev, ctx: dict, chosen: dict, result: dict, evidence: Evidence) -> dict:
+    """The cost model of the round's config on its last measurement (the confirmation's records, or
+    the base re-measured), written to ``--costmodel-text``: where the time goes after the round."""
+    tag = result["evidence"].rsplit("#", 1)[-1]
+    recs = [record_from_dict(r, "trial record") for r in evidence.rows if r["trial"] == tag]
+    analysis = analyze(recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
+                       read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4,
+                       int(chosen.get("block_size", args.block_size)))
+    text = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, after round {args.round} "
+                                 f"(config {json.dumps(chosen, sort_keys=True)})")
+    atomic_write_text(Path(args.costmodel_text), text)
+    print(text, end="")
+    return analysis
+
+
 def final(args) -> int:
     """The specpilot engine config = the last round's integrated config."""
     last = read_json(args.integrated)
-    write_json(args.out, {"engine_config": last["config"], "round": last["round"],
-                          "speedup_vs_ar_calibration": last["speedup_vs_ar"], "tau_calibration": last["tau"],
-                          "validated_by_token_forcing": last["gate"]["passed"]})
+    out = {"engine_config": last["config"], "round": last["round"],
+           "speedup_vs_ar_calibration": last["speedup_vs_ar"], "tau_calibration": last["tau"],
+           "validated_by_token_forcing": last["gate"]["passed"]}
+    if args.costmodel_text:  # where the time goes with this config (the last round's integration)
+        out["costmodel"] = Path(args.costmodel_text).read_text().splitlines()
+    write_json(args.out, out)
     return 0
 
 
@@ -378,9 +403,10 @@ _FILE_OPTIONS = {
     "--prompts": "calibration prompt file (disjoint from the evaluation prompts)",
     "--references-ar": "AR records on the calibration prompts (round references)",
     "--references-stock": "stock records on the calibration prompts (round references)",
-    "--ceilings": "ceilings.json of the device (plan)",
+    "--ceilings": "ceilings.json of the device (plan, integrate)",
     "--costmodel": "costmodel.json: written by plan, read by integrate",
-    "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context)",
+    "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context); integrate writes the "
+                        "integrated config's (costmodel-integrated.txt), final copies it into specpilot.json",
     "--kernels-manifest": "results/{gpu}/kernels/manifest.json",
     "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
     "--memory": "memory snapshot this round starts from (none = empty)",
@@ -396,6 +422,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round", type=int, default=1)
     p.add_argument("--plan", help="plan.json of this round (agent, integrate)")
     p.add_argument("--previous", help="integrated.json of the previous round (plan)")
+    p.add_argument("--previous-costmodel", help="costmodel-integrated.txt of the previous round (plan: the cost "
+                                                "model of its base, measured by that round's integration)")
     p.add_argument("--integrated", help="integrated.json of the last round (final)")
     p.add_argument("--agent-files", nargs="*", default=[])
     p.add_argument("--direction")
