@@ -180,3 +180,14 @@ def test_tree_bound_dry_run(tmp_path):
         assert all(x <= y + 1e-9 for x, y in zip(taus, taus[1:])) and taus[0] >= b["stock_tau"] - 1e-9
     # issue 16 under study_stock: no tree of up to 4,095 nodes doubles tau or reaches 1.5x stock
     assert max(x["tau_vs_stock"] for x in b["rows"]) < 2.0 and 1.0 < b["bound"]["speedup_vs_stock_bound"] < 1.5
+
+
+def test_cpu_step_dry_run(tmp_path):
+    """The CPU step paths' bench: every path timed, the fused steps' logits those of the plain forward."""
+    r = bench(tmp_path, "cpu-step")
+    m = r["measure"]
+    assert "aten" in m["kernels"] and set(m["max_logit_diff"]) == set(m["kernels"])
+    assert all(d < 1e-4 for d in m["max_logit_diff"].values()), m["max_logit_diff"]
+    assert {f"{s}_{p}" for s in ("verify", "decode") for p in ["plain"] + [f"fused_{k}" for k in m["kernels"]]} \
+        == set(m["target_ms"])
+    assert {"draft_plain", "context_plain", "draft_fused_aten", "context_fused_aten"} <= set(m["drafter_ms"])

@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                        "profile with rank_recall, and trees' measured tau against the tau it predicts (CPU)"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
+    "cpu-step": ("cpu_step", "the CPU step paths of a built deployment: plain, fused (aten / oneDNN matmuls) and "
+                             "optionally torch.compile, verify, decode, draft and context injection, interleaved"),
 }
 
 
