@@ -39,7 +39,7 @@ from ..models.dflash import DFlashDrafter, _visible
 from ..models.dflash2 import DFlash2Drafter
 from ..models.dspark import DSparkDrafter
 from .cpu_linear import Linear, matmul
-from .cpu_target import rotate
+from .cpu_target import rotate, signed_sin
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # net -> {kernel: step}
 
@@ -97,6 +97,9 @@ class FusedDrafter:
             # all layers' context K/V in one matmul: rows [k_0; v_0; k_1; v_1; ...]
             self.kv = lin(torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)], 0))
             self.k_norms = torch.stack([a.k_norm.weight for a in attn])[:, None]  # [L, 1, D]
+            # per layer the q and k norms' weights over its q and k heads (one norm, then the weights)
+            self.qk_norms = [torch.cat([a.q_norm.weight.expand(self.nh, -1), a.k_norm.weight.expand(self.nkv, -1)])
+                             .contiguous() for a in attn]
             self.qkv = [lin(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)) for a in attn]
             self.o = [lin(a.o_proj.weight) for a in attn]
             self.gu = [lin(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], 0))
@@ -128,7 +131,7 @@ class FusedDrafter:
         else:
             pos = start[:, None] + torch.arange(T)
             cos, sin = net.cos[pos][:, :, None, None], net.sin[pos][:, :, None, None]
-        k = rotate(F.rms_norm(kv[:, :, :, 0], (self.hd,), None, self.eps) * self.k_norms, cos, sin)
+        k = rotate(F.rms_norm(kv[:, :, :, 0], (self.hd,), None, self.eps) * self.k_norms, cos, signed_sin(sin))
         v = kv[:, :, :, 1]
         store_k, store_v = net.ctx_k.transpose(0, 1), net.ctx_v.transpose(0, 1)  # (B, L, Hkv, S, D)
         if B == 1:
@@ -174,6 +177,7 @@ class FusedDrafter:
         else:
             pos = start[:, None] + torch.arange(T)
             cos, sin = net.cos[pos][:, :, None], net.sin[pos][:, :, None]
+        sin = signed_sin(sin)
         C = int((start if ctx_len is None else ctx_len).max())
         masks = None if open_ else self._masks(start, T, C, ctx_len)
         nh, nkv, hd, eps = self.nh, self.nkv, self.hd, self.eps
@@ -183,9 +187,8 @@ class FusedDrafter:
             if layer.attention_conv is not None:
                 x, dyn = _conv_prepare(layer.attention_conv, self.convs[i][0], x)
             qkv = self.qkv[i](x).view(B, T, nh + 2 * nkv, hd)
-            a = layer.self_attn
-            q = rotate(F.rms_norm(qkv[:, :, :nh], (hd,), a.q_norm.weight, eps), cos, sin).transpose(1, 2)
-            k = rotate(F.rms_norm(qkv[:, :, nh:nh + nkv], (hd,), a.k_norm.weight, eps), cos, sin).transpose(1, 2)
+            qk = rotate(F.rms_norm(qkv[:, :, :nh + nkv], (hd,), None, eps) * self.qk_norms[i], cos, sin)
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
             v = qkv[:, :, nh + nkv:].transpose(1, 2)
             if open_:  # the block's K/V beside the context, attention over the slots in use
                 net.ctx_k[i][:, :, lo:lo + T] = k

@@ -13,8 +13,9 @@ operations; every weight and state is the plain model's, read in place:
   cache row, slots ``start .. start + T - 1``), and attention over the slots in use only
   (``max(start) + T`` of ``max_seq``), its mask built once per step and shared by every layer (none
   at all for a one-token step);
-- RoPE, the norms and SwiGLU as the plain model computes them, in the ``[B, T, heads, head_dim]``
-  layout the projection produced (no transposes before the cache write).
+- the q and k heads normed and rotated together (one norm, their weights after it; RoPE as
+  :func:`rotate`), the norms and SwiGLU as the plain model computes them, in the
+  ``[B, T, heads, head_dim]`` layout the projection produced (no transposes before the cache write).
 
 Outputs equal the plain forward's up to the rounding of a different matmul blocking (fp32: ~1e-7
 of a logit); :func:`specpilot.agent.kernel_agent` checks that before anything uses the path, and
@@ -58,11 +59,18 @@ def cpu_support(model) -> str | None:
     return None
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of x [..., D] by cos, sin broadcast to it (HF "rotate_half"), as
-    :func:`specpilot.models.layers.apply_rope` computes it."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` [..., D] with its first half negated: what :func:`rotate` multiplies the rolled input by."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [..., D] (HF "rotate_half") by ``cos`` and ``ssin`` = :func:`signed_sin` of the sine
+    table, broadcast to x: ``x * cos + roll(x, D/2) * ssin``, bit-equal to
+    :func:`specpilot.models.layers.apply_rope`'s ``x * cos + cat(-x2, x1) * sin`` (a product's sign
+    moves exactly), in two operations fewer."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * ssin
 
 
 class _Layer:
@@ -76,8 +84,11 @@ class _Layer:
         self.o = Linear(a.o_proj.weight, kernel)
         self.gu = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous(), kernel)
         self.down = Linear(m.down_proj.weight, kernel)
-        self.q_norm = a.q_norm.weight if qk_norm else None
-        self.k_norm = a.k_norm.weight if qk_norm else None
+        nh, nkv = a.n_heads, a.n_kv
+        # the q and k norms as one norm over the q and k heads, then their weights (bit-equal: RMSNorm
+        # multiplies by its weight last); None without q/k norms
+        self.qk_norm = torch.cat([a.q_norm.weight.expand(nh, -1), a.k_norm.weight.expand(nkv, -1)]).contiguous() \
+            if qk_norm else None
 
 
 class FusedTarget:
@@ -147,6 +158,7 @@ class FusedTarget:
         else:
             pos = start[:, None] + (torch.arange(T) if depth is None else depth)
             cos, sin = m.cos[pos][:, :, None], m.sin[pos][:, :, None]
+        sin = signed_sin(sin)  # once per step, for every layer's RoPE
         mask = self._mask(start, lo, T, hi, ancestors)
         rows = slots = None
         if B > 1:
@@ -158,10 +170,11 @@ class FusedTarget:
         for i, L in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), L.w_in, eps)
             qkv = L.qkv(h).view(B, T, nh + 2 * nkv, hd)
-            q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
-            if L.q_norm is not None:
-                q, k = F.rms_norm(q, (hd,), L.q_norm, eps), F.rms_norm(k, (hd,), L.k_norm, eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
+            if L.qk_norm is not None:
+                qk = F.rms_norm(qk, (hd,), None, eps) * L.qk_norm
+            qk = rotate(qk, cos, sin)
+            q, k = qk[:, :, :nh], qk[:, :, nh:]
             kc, vc = cache.k[:, i], cache.v[:, i]  # [B, Hkv, S, D]
             if B == 1:
                 kc[:, :, lo:hi] = k.transpose(1, 2)
