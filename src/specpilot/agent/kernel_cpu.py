@@ -48,7 +48,7 @@ from ..fastpath.cpu_target import FusedTarget, cpu_support
 MARGIN = 0.03  # a fused path must be this much faster than the plain one to be chosen
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 15, calls: int = 10) -> dict[str, float]:
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 9, calls: int = 10) -> dict[str, float]:
     """Median milliseconds per call of each function, timed in alternating rounds of ``calls``
     back-to-back calls (so drift of a shared machine hits every candidate alike), after a warm-up."""
     for f in fns.values():
