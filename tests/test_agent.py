@@ -264,3 +264,6 @@ def test_grid_order_of_a_base_off_the_grid():
     assert {c["block_size"] for c in order[:2]} == {10, 12} and order[-1] == {"block_size": 3}
     assert grid_order(dirs.REGISTRY["block_size"], {"block_size": 12}, [])[1] in ({"block_size": 10},
                                                                                    {"block_size": 16})
+    # a mechanism two deployments validated is hinted twice: tried once
+    twice = grid_order(dirs.REGISTRY["block_size"], {"block_size": 12}, [{"block_size": 10}, {"block_size": 10}])
+    assert twice[0] == {"block_size": 10} and twice.count({"block_size": 10}) == 1

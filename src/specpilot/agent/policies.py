@@ -56,7 +56,7 @@ def grid_order(direction: Direction, base: dict, hints: list[dict]) -> list[dict
             d += abs(vals.index(v) - at(vals, base.get(k, vals[0])))
         return d
 
-    hinted = [h for h in hints if h in grid]
+    hinted = [h for i, h in enumerate(hints) if h in grid and h not in hints[:i]]  # each hint once
     rest = sorted((c for c in grid if c not in hinted), key=dist)
     return hinted + rest
 
