@@ -156,7 +156,7 @@ class Evaluator:
         runs: dict[str, dict[str, list[Record]]] = {"base": {}, "cand": {}}
         rows = prompts or self.prompts
         sides = (("base", base), ("cand", config))
-        if self.concurrency == 1 and not self.dep.backend.graphs:
+        if self.concurrency == 1 and self.dep is not None and not self.dep.backend.graphs:
             sizes = {side: default_max_seq(self.spec("specpilot", cfg), self.deployment_for(cfg), rows, self.max_new, 1)
                      for side, cfg in sides}
             warm = set()
