@@ -89,7 +89,6 @@ def test_cli_refuses_a_bad_config_before_any_work(tmp_path):
     ({"tree_depth": 3}, "tree_depth", "tree_branch > 0"),
     ({"tree_branch": 0, "tree_depth": 2}, "tree_depth", "tree_branch > 0"),
     ({"tree_profile": "dflash"}, "tree_profile", "tree_nodes > 0"),
-    ({"w12_fast": True, "weight_format": "bf16"}, "w12_fast", "weight_format w12"),
 ])
 def test_a_key_without_effect_in_its_context_is_refused(raw, key, needs):
     """A config that says more than it does (issue 45): the key and what it needs are named."""

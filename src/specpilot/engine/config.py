@@ -7,7 +7,7 @@ config stops before any work with one :class:`~specpilot.errors.SpecpilotError` 
 value and what is allowed: an unknown key (with the nearest known key), a string where an integer
 belongs, a float for an integer (``8.5`` is not silently 8), a boolean for a number (``true`` is not
 1), a value out of range, a config that is not a JSON object, or a key set where it has no effect
-(:data:`NEEDS`: ``tree_depth`` without ``tree_branch``, ...). ``to_dict`` gives back exactly the
+(:data:`NEEDS`: ``tree_depth`` without ``tree_branch``, ``tree_profile`` without ``tree_nodes``). ``to_dict`` gives back exactly the
 keys that were set, typed, for the records' ``engine_config``.
 
 :class:`EngineSpec` is what one engine run is: the engine (``ar``, ``stock``, ``lookup``,
@@ -91,8 +91,7 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
 NEEDS: dict[str, tuple[str, Callable[[dict], bool], str]] = {
     "tree_depth": ("tree_branch", lambda v: v.get("tree_branch", 0) > 0, "tree_branch > 0 (a spine tree)"),
     "tree_profile": ("tree_nodes", lambda v: v.get("tree_nodes", 0) > 0, "tree_nodes > 0 (a static tree)"),
-    "w12_fast": ("weight_format", lambda v: v.get("weight_format") == "w12", "weight_format w12"),
-}
+}  # (w12_fast is not here: --weight-format w12 of `specpilot run` may complete it after parsing)
 
 
 def _check_effect(values: dict, where: str) -> None:
