@@ -277,6 +277,13 @@ def block_size(wildcards):
     return deployment(wildcards)["block_size"]
 
 
+def block_reason_opt(wildcards):
+    """``--block-reason ...`` when the deployment runs stock at a block other than its drafter's
+    trained one (config key block_reason; the table's note shows it), else nothing."""
+    reason = deployment(wildcards).get("block_reason")
+    return f"--block-reason {shlex.quote(reason)}" if reason else ""
+
+
 # ---- memory of a model-loading job (resources: mem_mb; SLURM sizes its jobs from it) ----
 
 # Parameter counts [billions] of the study's targets by Hub id, for the dry run (before the
@@ -556,15 +563,22 @@ def references_of(wildcards):
 
 
 def previous_round(wildcards):
-    """Round k-1's integrated config (round k plans from it); none for round 1."""
+    """Round k-1's integrated config and its cost model (round k plans from them); none for round 1."""
     k = int(wildcards.k)
     if k <= 1:
         return []
-    return [f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}/integrated.json"]
+    prev = f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}"
+    return [f"{prev}/integrated.json", f"{prev}/costmodel-integrated.txt"]
 
 
 def previous_opt(wildcards, input):
-    return f"--previous {input.previous[0]}" if input.previous else ""
+    return f"--previous {input.previous[0]} --previous-costmodel {input.previous[1]}" if input.previous else ""
+
+
+def last_round_costmodel(wildcards):
+    """The cost model of the last round's integrated config (specpilot.json carries it)."""
+    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
+            f"round-{ROUNDS['count']}/costmodel-integrated.txt")
 
 
 def llm_opt(wildcards):

@@ -49,12 +49,13 @@ rule link_deployment:
         drafter=lambda wildcards: deployment(wildcards)["drafter_id"],
         drafter_name=lambda wildcards: deployment(wildcards)["drafter"],
         block_size=block_size,
+        block_reason=block_reason_opt,
         weight_format=lambda wildcards: deployment(wildcards)["weight_format"],
     conda:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot.deployment_link --name {wildcards.deployment} --target {params.target:q}"
-        " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --block-size {params.block_size}"
+        " --drafter {params.drafter:q} --drafter-name {params.drafter_name} --block-size {params.block_size} {params.block_reason}"
         " --weight-format {params.weight_format} --out {params.out_dir} > {log} 2>&1"
 
 

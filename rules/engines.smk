@@ -60,6 +60,7 @@ rule run_engine:
         drafter=drafter_dir,
         drafter_name=drafter_name,
         block_size=block_size,
+        block_reason=block_reason_opt,
         max_new_tokens=config["max_new_tokens"],
         engines=",".join(RUN_ENGINES),
         outs=lambda wildcards, output: ",".join(output[e] for e in RUN_ENGINES),
@@ -85,7 +86,7 @@ rule run_engine:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --prompts {input.prompts} {params.limit} --out {params.outs} --deployment {wildcards.deployment}"
         " --gpu {wildcards.gpu} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {wildcards.concurrency} --block-size {params.block_size}"
+        " --concurrency {wildcards.concurrency} --block-size {params.block_size} {params.block_reason}"
         " {params.engine_config} --device {params.device} --dtype {params.dtype} {params.weight_format}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --threads {threads} {params.multi_turn} {params.eos} --timing-repeats {params.repeats} {params.replay}"

@@ -8,7 +8,10 @@
 # roles the fast path runs with that w12 library (w12_choice: one K split per role at every M, so
 # rows stay independent of M; chosen where it beats bf16 over the verify width). Both files are
 # inputs of every engine cell, token forcing job and round step, which install them and record what
-# they used (engine_config.kernels); on CPU both record that nothing applies.
+# they used (engine_config.kernels); on CPU no GPU kernel applies, and the sub-agent chooses instead
+# which step path the target and the drafter run there (plain or the fused CPU step, each checked
+# on the calibration prompts against the plain forward and timed: agent.kernel_cpu), which the
+# rounds' verify_path / draft_path directions may try.
 
 
 rule kernels:
@@ -33,6 +36,7 @@ rule kernel_agent:
         build=build_marker,
         ceilings="results/{gpu}/ceilings.json",
         manifest="results/{gpu}/kernels/manifest.json",
+        prompts="results/prompts/{deployment}/calibration.jsonl",
     output:
         "results/{gpu}/kernels/{deployment}/kernel-agent.json",
     log:
@@ -41,6 +45,10 @@ rule kernel_agent:
         on_device=on_device,
         target=target_dir,
         effort=kernel_agent_opts(),
+        drafter=drafter_dir,
+        block_size=block_size,
+        tolerance=forcing_tolerance,
+    threads: timing_threads
     resources:
         timing_slots=timing_slot,
         gpu=gpu_count,
@@ -50,4 +58,6 @@ rule kernel_agent:
         "../envs/engine.yaml"
     shell:
         "{params.on_device} python -m specpilot round kernels --target {params.target} --gpu {wildcards.gpu}"
+        " --drafter {params.drafter} --block-size {params.block_size} --prompts {input.prompts}"
+        " --tolerance {params.tolerance} --threads {threads}"
         " --ceilings {input.ceilings} --kernels-manifest {input.manifest} {params.effort} --out {output} > {log} 2>&1"

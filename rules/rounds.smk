@@ -5,7 +5,8 @@
 #   -> round-0 memory: merge of what this deployment starts from (seed memory, and with
 #      rounds.transfer = chain the last memory of the deployment before it)   rounds/round-0/memory.jsonl
 #   round k = plan (cost model + directions; a checkpoint: the directions decide the agent jobs)
-#             -> one agent per direction -> integrate (round k's config and memory snapshot)
+#             -> one agent per direction -> integrate (round k's config, its cost model
+#                costmodel-integrated.txt, and memory snapshot)
 #   -> specpilot.json (the last round's config, the specpilot engine's) and results/memory.jsonl
 #      (the merge of every deployment's last snapshot: the study's structured memory).
 #
@@ -230,11 +231,13 @@ rule round_integrate:
         memory=memory_in,
         plan=f"{ROUND_DIR}/plan.json",
         costmodel=f"{ROUND_DIR}/costmodel.json",
+        ceilings="results/{gpu}/ceilings.json",
         agents=agent_files,
     output:
         integrated=f"{ROUND_DIR}/integrated.json",
         evidence=f"{ROUND_DIR}/integrated.jsonl",
         memory=f"{ROUND_DIR}/memory.jsonl",
+        costmodel_text=f"{ROUND_DIR}/costmodel-integrated.txt",
     log:
         "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
     params:
@@ -270,14 +273,16 @@ rule round_integrate:
         " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
-        " --memory {input.memory} --plan {input.plan} --costmodel {input.costmodel}"
+        " --memory {input.memory} --plan {input.plan} --costmodel {input.costmodel} --ceilings {input.ceilings}"
         " --agent-files {input.agents} --threads {threads} --out {output.integrated}"
-        " --evidence {output.evidence} --memory-out {output.memory} 2>&1 | tee {log}"
+        " --evidence {output.evidence} --memory-out {output.memory} --costmodel-text {output.costmodel_text}"
+        " 2>&1 | tee {log}"
 
 
 rule specpilot_config:
     input:
-        last_round,
+        integrated=last_round,
+        costmodel_text=last_round_costmodel,
     output:
         "results/{gpu}/{deployment}/specpilot.json",
     log:
@@ -285,7 +290,8 @@ rule specpilot_config:
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round final --integrated {input} --out {output} > {log} 2>&1"
+        "python -m specpilot round final --integrated {input.integrated} --costmodel-text {input.costmodel_text}"
+        " --out {output} > {log} 2>&1"
 
 
 rule memory:

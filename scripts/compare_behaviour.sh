@@ -19,7 +19,7 @@ for v in old new; do
         PYTHONPATH=$src python -m specpilot.cli run --engine ar,stock,specpilot --target "$dep/target" \
             --drafter "$dep/drafter-$drafter" --drafter-name "$drafter" --prompts "$out/prompts.jsonl" \
             --out "$out/$v-c$c-ar.jsonl,$out/$v-c$c-stock.jsonl,$out/$v-c$c-specpilot.jsonl" \
-            --max-new-tokens 48 --concurrency $c --block-size 8 --engine-config "$out/tree.json" \
+            --max-new-tokens 48 --concurrency $c --block-size auto --engine-config "$out/tree.json" \
             --threads 1 --timing-repeats 1 --deployment cmp >"$out/$v-c$c.log" 2>&1
     done
     for cmd in run force table round prompts build-tiny bench; do

@@ -253,3 +253,17 @@ def test_trial_gain_comes_with_an_interval_over_requests_and_repeats(quick_deplo
     r = ev.trial({"block_size": 3}, {"block_size": 4})
     assert r["gate"]["passed"]
     assert 0 < r["gain_lo"] <= r["gain"] <= r["gain_hi"]
+
+
+def test_grid_order_of_a_base_off_the_grid():
+    """DSpark's own block (11, off the block_size grid) is searched from its neighbours, not from the
+    grid's start (issue 45: the rounds tried blocks 3, 4, 5 first)."""
+    from specpilot.agent.policies import grid_order
+
+    order = grid_order(dirs.REGISTRY["block_size"], {"block_size": 11}, [])
+    assert {c["block_size"] for c in order[:2]} == {10, 12} and order[-1] == {"block_size": 3}
+    assert grid_order(dirs.REGISTRY["block_size"], {"block_size": 12}, [])[1] in ({"block_size": 10},
+                                                                                   {"block_size": 16})
+    # a mechanism two deployments validated is hinted twice: tried once
+    twice = grid_order(dirs.REGISTRY["block_size"], {"block_size": 12}, [{"block_size": 10}, {"block_size": 10}])
+    assert twice[0] == {"block_size": 10} and twice.count({"block_size": 10}) == 1

@@ -234,3 +234,14 @@ def test_trees_dry_run(tmp_path):
     lp = lattice_of(load_profile(prof))
     assert lp.depth == d2["block"] - 1 == len(p["conditional_acceptance"])
     assert lp.expected_tau(9) == pytest.approx(d2["lattice"]["fit"]["9"]["predicted"], abs=1e-3)
+
+
+def test_cpu_step_dry_run(tmp_path):
+    """The CPU step paths' bench: every path timed, the fused steps' logits those of the plain forward."""
+    r = bench(tmp_path, "cpu-step")
+    m = r["measure"]
+    assert "aten" in m["kernels"] and set(m["max_logit_diff"]) == set(m["kernels"])
+    assert all(d < 1e-4 for d in m["max_logit_diff"].values()), m["max_logit_diff"]
+    assert {f"{s}_{p}" for s in ("verify", "decode") for p in ["plain"] + [f"fused_{k}" for k in m["kernels"]]} \
+        == set(m["target_ms"])
+    assert {"draft_plain", "context_plain", "draft_fused_aten", "context_fused_aten"} <= set(m["drafter_ms"])

@@ -190,7 +190,8 @@ def test_cli_run_and_force_roundtrip(quick_deployment, quick_prompts, tmp_path):
     t, d = str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash")
     for eng in ("ar", "stock"):
         res = _cli("run", "--engine", eng, "--target", t, "--drafter", d, "--prompts", str(prompts),
-                   "--out", str(tmp_path / f"{eng}.jsonl"), "--max-new-tokens", "16", "--block-size", "4")
+                   "--out", str(tmp_path / f"{eng}.jsonl"), "--max-new-tokens", "16", "--block-size", "4",
+                   "--block-reason", "a short block keeps the test fast")
         assert res.returncode == 0, res.stderr
     res = _cli("force", "--candidate", str(tmp_path / "stock.jsonl"), "--reference", str(tmp_path / "ar.jsonl"),
                "--target", t, "--drafter", d, "--max-new-tokens", "16", "--prompts", str(prompts),
@@ -211,7 +212,8 @@ def test_cli_run_interleaved_cell_equals_separate_runs(quick_deployment, quick_p
     cfg.write_text(json.dumps({"block_size": 5, "tree_branch": 2, "tree_depth": 2}))
     t, d = str(quick_deployment / "target"), str(quick_deployment / "drafter-dflash")
     common = ["--target", t, "--drafter", d, "--prompts", str(prompts), "--max-new-tokens", "12",
-              "--block-size", "4", "--concurrency", str(concurrency)]
+              "--block-size", "4", "--block-reason", "a short block keeps the test fast", "--concurrency",
+              str(concurrency)]
     engines = ("ar", "stock", "specpilot")
     outs = [str(tmp_path / f"cell-{e}.jsonl") for e in engines]
     repeats = 1 if concurrency == 1 else 2  # one run: its timestamps are not mixed by merge_repeats

@@ -83,3 +83,31 @@ def test_cli_refuses_a_bad_config_before_any_work(tmp_path):
                         "--drafter", "d", "--prompts", str(prompts), "--out", str(out), "--engine-config", str(bad)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "JSON object" in r.stderr
+
+
+@pytest.mark.parametrize("raw, key, needs", [
+    ({"tree_depth": 3}, "tree_depth", "tree_branch > 0"),
+    ({"tree_branch": 0, "tree_depth": 2}, "tree_depth", "tree_branch > 0"),
+    ({"tree_profile": "dflash"}, "tree_profile", "tree_nodes > 0"),
+])
+def test_a_key_without_effect_in_its_context_is_refused(raw, key, needs):
+    """A config that says more than it does (issue 45): the key and what it needs are named."""
+    with pytest.raises(SpecpilotError) as e:
+        EngineConfig.parse(raw, "specpilot.json")
+    assert str(e.value).startswith(f"specpilot.json: {key} = ") and needs in str(e.value)
+    assert EngineConfig.parse(raw, record=True).to_dict() == raw  # records are read as the engine wrote them
+
+
+@pytest.mark.parametrize("content", ["null", '{"engine_config": null}'])
+def test_cli_refuses_a_null_engine_config(tmp_path, content, capsys):
+    """JSON null is not silently "no mechanisms" (issue 45): one line naming the file, nothing run."""
+    from specpilot.cli import main
+
+    cfg = tmp_path / "specpilot.json"
+    cfg.write_text(content)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"request_id": "gsm8k/0", "benchmark": "gsm8k", "prompt_ids": [1, 2]}) + "\n")
+    rc = main(["run", "--engine", "specpilot", "--target", "t", "--drafter", "d", "--block-size", "8",
+               "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--engine-config", str(cfg)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{cfg}: the engine config is JSON null" in err and not (tmp_path / "o.jsonl").exists()

@@ -63,6 +63,7 @@ def test_non_editable_install_runs_the_cli(tmp_path, data_dir, quick_deployment)
     cell = work / "results" / "cpu" / "quick" / "gsm8k"  # the workflow's layout (the table reads it)
     base = ["run", "--target", dep / "target", "--drafter", dep / "drafter-dflash", "--prompts", work / "p.jsonl",
             "--max-new-tokens", 12, "--gpu", "cpu", "--deployment", "quick", "--block-size", 4,
+            "--block-reason", "a short block keeps the test fast",
             "--kernels-manifest", work / "kernels" / "manifest.json",
             "--kernel-agent", work / "kernels" / "kernel-agent.json"]
     cli(*base, "--engine", "ar", "--out", cell / "ar-c1.jsonl")

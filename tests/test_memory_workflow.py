@@ -107,7 +107,7 @@ def test_an_added_deployment_plans_only_its_own_jobs(finished):
     end of the memory chain: the dry run plans its jobs, the table, figures and merged memory, and
     no job of the finished deployments (issue 34 item 3)."""
     added = {"deployments": {"aaa-added": {"target": "tiny", "drafter": "dflash", "weight_format": "fp32",
-                                           "block_size": 6, "quick": True}}}
+                                           "block_size": 6, "block_reason": "an added deployment", "quick": True}}}
     (finished / "config" / "added.yaml").write_text(yaml.safe_dump(added))
     jobs = jobs_of(smk(finished, "-n", "--configfile", "config/test.yaml", "config/added.yaml"))
     assert jobs

@@ -41,7 +41,8 @@ def reduced_data(src: Path, dest: Path) -> Path:
 def paper_shaped(stand_in: Path, data: Path) -> dict:
     paper = yaml.safe_load((ROOT / "config" / "paper.yaml").read_text())
     real = {"target": str(stand_in / "target"), "drafter": "dflash",
-            "drafter_id": str(stand_in / "drafter-dflash"), "weight_format": "fp32", "block_size": 4}
+            "drafter_id": str(stand_in / "drafter-dflash"), "weight_format": "fp32", "block_size": 4,
+            "block_reason": "a short block for the stand-in"}  # its drafter trained at 8: a reason is needed
     return {
         "gpu": paper["gpu"],
         "deployments": {
@@ -90,6 +91,8 @@ def test_paper_shaped_config_builds_its_table(tmp_path, quick_deployment, data_d
     assert (cells.stock_forcing == "pass").all() and (cells.specpilot_forcing == "pass").all()
     assert (cells.stock_speedup > 0).all() and (cells.specpilot_speedup > 0).all()
     assert (cells.stock_tau >= 1).all() and (cells.specpilot_tau >= 1).all()
+    assert cells.note.str.contains("stock block: a short block for the stand-in (stock block 4; the drafter was "
+                                   "trained at 8)", regex=False).all()
     summary = table[(table.benchmark == "geomean") & (table.deployment == "all")]
     assert sorted(summary.concurrency) == [1, 2] and summary.stock_speedup.notna().all()
 

@@ -178,7 +178,8 @@ def test_cli_concurrency_3(quick_deployment, quick_prompts, tmp_path):
     for eng, c in (("ar", 1), ("stock", 3)):
         out = tmp_path / f"{eng}-c{c}.jsonl"
         res = _cli("run", "--engine", eng, "--target", t, "--drafter", d, "--prompts", str(prompts), "--out",
-                   str(out), "--max-new-tokens", "10", "--block-size", "4", "--concurrency", str(c))
+                   str(out), "--max-new-tokens", "10", "--block-size", "4", "--block-reason", "a short block keeps the test fast",
+                   "--concurrency", str(c))
         assert res.returncode == 0, res.stderr
         outs[eng] = read_records(out)
     assert [r.output_ids for r in outs["stock"]] == [r.output_ids for r in outs["ar"]]

@@ -157,7 +157,8 @@ def test_run_cli_times_repeats(quick_deployment, quick_prompts, tmp_path):
     out = tmp_path / "stock.jsonl"
     rc = main(["run", "--engine", "stock", "--target", str(quick_deployment / "target"), "--drafter",
                str(quick_deployment / "drafter-dflash"), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
-               "--max-new-tokens", "8", "--block-size", "4", "--timing-repeats", "3", "--device", "cpu"])
+               "--max-new-tokens", "8", "--block-size", "4", "--block-reason", "a short block keeps the test fast", "--timing-repeats", "3",
+               "--device", "cpu"])
     assert rc == 0
     recs = read_records(out)
     assert len(recs) == 2

@@ -263,3 +263,24 @@ def test_a_failed_download_reaches_the_console_as_one_line(tmp_path, ckpts):
     assert line.startswith("specpilot: rule link_deployment failed (logs/deployments/hubdep.log): could not "
                            "download nosuch-org/nosuch-drafter from the Hugging Face Hub"), out[-3000:]
     assert not (work / "results").exists()
+
+
+def test_a_tiny_deployment_refuses_a_drafter_id(tmp_path, ckpts):
+    """A drafter_id on a tiny target was silently ignored (issue 45): now one line naming it."""
+    t = {"target": "tiny", "drafter": "dflash", "weight_format": "fp32", "block_size": "auto",
+         "drafter_id": str(ckpts[1])}
+    [line] = deployment_problems("tiny", t, tmp_path)
+    assert line.startswith(f"deployment tiny: drafter_id '{ckpts[1]}'") and "drop drafter_id" in line
+
+
+def test_a_stock_block_off_the_trained_one_needs_a_reason(tmp_path, ckpts):
+    """Stock runs the drafter as released (issue 45): an integer block_size other than the drafter's
+    trained block (8 here) needs block_reason, and block_reason with the trained block is refused."""
+    target, drafter = ckpts
+    [line] = deployment_problems("d", dep(target, drafter, block=6), tmp_path)
+    assert "block_size 6 is not the block the drafter was trained for (8" in line and "block_reason" in line
+    assert deployment_problems("d", {**dep(target, drafter, block=6), "block_reason": "the paper's block"},
+                               tmp_path) == []
+    for block in (8, "auto"):
+        [line] = deployment_problems("d", {**dep(target, drafter, block=block), "block_reason": "x"}, tmp_path)
+        assert "block_reason is set, but stock runs at the drafter's trained block 8" in line

@@ -361,6 +361,8 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
     if engines.get("stock") and engines.get("specpilot") and \
             mechanisms(engines["specpilot"][0]) == mechanisms(engines["stock"][0]):
         notes.append("specpilot runs stock's config (the rounds kept it)")
+    reasons = sorted({r.engine_config.get("block_reason") for r in engines.get("stock", [])} - {None})
+    notes += [f"stock block: {why}" for why in reasons]  # stock off its drafter's trained block (config block_reason)
     for col in RATIO_COLS:
         row[col] = math.nan
     if all(row.get(f"{e}_speedup") == row.get(f"{e}_speedup") for e in CANDIDATES):  # both have a speedup

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", default=None,
                         help="the deployment's block_size (an integer or 'auto'): checked against the drafter, "
                              "recorded in build.json")
+    parser.add_argument("--block-reason", default=None,
+                        help="the deployment's block_reason: why an integer block_size is not the drafter's trained one")
     parser.add_argument("--revision", default=None, help="Hub revision for both downloads")
 
 
@@ -76,7 +78,8 @@ def _link(link: Path, to: Path) -> None:
     os.replace(tmp, link)
 
 
-def check(name: str, target: Path, drafter: Path, drafter_name: str, block_size: str | int | None) -> None:
+def check(name: str, target: Path, drafter: Path, drafter_name: str, block_size: str | int | None,
+          block_reason: str | None = None) -> None:
     """The planning-time checks of :mod:`specpilot.validate` on the resolved folders.
 
     Raises:
@@ -90,7 +93,7 @@ def check(name: str, target: Path, drafter: Path, drafter_name: str, block_size:
             problems.append(f"{what} {folder} holds no config.json")
     if not problems:
         problems = ([p for p in [target_problem(target / "config.json")] if p]
-                    + drafter_problems(drafter / "config.json", drafter_name, block_size))
+                    + drafter_problems(drafter / "config.json", drafter_name, block_size, block_reason))
     if problems:
         raise SpecpilotError(f"deployment {name}: {problems[0]}")
 
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     target, target_how = resolve(args.target, args.revision)
     drafter, drafter_how = resolve(args.drafter, args.revision)
-    check(args.name, target, drafter, args.drafter_name, args.block_size)
+    check(args.name, target, drafter, args.drafter_name, args.block_size, args.block_reason)
     _link(out / "target", target)
     _link(out / f"drafter-{args.drafter_name}", drafter)
     write_json(out / "build.json", {

@@ -33,6 +33,7 @@ import torch
 from .device import detect_gpu
 from .engine.config import EngineConfig
 from .errors import SpecpilotError
+from .fastpath.cpu_linear import set_matmul
 from .fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, LinearConfig
 from .fastpath.w12 import choice_json, every_role, parse_choice
 from .io import read_json, write_json
@@ -167,7 +168,9 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     they go into a target's step (:func:`engine_tables`, :meth:`~specpilot.engine.backend.Backend.install_tables`).
 
     Returns:
-        ``{"applies": False, "reason": str}``, or ``{"applies": True, "gpu", "w12_tuned": number of
+        ``{"applies": False, "reason": str}`` (on the CPU with ``"cpu": {"verify_path", "draft_path",
+        "context_path", "matmul"}``, the step paths and the matmul kernel the sub-agent chose, when its output has them;
+        the kernel is installed for the fused CPU steps, :func:`specpilot.fastpath.cpu_linear.set_matmul`), or ``{"applies": True, "gpu", "w12_tuned": number of
         tuned shapes installed, "w12_from_agent": how many came from the sub-agent,
         "engine_configs": the sub-agent's engine matmul entries {role: {max_rows: key}} (those that
         differ from DEFAULT_CONFIGS; may be empty), "engine_from_agent": their number, "agent": its
@@ -186,8 +189,14 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
     engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
     w12_choice = agent_w12_choice(agent, str(agent_path))
+    cpu = agent.get("cpu")
     if not m.get("applies"):
-        return {"applies": False, "reason": m.get("note", "")}
+        out = {"applies": False, "reason": m.get("note", "")}
+        if cpu:  # the CPU step paths the sub-agent chose (agent.kernel_cpu; the rounds' directions read them)
+            out["cpu"] = {k: cpu.get(k, d) for k, d in (("verify_path", "plain"), ("draft_path", "plain"),
+                                                          ("context_path", "plain"), ("matmul", "aten"))}
+            set_matmul(out["cpu"]["matmul"])  # the fused CPU steps' matmul kernel, process-wide
+        return out
     table: dict[str, dict] = {}
     w12 = m.get("kernels", {}).get("w12")
     if w12:

@@ -13,7 +13,8 @@ each naming the deployment, the config key and the value:
   local Hub cache has its ``config.json`` checked as a local one, others are checked when
   ``link_deployment`` downloads them, see :mod:`specpilot.deployment_link`);
 - ``drafter``: the drafter folder's architecture is that kind (a DSpark checkpoint is not a
-  ``dflash`` deployment), and a tiny target pairs only with the drafters a tiny build trains;
+  ``dflash`` deployment), and a tiny target pairs only with the drafters a tiny build trains (and
+  takes no ``drafter_id``: its drafter is built, not linked);
 - ``block_size``: at least the drafter kind's smallest block (DFlash/DFlash2 count the anchor, so
   2; DSpark counts drafts, so 1: :class:`specpilot.drafters.dflash.DFlashProposer`,
   :class:`specpilot.drafters.dspark.DSparkProposer`) and at most the block the drafter was trained
@@ -123,8 +124,9 @@ def target_problem(cfg: Path) -> str | None:
     return None
 
 
-def drafter_problems(cfg: Path, kind: str, block) -> list[str]:
-    """Problems of a drafter ``config.json`` for a deployment of drafter ``kind`` and ``block`` size."""
+def drafter_problems(cfg: Path, kind: str, block, reason: str | None = None) -> list[str]:
+    """Problems of a drafter ``config.json`` for a deployment of drafter ``kind`` and ``block`` size
+    (``reason``: the deployment's ``block_reason``, needed when an integer block is not the trained one)."""
     try:
         d = _read(cfg)
     except SpecpilotError as e:
@@ -140,10 +142,19 @@ def drafter_problems(cfg: Path, kind: str, block) -> list[str]:
         return [str(e)]
     if isinstance(block, int) and block > trained:
         return [f"block_size {block} exceeds the block the drafter was trained for ({trained}, {cfg})"]
+    if isinstance(block, int) and block != trained and not reason:
+        return [f"block_size {block} is not the block the drafter was trained for ({trained}, {cfg}): stock runs "
+                f"the drafter as released, so use block_size auto, or say why in block_reason"]
+    if reason and block in ("auto", trained):
+        return [f"block_reason is set, but stock runs at the drafter's trained block {trained}: drop block_reason"]
     return []
 
 
 def _tiny_problems(name: str, dep: dict, tiny_drafters) -> list[str]:
+    if dep.get("drafter_id"):  # a tiny deployment's drafter is the one its build trains: never silently ignored
+        return [f"deployment {name}: drafter_id {_show(dep['drafter_id'])}: a tiny target's drafter is built with "
+                f"it (resources/deployments/.../drafter-{dep['drafter']}), not linked: drop drafter_id, or give "
+                f"target a real checkpoint"]
     if dep["drafter"] not in tiny_drafters:
         return [f"deployment {name}: drafter {dep['drafter']!r}: a tiny build trains only "
                 f"{', '.join(tiny_drafters)}"]
@@ -195,7 +206,7 @@ def deployment_problems(name: str, dep: dict, base: Path, tiny_target: str = "ti
     out = []
     if not NAME.match(name):
         out.append(f"deployment {name!r}: the name must match {NAME.pattern} (it is a path component)")
-    kind, block = dep["drafter"], dep["block_size"]
+    kind, block, reason = dep["drafter"], dep["block_size"], dep.get("block_reason")
     if block != "auto" and (isinstance(block, bool) or not isinstance(block, int) or block < MIN_BLOCK[kind]):
         out.append(f"deployment {name}: block_size {_show(block)}: a {kind} drafter needs at least "
                    f"{MIN_BLOCK[kind]} ({'anchor included' if kind != 'dspark' else 'drafts per step'})")
@@ -207,7 +218,7 @@ def deployment_problems(name: str, dep: dict, base: Path, tiny_target: str = "ti
         out += _tiny_problems(name, dep, tiny_drafters)
         cfg = None if tiny_dir is None else tiny_dir / f"drafter-{kind}" / "config.json"
         if not out and cfg is not None and (tiny_dir / "build.json").is_file() and cfg.is_file():
-            out += [f"deployment {name}: drafter {kind!r}: {p}" for p in drafter_problems(cfg, kind, block)]
+            out += [f"deployment {name}: drafter {kind!r}: {p}" for p in drafter_problems(cfg, kind, block, reason)]
         return out
     cfg, problem = locate(dep["target"], base)
     if problem:
@@ -224,7 +235,7 @@ def deployment_problems(name: str, dep: dict, base: Path, tiny_target: str = "ti
         out.append(f"deployment {name}: drafter_id {_show(drafter_id)}: {problem}")
     elif cfg is not None:
         out += [f"deployment {name}: drafter_id {_show(drafter_id)}: {p}"
-                for p in drafter_problems(cfg, kind, block)]
+                for p in drafter_problems(cfg, kind, block, reason)]
     return out
 
 

@@ -49,6 +49,15 @@ class Direction:
         return {"type": "object", "additionalProperties": False, "required": sorted(self.space),
                 "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
 
+    def explorable(self, base: dict) -> bool:
+        """Whether the grid holds a candidate that changes ``base`` other than switching the mechanism
+        off (a mechanism already on at its only setting has nothing left to try)."""
+        for c in self.candidates():
+            off = all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items())
+            if not off and self.apply(base, c) != base:
+                return True
+        return False
+
     def apply(self, config: dict, params: dict) -> dict:
         """A new engine config with ``params`` set (the input is not modified), normalized; when a
         parameter that has an "off" value (:data:`DEFAULTS`) is on, the keys of :attr:`excludes` are dropped first."""
@@ -60,7 +69,8 @@ class Direction:
 # Engine-config values that mean "mechanism off": a config holding them equals one without them.
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
             "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
-            "tree_nodes": (0,), "tree_lattice": (0,)}
+            "tree_nodes": (0,), "tree_lattice": (0,), "verify_path": ("plain",), "draft_path": ("plain",),
+            "context_path": ("plain",)}
 
 
 def normalize(config: dict) -> dict:
@@ -93,6 +103,21 @@ def applicable(ctx: dict) -> list[Direction]:
             raise SpecpilotError(f"rounds.directions names {', '.join(map(repr, unknown))}, not a registered "
                                  f"direction ({', '.join(REGISTRY)})")
     return [d for d in REGISTRY.values() if d.applies(ctx) and (not allowed or d.name in allowed)]
+
+
+def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int) -> list[str]:
+    """The directions of a round: of those that apply to ``ctx``, attack a term with a positive gap
+    (``gaps``: term -> seconds per token) and have something to try from ``base``
+    (:meth:`Direction.explorable`), first the best-ranked direction of each term, terms by gap (so
+    every term the cost model ranks gets a direction, not only the largest one's many), then the
+    others by gap; ``agents`` of them (registration order breaks ties)."""
+    live = sorted((d for d in applicable(ctx) if gaps.get(d.cost_term, 0.0) > 0 and d.explorable(base)),
+                  key=lambda d: -gaps[d.cost_term])
+    firsts = {}
+    for d in live:
+        firsts.setdefault(d.cost_term, d)
+    order = list(firsts.values()) + [d for d in live if d not in firsts.values()]
+    return [d.name for d in order][:agents]
 
 
 register(Direction(
@@ -165,3 +190,29 @@ register(Direction(
     "pass, so a step can commit more than a block (verify width block + second_level)",
     applies=lambda ctx: ctx.get("drafter") == "dflash" and not ctx.get("replay"), excludes=("tree_nodes", "tree_lattice")))
 # (the replay drafter models chains and trees, not a second level: engine.proposers refuses it)
+
+
+def _cpu_path(key: str):
+    """Applies where the kernel sub-agent chose the fused CPU step for ``key`` (its checks passed and
+    it timed faster: :mod:`specpilot.agent.kernel_cpu`), as ``ctx["kernels"]["cpu"]`` records."""
+    return lambda ctx: ((ctx.get("kernels") or {}).get("cpu") or {}).get(key) == "fused"
+
+
+register(Direction(
+    "verify_path", "verify", {"verify_path": ["plain", "fused"]},
+    "the target's verify and decode steps through the fused CPU step (q/k/v and gate/up in one matmul each, "
+    "attention over the slots in use, one K/V write per layer: fastpath.cpu_target), as the kernel sub-agent "
+    "checked and chose it",
+    applies=_cpu_path("verify_path")))
+register(Direction(
+    "draft_path", "draft", {"draft_path": ["plain", "fused"]},
+    "the drafter's draft forward through its fused CPU step (q/k/v and gate/up in one matmul each, the block's "
+    "K/V beside the context instead of the context copied to the block: fastpath.cpu_drafter), as the kernel "
+    "sub-agent checked and chose it",
+    applies=lambda ctx: _cpu_path("draft_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))
+register(Direction(
+    "context_path", "host", {"context_path": ["plain", "fused"]},
+    "the drafter's context injection after each verify (host time in the cost model: outside the draft and "
+    "verify phases) through its fused CPU step: every layer's context K/V in one matmul and one write "
+    "(fastpath.cpu_drafter), as the kernel sub-agent checked and chose it",
+    applies=lambda ctx: _cpu_path("context_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))

@@ -23,7 +23,9 @@ Two sections, written to ``results/{gpu}/kernels/{deployment}/kernel-agent.json`
 The engine cells, token forcing and the round steps read the file
 (:func:`specpilot.kernels_build.use_kernel_outputs`, ``--kernel-agent``) and install both; the
 manifest written by ``specpilot kernels`` is left untouched so finished steps stay finished. On
-CPU (or without CUDA / Triton) it records that nothing applies, with both tables empty.
+CPU (or without CUDA / Triton) it records that no GPU kernel applies, with both tables empty; on the
+CPU its section ``cpu`` chooses the step paths instead (:mod:`specpilot.agent.kernel_cpu`: the fused
+CPU steps of the target and the drafter, checked and timed against the plain forward).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..models.config import TargetConfig, read_config
 from ..tuning.timing import mean_s
 from ..tuning.w12 import tune_w12_choice
 from ..w12 import pack
+from .kernel_cpu import choose_paths
 
 
 
@@ -51,7 +54,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
          top: int = 3, max_configs: int = 16, manifest: dict | None = None, w12: bool = True,
          engine: bool = True, engine_rows: tuple[int, ...] | None = None, engine_roles: tuple[str, ...] | None = None,
          max_engine_configs: int = 16, engine_min_gain: float = 0.02, w12_fast: bool = True,
-         w12_widths: tuple[int, ...] = (16,), manifest_path: str | None = None) -> dict:
+         w12_widths: tuple[int, ...] = (16,), manifest_path: str | None = None, cpu: dict | None = None) -> dict:
     """Run the sub-agent; writes ``out`` (kernel-agent.json) and returns its content.
 
     ``target_dir``: the target checkpoint (only its config.json is read: the kernels are tuned on
@@ -75,11 +78,18 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     speed decides), with ``w12_choice_summary``, ``w12_choice_checks``, ``w12_choice_trials``
     (:func:`specpilot.tuning.w12.tune_w12_choice`), or ``w12_choice_reason``.
 
+    On the CPU, with ``cpu`` (``{"drafter": drafter dir or None, "prompts": calibration rows,
+    "block": stock block, "tolerance": forcing tolerance}``), the section ``cpu``: the step paths the
+    target and the drafter run there, each checked and timed against the plain forward
+    (:func:`specpilot.agent.kernel_cpu.choose_paths`).
+
     Raises:
         SpecpilotError: the target's config.json or ceilings.json is missing or malformed (on a GPU).
     """
     if gpu == "cpu" or not torch.cuda.is_available():
         res = _nothing(gpu, "no GPU kernels apply on cpu" if gpu == "cpu" else "CUDA not available on this node")
+        if gpu == "cpu" and cpu is not None:  # the CPU step paths (agent.kernel_cpu)
+            res["cpu"] = choose_paths(target_dir, cpu.get("drafter"), cpu["prompts"], cpu["block"], cpu["tolerance"])
         write_json(out, res)
         return res
     try:

@@ -111,16 +111,21 @@ def valid_for(entries: list[dict], direction: str) -> list[dict]:
 def best_known(entries: list[dict], ctx: dict) -> dict[str, dict]:
     """Best valid entry per direction that applies to a deployment context.
 
-    Entries from the same deployment and GPU rank first; then the same target or drafter on any
-    GPU (transfer to other deployments); within a tier, the higher gain wins (then the id, so the
-    choice never depends on file order).
+    Entries from the same deployment and GPU rank first; then the same target or drafter on the
+    same GPU (another drafter of the target: a step path of the target, an acceptance setting of a
+    similar drafter, measured on this device's costs); then the same target or drafter on another
+    GPU; then the rest. Within a tier the higher gain wins (then the id, so the choice never depends
+    on file order). What a candidate applies to is the directions' business
+    (:func:`specpilot.agent.directions.applicable`), and a transferred entry is trialled behind the
+    token-forcing gate before it counts (``round plan``).
     """
     def tier(e):
         if e["deployment"] == ctx.get("deployment") and e["gpu"] == ctx.get("gpu"):
             return 0
-        if e.get("drafter") == ctx.get("drafter") or e.get("target") == ctx.get("target"):
+        kin = e.get("drafter") == ctx.get("drafter") or e.get("target") == ctx.get("target")
+        if kin and e["gpu"] == ctx.get("gpu"):
             return 1
-        return 2
+        return 2 if kin else 3
 
     best: dict[str, dict] = {}
     for e in entries:

@@ -36,15 +36,27 @@ def grid_order(direction: Direction, base: dict, hints: list[dict]) -> list[dict
     broken in this order (:func:`specpilot.agent.decide.rank`)."""
     grid = direction.candidates()
 
+    def at(vals: list, b) -> float:
+        """The grid position of the base's value; one off the grid (a drafter's own block of 11 in a
+        grid of 10 and 12) sits between its numeric neighbours, anything else at the start."""
+        if b in vals:
+            return vals.index(b)
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and len(nums) == len(vals) > 1:
+            below = [i for i, v in enumerate(vals) if v < b]
+            if not below:
+                return -0.5
+            return below[-1] + 0.5
+        return 0
+
     def dist(c):
         d = 0.0
         for k, v in c.items():
             vals = direction.space[k]
-            b = base.get(k, vals[0])
-            d += abs(vals.index(v) - (vals.index(b) if b in vals else 0))
+            d += abs(vals.index(v) - at(vals, base.get(k, vals[0])))
         return d
 
-    hinted = [h for h in hints if h in grid]
+    hinted = [h for i, h in enumerate(hints) if h in grid and h not in hints[:i]]  # each hint once
     rest = sorted((c for c in grid if c not in hinted), key=dist)
     return hinted + rest
 

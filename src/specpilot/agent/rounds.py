@@ -7,8 +7,9 @@ is a declared output:
   the AR speed every step compares against; measured once per (gpu, deployment)).
 - ``plan``: measure the round's base config (round 1: stock, or the best entries of the memory it
   starts from that transfer and pass here; round k: round k-1's integrated config), run the cost
-  model (``costmodel.json`` / ``.txt``), and choose the directions registered for the largest gaps
-  (``plan.json``; a Snakemake checkpoint: the directions decide the agent jobs).
+  model (``costmodel.json`` / ``.txt``), and choose the directions registered for the largest gaps,
+  one per ranked term first (:func:`specpilot.agent.directions.plan_directions`; ``plan.json``; a
+  Snakemake checkpoint: the directions decide the agent jobs).
 - ``agent``: one direction's agent trials candidates through its policy behind the token-forcing
   gate (``agent-{direction}.json``; the trials' records in ``agent-{direction}/``).
 - ``integrate``: merge the winners into one config, re-validate and re-measure it
@@ -41,12 +42,13 @@ from ..aggregate import geomean
 from ..deployment import load_deployment
 from ..device import pick_device, pick_dtype
 from ..devices import device_identity
+from ..engine.cli import resolve_block
 from ..errors import SpecpilotError
 from ..drafters.replay import load_profile
-from ..io import comma_list, read_json, read_prompts, write_json
+from ..io import atomic_write_text, comma_list, read_json, read_prompts, write_json
 from ..kernels_build import engine_tables, use_kernel_outputs
 from ..models.loading import load_target
-from ..records import read_records, write_records
+from ..records import read_records, record_from_dict, write_records
 from . import directions as dirs
 from . import memory
 from .costmodel import analyze, report_text
@@ -136,27 +138,33 @@ def plan(args) -> int:
     base = _base_config(args)
     transferred, invalidated, tried = [], [], []
     if not args.previous:  # round 1 starts from the best entries of its memory that apply here
-        base, transferred, invalidated, tried = transfer(ev, base, memory.read(args.memory), ctx, evidence,
+        base, transferred, invalidated, tried = transfer(ev, ctx, base, memory.read(args.memory), evidence,
                                                          args.min_gain)
-    log.info("measuring the round's base config %s", json.dumps(base))
-    base_recs, _ = ev.measure(base, base)
-    log.info("cost model")
-    block = int(base.get("block_size", args.block_size))
-    ceilings = read_json(args.ceilings)
-    dtype_bytes = 2 if ctx["dtype"] == "bf16" else 4
-    analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
-                       ceilings, dtype_bytes, block)
-    report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
+    previous = read_json(args.previous) if args.previous else {}
+    if previous.get("costmodel") and args.previous_costmodel:
+        # round k > 1: the base is round k-1's config, whose cost model its integration measured last
+        log.info("the base config %s: round %d's cost model of it (its last measurement)", json.dumps(base),
+                 previous["round"])
+        analysis, base_speedup = previous["costmodel"], previous["speedup_vs_ar"]
+        report = Path(args.previous_costmodel).read_text()
+    else:
+        log.info("measuring the round's base config %s", json.dumps(base))
+        base_recs, _ = ev.measure(base, base)
+        block = int(base.get("block_size", args.block_size))
+        analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
+                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block)
+        report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
+        ar = {r.request_id: r for r in ev.ar}
+        base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
+    chosen = dirs.plan_directions(ctx, gaps, base, args.agents)
     ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
-    chosen = [d.name for d in ranked if gaps.get(d.cost_term, 0.0) > 0][: args.agents]
     order = {}
     if "tree_lattice" in chosen:  # the budgets ranked by the cost model (tau curve x verify cost, this device)
         log.info("tree budgets: the lattice tau curve and the verify-cost curve")
         order["tree_lattice"] = plan_order(ev, base, analysis, dirs.REGISTRY["tree_lattice"].space["tree_lattice"])
     ar = {r.request_id: r for r in ev.ar}
     stock_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in ev.stock])
-    base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     evidence.write()
     write_json(args.costmodel, analysis)
     Path(args.costmodel_text).write_text(report)
@@ -172,28 +180,44 @@ def plan(args) -> int:
     return 0
 
 
-def transfer(ev, base: dict, entries: list[dict], ctx: dict, evidence: Evidence, min_gain: float):
-    """Round 1's memory transfer: each direction's best known entry that applies here
-    (:func:`specpilot.agent.memory.best_known`) is trialled on top of ``base``; one whose gain clears
-    ``min_gain`` joins the base, one that fails token forcing is invalidated -- unless the base itself
-    (stock's records) fails the gate here, which says nothing about the entry (it is then only
-    listed as tried).
+def transfer(ev, ctx: dict, base: dict, entries: list[dict], evidence: Evidence | None, min_gain: float):
+    """Round 1's start from memory: the best valid entry per direction that applies here
+    (:func:`specpilot.agent.memory.best_known`), each trialled behind the token-forcing gate.
+
+    All of them merged into ``base`` are trialled first; when that passes and clears ``min_gain``
+    every entry transfers at once (one trial, not one per entry). Otherwise each is trialled on its
+    own, best gain first, and kept when it clears ``min_gain``; one that fails the gate is
+    invalidated here -- unless the base itself (stock's records) fails the gate here, which says
+    nothing about the entry (it is then only listed as tried).
 
     Returns:
-        (base, transferred, invalidated, tried): the new base and the plan's three lists.
+        (the new base, transferred entries, invalidations ``{entry, reason}``, every entry tried).
     """
-    transferred, invalidated, tried = [], [], []
     best = memory.best_known(entries, ctx)
     applicable = {d.name for d in dirs.applicable(ctx)}
-    base_passes = None
-    for name, entry in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])):
-        if name not in applicable:
-            continue
-        cand = dirs.REGISTRY[name].apply(base, entry["params"])
-        res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
+    picks = [(n, e) for n, e in sorted(best.items(), key=lambda kv: (-kv[1]["gain"], kv[0])) if n in applicable]
+    transferred, invalidated, tried = [], [], []
+    base_passes = None  # whether stock's own records pass the gate here (asked once, when needed)
+
+    def note(name, entry, res, together):
         tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                       "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
-                      "gain": res["gain"]})
+                      "gain": res["gain"], "merged": together})
+
+    if len(picks) > 1:
+        merged = base
+        for name, entry in reversed(picks):  # the best last, so its exclusions hold
+            merged = dirs.REGISTRY[name].apply(merged, entry["params"])
+        res = ev.trial(merged, base, evidence, tag="memory-merged")
+        for name, entry in picks:
+            note(name, entry, res, True)
+        if clears(res, min_gain):
+            return merged, [{"entry": e["id"], "direction": n, "params": e["params"], "gain": res["gain"],
+                             "merged": True} for n, e in picks], invalidated, tried
+    for name, entry in picks:
+        cand = dirs.REGISTRY[name].apply(base, entry["params"])
+        res = ev.trial(cand, base, evidence, tag=f"memory-{name}")
+        note(name, entry, res, False)
         if not res["gate"]["passed"]:
             if base_passes is None:
                 base_passes = bool(ev.gate(ev.stock)["passed"])
@@ -201,13 +225,13 @@ def transfer(ev, base: dict, entries: list[dict], ctx: dict, evidence: Evidence,
                 invalidated.append({"entry": entry["id"],
                                     "reason": f"failed token forcing on {ctx['deployment']}/{ctx['gpu']}"})
                 log.warning("memory entry %s (%s) failed the gate here: invalidated", entry["id"], name)
-            else:
+            else:  # stock's own records fail the gate here: that says nothing about the entry
                 tried[-1]["note"] = "not invalidated: stock's own records fail token forcing here"
                 log.warning("memory entry %s (%s) failed the gate, as stock does here: kept", entry["id"], name)
         elif clears(res, min_gain):
             base = cand
             transferred.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                                "gain": res["gain"]})
+                                "gain": res["gain"], "merged": False})
     return base, transferred, invalidated, tried
 
 
@@ -339,6 +363,7 @@ def integrate(args) -> int:
         why = (f"nothing validated: the base config itself fails token forcing on this deployment "
                f"({g.get('refused') or str(g.get('violations')) + ' violation(s)'})")
         log.warning("round %d: %s", args.round, why)
+    analysis = _integrated_costmodel(args, ev, ctx, chosen, result, evidence)
     known = _invalidated(memory.read(args.memory), p)
     for name, w in winners:
         if all(chosen.get(k) == v for k, v in w["params"].items()):
@@ -358,18 +383,36 @@ def integrate(args) -> int:
                           "min_gain": args.min_gain, "decision": why,
                           "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
                           "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"],
-                          "device": ctx["device"]})
+                          "device": ctx["device"], "costmodel": analysis})
     print(f"round {args.round} integrated: {json.dumps(chosen)} ({why}; speedup vs AR {result['speedup_vs_ar']:.2f}, "
           f"tau {result['tau']:.2f}); memory: {len(known)} entries")
     return 0
 
 
+def _integrated_costmodel(args, ev, ctx: dict, chosen: dict, result: dict, evidence: Evidence) -> dict:
+    """The cost model of the round's config on its last measurement (the confirmation's records, or
+    the base re-measured), written to ``--costmodel-text``: where the time goes after the round."""
+    tag = result["evidence"].rsplit("#", 1)[-1]
+    recs = [record_from_dict(r, "trial record") for r in evidence.rows if r["trial"] == tag]
+    analysis = analyze(recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
+                       read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4,
+                       int(chosen.get("block_size", args.block_size)))
+    text = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, after round {args.round} "
+                                 f"(config {json.dumps(chosen, sort_keys=True)})")
+    atomic_write_text(Path(args.costmodel_text), text)
+    print(text, end="")
+    return analysis
+
+
 def final(args) -> int:
     """The specpilot engine config = the last round's integrated config."""
     last = read_json(args.integrated)
-    write_json(args.out, {"engine_config": last["config"], "round": last["round"],
-                          "speedup_vs_ar_calibration": last["speedup_vs_ar"], "tau_calibration": last["tau"],
-                          "validated_by_token_forcing": last["gate"]["passed"]})
+    out = {"engine_config": last["config"], "round": last["round"],
+           "speedup_vs_ar_calibration": last["speedup_vs_ar"], "tau_calibration": last["tau"],
+           "validated_by_token_forcing": last["gate"]["passed"]}
+    if args.costmodel_text:  # where the time goes with this config (the last round's integration)
+        out["costmodel"] = Path(args.costmodel_text).read_text().splitlines()
+    write_json(args.out, out)
     return 0
 
 
@@ -388,9 +431,18 @@ def kernels(args) -> int:
     manifest = read_json(args.kernels_manifest) if args.kernels_manifest else None
     if manifest is not None and manifest.get("gpu") != args.gpu:
         raise SpecpilotError(f"{args.kernels_manifest} is for gpu {manifest.get('gpu')!r}, not {args.gpu!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu = None
+    if args.gpu == "cpu" and args.prompts:
+        cpu = {"drafter": args.drafter, "prompts": read_prompts(args.prompts), "tolerance": args.tolerance,
+               "block": resolve_block(args.block_size, args.drafter, "--block-size")}
     res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest,
                top=args.top, max_configs=args.max_configs, max_engine_configs=args.max_configs,
-               engine_rows=_rows(args.engine_rows), **{s: s in args.sections for s in KERNEL_SECTIONS})
+               engine_rows=_rows(args.engine_rows), cpu=cpu, **{s: s in args.sections for s in KERNEL_SECTIONS})
+    if "cpu" in res:
+        print("kernel sub-agent on cpu: " + "; ".join(res["cpu"]["why"]))
+        return 0
     engine = sum(len(v) for v in res.get("engine_configs", {}).values())
     why = f" ({res['engine_reason']})" if res.get("engine_reason") else ""
     print(f"kernel sub-agent on {args.gpu}: " + ("nothing applies (" + res["reason"] + ")" if not res["applies"]
@@ -405,9 +457,10 @@ _FILE_OPTIONS = {
     "--prompts": "calibration prompt file (disjoint from the evaluation prompts)",
     "--references-ar": "AR records on the calibration prompts (round references)",
     "--references-stock": "stock records on the calibration prompts (round references)",
-    "--ceilings": "ceilings.json of the device (plan)",
+    "--ceilings": "ceilings.json of the device (plan, integrate)",
     "--costmodel": "costmodel.json: written by plan, read by integrate",
-    "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context)",
+    "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context); integrate writes the "
+                        "integrated config's (costmodel-integrated.txt), final copies it into specpilot.json",
     "--kernels-manifest": "results/{gpu}/kernels/manifest.json",
     "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
     "--memory": "memory snapshot this round starts from (none = empty)",
@@ -423,6 +476,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round", type=int, default=1)
     p.add_argument("--plan", help="plan.json of this round (agent, integrate)")
     p.add_argument("--previous", help="integrated.json of the previous round (plan)")
+    p.add_argument("--previous-costmodel", help="costmodel-integrated.txt of the previous round (plan: the cost "
+                                                "model of its base, measured by that round's integration)")
     p.add_argument("--integrated", help="integrated.json of the last round (final)")
     p.add_argument("--agent-files", nargs="*", default=[])
     p.add_argument("--direction")
@@ -436,7 +491,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, help=help_)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=8, help="the stock block size")
+    p.add_argument("--block-size", default="auto",
+                   help="the stock block size in the drafter's own counting, or 'auto' (default): the drafter "
+                        "config's block_size, the block it was trained for")
     p.add_argument("--agents", type=int, default=2, help="directions per round")
     p.add_argument("--budget", type=int, default=6, help="trials per agent")
     p.add_argument("--repeats", type=int, default=2, help="alternating timing repeats per trial")
@@ -473,5 +530,7 @@ def run(args) -> int:
     if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
         raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
                              f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")
+    if args.step not in ("final", "kernels"):  # the stock block: an integer, or the drafter's own (auto)
+        args.block_size = resolve_block(args.block_size, args.drafter, "--block-size")
     return {"references": references, "plan": plan, "agent": agent, "integrate": integrate, "final": final,
             "kernels": kernels}[args.step](args)

@@ -42,7 +42,7 @@ def tau_curve(dep, prompts: list[list[int]], references: list[list[int]], block:
     new = max(map(len, references))
     max_seq = max(map(len, prompts)) + new + nodes + 2
     with torch.inference_mode():
-        generate(TargetRunner(dep.target, len(prompts), max_seq, prop.capture, dep.backend), prop, prompts, new,
+        generate(TargetRunner(dep.target, len(prompts), max_seq, prop.capture, dep.backend, prop.verify_width), prop, prompts, new,
                  profile=False)
     k = block - 1
     return pooled_profile([rec], k, {str(nodes): rec.mean_shape(k)})
@@ -54,7 +54,8 @@ def verify_ms(dep, lattice, budgets: list[int], batch: int, context: int, repeat
     at ``context`` committed tokens, ``batch`` rows; nothing is committed."""
     dev = dep.target.lm_head.weight.device
     V = dep.target.config.vocab_size
-    runner = TargetRunner(dep.target, batch, context + max(budgets) + 2, backend=dep.backend)
+    runner = TargetRunner(dep.target, batch, context + max(budgets) + 2, backend=dep.backend,
+                          verify_width=max(budgets) + 1)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         runner.prefill([torch.randint(0, V, (context,), generator=g).tolist()] * batch)

@@ -6,7 +6,8 @@ forcing tolerance excepted), every record is structurally consistent and its fir
 re-run to the same commits, and its requests and token counts equal the AR and stock references'
 exactly. It is the same function, with the same rule, that writes the table's verdict files.
 Its gain is the geometric mean over requests of base decode seconds / candidate decode seconds,
-each the minimum over ``repeats`` alternating runs (robust to a busy machine), with the interval the
+each the minimum over ``repeats`` alternating runs (robust to a busy machine; on the CPU at
+concurrency 1 alternating request by request, as the engine cells), with the interval the
 study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`: a seeded
 percentile bootstrap over requests and repeats).
 
@@ -25,7 +26,7 @@ from ..aggregate import bootstrap_interval, geomean, timing_pairs
 from ..deployment import Deployment
 from ..drafters.replay import AcceptanceProfile
 from ..engine.config import EngineConfig, EngineSpec
-from ..engine.serve import ServeOptions, serve
+from ..engine.serve import ServeOptions, default_max_seq, serve
 from ..errors import SpecpilotError
 from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
 from ..io import write_jsonl
@@ -135,19 +136,27 @@ class Evaluator:
                 self._w12_dep.backend.install_tables(b.tables)
         return self._w12_dep
 
-    def run(self, engine: str, config: dict, prompts: list[dict] | None = None) -> list[Record]:
-        """Serve the calibration prompts once with ``engine`` and ``config`` (profiled)."""
+    def spec(self, engine: str, config: dict) -> EngineSpec:
+        """The engine spec of ``config`` (its ``block_size``, else the stock block)."""
         cfg = dict(config)
         block = int(cfg.pop("block_size", self.stock_block))
+        if engine != "ar" and self.replay is not None:  # the replay drafter over the AR references
+            cfg["replay_profile"] = self.replay.name
+        return EngineSpec(engine, block, cfg)
+
+    def run(self, engine: str, config: dict, prompts: list[dict] | None = None, max_seq: int | None = None,
+            warmup: bool = True) -> list[Record]:
+        """Serve the calibration prompts once with ``engine`` and ``config`` (profiled); ``max_seq``:
+        the KV-cache slots per row (None: what these prompts need). With a replay profile, stock and
+        specpilot draft the AR references with its acceptance (records marked synthetic)."""
+        spec = self.spec(engine, config)
         replay, meta = (self.replay if engine != "ar" else None), self.meta
-        if replay is not None:  # the replay drafter over the AR references (records marked synthetic)
-            cfg["replay_profile"] = replay.name
+        if replay is not None:
             meta = {**self.meta, "drafter": f"replay:{self.meta.get('drafter')}"}
-        spec = EngineSpec(engine, block, cfg)
         n = len(prompts or self.prompts)
         log.info("timing %s %s on %d calibration prompt(s) x %d new tokens", engine,
-                 {"block_size": block, **cfg}, n, self.max_new)
-        opts = ServeOptions(progress=False, warmup=True, replay=replay,
+                 spec.record_config(), n, self.max_new)
+        opts = ServeOptions(progress=False, warmup=warmup, max_seq=max_seq, replay=replay,
                             references=self.replay_refs if replay is not None else None)
         with torch.inference_mode():
             return serve(spec, self.deployment_for(config), prompts or self.prompts, self.max_new,
@@ -164,12 +173,30 @@ class Evaluator:
 
     def measure(self, config: dict, base: dict, prompts: list[dict] | None = None) -> tuple[list, list]:
         """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run,
-        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval)."""
+        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval).
+
+        At concurrency 1 on an eager device (the CPU) they alternate request by request (which goes
+        first rotating per request and repeat), each at the KV-cache size its run over all the
+        prompts allocates, as the engine cells time them (:mod:`specpilot.engine.cli`): drift of a
+        shared machine then hits both alike instead of whichever pass ran during it."""
         runs: dict[str, dict[str, list[Record]]] = {"base": {}, "cand": {}}
-        for _ in range(self.repeats):
-            for cfg, side in ((base, runs["base"]), (config, runs["cand"])):
-                for r in self.run("specpilot", cfg, prompts):
-                    side.setdefault(r.request_id, []).append(r)
+        rows = prompts or self.prompts
+        sides = (("base", base), ("cand", config))
+        if self.concurrency == 1 and self.dep is not None and not self.dep.backend.graphs:
+            sizes = {side: default_max_seq(self.spec("specpilot", cfg), self.deployment_for(cfg), rows, self.max_new, 1)
+                     for side, cfg in sides}
+            warm = set()
+            for rep in range(self.repeats):
+                for i, p in enumerate(rows):
+                    for side, cfg in (sides if (i + rep) % 2 == 0 else sides[::-1]):
+                        [r] = self.run("specpilot", cfg, [p], sizes[side], warmup=side not in warm)
+                        warm.add(side)
+                        runs[side].setdefault(r.request_id, []).append(r)
+        else:
+            for _ in range(self.repeats):
+                for side, cfg in sides:
+                    for r in self.run("specpilot", cfg, prompts):
+                        runs[side].setdefault(r.request_id, []).append(r)
 
         def fastest(side: dict[str, list[Record]]) -> list[Record]:
             return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])

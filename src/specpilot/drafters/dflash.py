@@ -64,6 +64,9 @@ class DFlashProposer(Proposer):
                 raise SpecpilotError(f"second_level must lie in 1..block_size - 1 = {self.block_size - 1}, "
                                      f"got {self.second_level}")
         self.capture = tuple(drafter.config.target_layer_ids)
+        # what runs the network's draft forward and its context injection: the network itself, or its
+        # fused CPU step (engine config draft_path / context_path: fused, :mod:`specpilot.fastpath.cpu_drafter`)
+        self.step = self.inject = drafter
         # attach each draft's top-1 probability as its confidence (the load-aware verify length's
         # survival proxy; eager drafting only, since the captured draft graph returns tokens only)
         self.confidence = False
@@ -96,7 +99,7 @@ class DFlashProposer(Proposer):
     def start(self, runner, prompts, features, first) -> None:
         self.embed = runner.model.model.embed_tokens
         self.lm_head = runner.model.lm_head
-        # the draft block's own K/V sit at slots length .. length + block - 1 (Triton draft step)
+        # the draft block's own K/V sit at slots length .. length + block - 1 (Triton / fused CPU draft step)
         self.drafter.setup_cache(len(prompts), runner.max_seq + self._net_block())
         self.graphs = None
         if self.graph_drafts and not self.second_level and not self.confidence and runner.backend.graphs:
@@ -105,11 +108,11 @@ class DFlashProposer(Proposer):
             g = runner.backend.drafter_graphs(self.drafter, self.embed, self.lm_head)
             self.graphs = g if self.branch == 0 or g.fast is not None else None
         with torch.inference_mode():
-            self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
+            self.inject.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
     def _draft(self, last, start):
         """(tokens [B, k], scores [B, k, V] for side branches) of one network forward."""
-        return self.drafter.draft(last, start, self.embed, self.lm_head, self._net_block())
+        return self.step.draft(last, start, self.embed, self.lm_head, self._net_block())
 
     @torch.inference_mode()
     def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:
@@ -166,8 +169,8 @@ class DFlashProposer(Proposer):
         context only (``ctx_len = start``); its first ``second_level`` drafts extend the chain, and
         the one verify pass checks both levels (every committed token is still the target's argmax).
         tokens int64 [B, B_blk - 1]; returns int64 [B, second_level]."""
-        t2, _ = self.drafter.draft(tokens[:, -1], start + self.block_size - 1, self.embed, self.lm_head,
-                                   self._net_block(), ctx_len=start)
+        t2, _ = self.step.draft(tokens[:, -1], start + self.block_size - 1, self.embed, self.lm_head,
+                                self._net_block(), ctx_len=start)
         return t2[:, : self.second_level]
 
     def reset_slot(self, b: int, prompt_ids: list[int], first_token: int, reference=None) -> None:
@@ -181,4 +184,4 @@ class DFlashProposer(Proposer):
         if self.graphs is not None:
             self.graphs.add_context(features, start)
             return
-        self.drafter.add_context(features, start)
+        self.inject.add_context(features, start)

@@ -46,11 +46,11 @@ class DSparkProposer(DFlashProposer):
         self.embed, self.lm_head = self.drafter.embed_tokens, self.drafter.lm_head
         self.drafter.setup_cache(len(prompts), runner.max_seq)
         with torch.inference_mode():
-            self.drafter.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
+            self.inject.add_context(features, torch.zeros(len(prompts), dtype=torch.long, device=first.device))
 
     @torch.inference_mode()
     def propose(self, last: torch.Tensor, start: torch.Tensor) -> Proposal:
-        toks, logits, conf = self.drafter.draft_full(last, start, self.gamma)
+        toks, logits, conf = self.step.draft_full(last, start, self.gamma)
         if self.branch:
             return spine_tree(last, toks, side_branches(logits, toks, self.depth, self.branch))
         prop = chain(last, toks, confidence=conf)

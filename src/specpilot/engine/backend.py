@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from ..errors import SpecpilotError
+from ..fastpath.cpu_linear import matmul
+from ..fastpath.cpu_target import FusedTarget
 from ..fastpath.graphs import StepGraphs
 from ..fastpath.support import dense_support, family_support, target_support, triton_available
 from ..fastpath.tables import KERNELS
@@ -94,6 +96,7 @@ class Backend:
     w12: dict | None = None
     w12_stats: dict | None = None
     _drafters: dict = field(default_factory=dict, repr=False)
+    _fused: object | None = field(default=None, repr=False)
 
     @property
     def fast(self):
@@ -136,6 +139,20 @@ class Backend:
             self.step_graphs.cache.entries.clear()  # other kernels: recapture
         self.tables = dict(tables)
         return True
+
+    def fused_step(self):
+        """The fused CPU step of this target (:class:`~specpilot.fastpath.cpu_target.FusedTarget`,
+        engine config ``verify_path: fused``), built on first use and kept.
+
+        Raises:
+            SpecpilotError: the target does not run eagerly on the CPU, or the step cannot run it
+                (the reason named)."""
+        if self.path != "eager" or self.model.lm_head.weight.device.type != "cpu":
+            raise SpecpilotError(f"verify_path fused is the CPU step; this target runs {self.path} on "
+                                 f"{self.model.lm_head.weight.device.type}: {self.reason}")
+        if self._fused is None or self._fused.kernel != matmul():  # the installed matmul kernel (cpu_linear)
+            self._fused = FusedTarget(self.model)
+        return self._fused
 
     def drafter_graphs(self, drafter, embed: nn.Embedding, lm_head: nn.Module):
         """The captured steps of a DFlash-family ``drafter`` reading this target's ``embed`` and

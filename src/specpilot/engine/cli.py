@@ -48,10 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="cpu", help="the {gpu} wildcard value recorded with each request")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--concurrency", type=int, default=1, help="closed-loop concurrency c: requests in flight, a finished one's slot refilled at once (default 1)")
-    p.add_argument("--block-size", default="8",
+    p.add_argument("--block-size", default="auto",
                    help="block size in the drafter's own counting (dflash/dflash2: verify width, anchor/bonus "
-                        "included; dspark: gamma drafts); 'auto' = the drafter config's block_size (default 8; "
-                        "the engine config's wins)")
+                        "included; dspark: gamma drafts); 'auto' (default) = the drafter config's block_size, the "
+                        "block it was trained for (the engine config's wins)")
+    p.add_argument("--block-reason",
+                   help="why the stock engine runs at a block other than its drafter's trained one (the drafter "
+                        "config's block_size); required then, since stock is the drafter as released. Recorded in "
+                        "the stock records' engine_config (block_reason) and shown in the table's note")
     p.add_argument("--regime", choices=("continuous", "static"), default="continuous",
                    help="continuous batching (default) or the earlier static batches of c in lock step")
     p.add_argument("--prefill-beside", choices=("on", "off"), default="off",
@@ -138,8 +142,11 @@ def engine_specs(args) -> list[EngineSpec]:
     config = EngineConfig()
     if args.engine_config:
         raw = read_json(args.engine_config)
-        if isinstance(raw, dict) and isinstance(raw.get("engine_config"), dict):
+        if isinstance(raw, dict) and "engine_config" in raw:
             raw = raw["engine_config"]
+        if raw is None:  # not silently "no mechanisms": an empty config is {}
+            raise SpecpilotError(f"{args.engine_config}: the engine config is JSON null; write {{}} for an engine "
+                                 f"without mechanisms")
         config = EngineConfig.parse(raw, f"{args.engine_config}")
     if args.replay_profile:
         replay_checks(args)
@@ -152,6 +159,8 @@ def engine_specs(args) -> list[EngineSpec]:
             cfg = cfg.replace(weight_format=args.weight_format)
         if cfg.is_set("block_size"):
             block = resolve_block(cfg.block_size, args.drafter, f"{args.engine_config}: block_size")
+        elif e == "ar" and args.block_size == "auto":
+            block = EngineSpec.block_size  # AR verifies no block (its records say 1)
         else:
             block = resolve_block(args.block_size, args.drafter)
         specs.append(EngineSpec(engine=e, block_size=block, config=cfg.without("block_size")))
@@ -167,6 +176,27 @@ def replay_checks(args) -> None:
                              f"--engine {','.join(args.engine)}")
     if args.multi_turn:
         raise SpecpilotError("--replay-profile cannot be combined with --multi-turn")
+
+
+def stock_block_note(args, specs: list[EngineSpec]) -> str | None:
+    """The stock records' ``block_reason``: None when stock runs at its drafter's trained block
+    (``block_size`` of the drafter's config.json) or is not run; else ``--block-reason`` with the two
+    blocks. Raises SpecpilotError when the blocks differ and no reason is given (the stock engine is
+    the drafter as released), or when a reason is given for a stock at its own block."""
+    stock = next((sp for sp in specs if sp.engine == "stock"), None)
+    if stock is None or not args.drafter or args.replay_profile:
+        return None
+    trained = resolve_block("auto", args.drafter)
+    if stock.block_size == trained:
+        if args.block_reason:
+            raise SpecpilotError(f"--block-reason given, but stock runs at its drafter's trained block {trained}")
+        return None
+    if not args.block_reason:
+        raise SpecpilotError(f"stock block {stock.block_size} is not the block its drafter was trained for "
+                             f"({trained}, {args.drafter}/config.json): stock runs the drafter as released, so use "
+                             f"block_size auto (--block-size auto), or give the reason (deployment key "
+                             f"block_reason, --block-reason)")
+    return f"{args.block_reason} (stock block {stock.block_size}; the drafter was trained at {trained})"
 
 
 def _check_args(args) -> None:
@@ -319,11 +349,16 @@ def _time_engines(args, cells: _Cells, specs: list[EngineSpec], prompts: list[di
     return runs
 
 
-def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: dict, kernel_outputs: dict) -> list:
-    """Write each engine's records (repeats merged, the kernels recorded); returns summary lines."""
+def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: dict, kernel_outputs: dict,
+           block_note: str | None = None) -> list:
+    """Write each engine's records (repeats merged, the kernels recorded, stock's ``block_note``);
+    returns summary lines."""
     summary = []
     for sp, out in zip(specs, outs):
         records = merge_repeats(runs[sp.engine])
+        if block_note and sp.engine == "stock":
+            for r in records:
+                r.engine_config["block_reason"] = block_note
         # the checked-cuBLAS selection of the fast steps on this GPU (tuning.select)
         chosen = cells.dep(sp).backend.matmul_choices()
         device = device_identity()  # which physical device timed the cell (issue 40)
@@ -352,6 +387,7 @@ def run(args) -> int:
     _check_args(args)
     outs = [o for _, o in one_out_each(args.out, args.engine, f"engine(s) ({','.join(args.engine)})")]
     specs = engine_specs(args)
+    block_note = stock_block_note(args, specs)
     prompts = read_prompts(args.prompts, args.limit)
     replay = references = None
     if args.replay_profile:
@@ -366,6 +402,6 @@ def run(args) -> int:
     deps = load_deployments(args, specs, kernel_outputs)
     cells = _Cells(args, specs, deps, replay, references)
     runs = _time_engines(args, cells, specs, prompts)
-    for line in _write(args, cells, specs, outs, runs, kernel_outputs):
+    for line in _write(args, cells, specs, outs, runs, kernel_outputs, block_note):
         print(json.dumps(line))
     return 0

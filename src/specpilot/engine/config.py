@@ -6,7 +6,8 @@ its type, its default and what it allows is in :data:`FIELDS`, the one place def
 config stops before any work with one :class:`~specpilot.errors.SpecpilotError` naming the key, the
 value and what is allowed: an unknown key (with the nearest known key), a string where an integer
 belongs, a float for an integer (``8.5`` is not silently 8), a boolean for a number (``true`` is not
-1), a value out of range, or a config that is not a JSON object. ``to_dict`` gives back exactly the
+1), a value out of range, a config that is not a JSON object, or a key set where it has no effect
+(:data:`NEEDS`: ``tree_depth`` without ``tree_branch``, ``tree_profile`` without ``tree_nodes``). ``to_dict`` gives back exactly the
 keys that were set, typed, for the records' ``engine_config``.
 
 :class:`EngineSpec` is what one engine run is: the engine (``ar``, ``stock``, ``lookup``,
@@ -26,7 +27,11 @@ from .verify import ACCEPT_RULES
 ENGINES = ("ar", "stock", "lookup", "specpilot")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "w12")
 VERIFY_BUDGETS = ("off", "load_aware")
-RECORD_ONLY = ("kernels", "path")  # keys added to records' engine_config (what ran: not engine settings)
+STEP_PATHS = ("plain", "fused")  # the target's / drafter's step: as the model computes it, or the fused CPU step
+# keys the CLI adds to records' engine_config (not engine settings): the kernels used; the execution path that ran
+# (``path``: the record's teacher-forced pass follows it); why stock runs
+# at a block other than its drafter's trained one (``specpilot run --block-reason``; the table's note)
+RECORD_ONLY = ("kernels", "path", "block_reason")
 
 
 def _int(lo: int | None = None) -> tuple[Callable[[Any], bool], str]:
@@ -78,7 +83,25 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "replay_profile": (None, _name(), "the replay drafter's acceptance profile (set by the CLI)"),
     "max_ngram": (3, _int(1), "prompt lookup: longest n-gram matched"),
     "confidence_threshold": (0.0, _fraction(), "DSpark: stop a row's chain below this survival (0: off)"),
+    "verify_path": ("plain", _choice(STEP_PATHS), "the target's verify/decode step: plain, or fused (CPU, dense)"),
+    "draft_path": ("plain", _choice(STEP_PATHS), "the drafter's draft forward: plain, or fused (CPU)"),
+    "context_path": ("plain", _choice(STEP_PATHS), "the drafter's context injection: plain, or fused (CPU)"),
 }
+
+
+# key -> (the setting it needs to have any effect, a test of the config's values, what that setting is)
+NEEDS: dict[str, tuple[str, Callable[[dict], bool], str]] = {
+    "tree_depth": ("tree_branch", lambda v: v.get("tree_branch", 0) > 0, "tree_branch > 0 (a spine tree)"),
+    "tree_profile": ("tree_nodes", lambda v: v.get("tree_nodes", 0) > 0, "tree_nodes > 0 (a static tree)"),
+}  # (w12_fast is not here: --weight-format w12 of `specpilot run` may complete it after parsing)
+
+
+def _check_effect(values: dict, where: str) -> None:
+    """Refuse a key set where it has no effect (:data:`NEEDS`): a config that says more than it does."""
+    for key, (other, ok, what) in NEEDS.items():
+        if key in values and not ok(values):
+            raise SpecpilotError(f"{where}: {key} = {values[key]!r} has no effect without {what}; set {other} or "
+                                 f"drop {key}")
 
 
 def _describe(v: Any) -> str:
@@ -123,6 +146,8 @@ class EngineConfig:
             if not check(v):
                 raise SpecpilotError(f"{where}: {key} = {_describe(v)} is not allowed: {allowed}")
             values[key] = v
+        if not record:
+            _check_effect(values, where)
         return cls(values)
 
     def to_dict(self) -> dict:
@@ -204,6 +229,11 @@ class EngineSpec:
     def overlap(self) -> bool:
         """Engine config ``overlap``: batching mechanism (b), :mod:`specpilot.engine.overlap`."""
         return self.config.overlap
+
+    @property
+    def fused_verify(self) -> bool:
+        """Engine config ``verify_path`` is ``fused``: the target's steps run the fused CPU step."""
+        return self.config.verify_path == "fused"
 
     @property
     def verify_width(self) -> int:

@@ -14,6 +14,7 @@ from ..drafters.replay import ReplayProposer
 from ..drafters.static_tree import static_tree_for
 from ..drafters.verify_budget import LoadAwareVerify
 from ..errors import SpecpilotError
+from ..fastpath.cpu_drafter import fused_drafter
 from .config import EngineConfig, EngineSpec
 
 NETWORK_PROPOSERS = {"dflash": DFlashProposer, "dflash2": DFlash2Proposer, "dspark": DSparkProposer}
@@ -26,7 +27,9 @@ def make_proposer(network, block_size: int | None = None, config: EngineConfig |
         network: a drafter network; block_size: in the drafter's own counting (None = its config's).
         config: engine config (:class:`~specpilot.engine.config.EngineConfig` or a dict):
             ``tree_branch``, ``tree_depth`` (side branches; 0 = chain), ``second_level`` (DFlash:
-            two-level drafting, 0 = off) and, for DSpark, ``confidence_threshold``.
+            two-level drafting, 0 = off), ``draft_path`` / ``context_path`` (``fused``: the draft
+            forward / the context injection through the network's fused CPU step,
+            :func:`specpilot.fastpath.cpu_drafter.fused_drafter`) and, for DSpark, ``confidence_threshold``.
     Raises:
         SpecpilotError: unknown drafter kind or bad settings.
     """
@@ -36,10 +39,16 @@ def make_proposer(network, block_size: int | None = None, config: EngineConfig |
         raise SpecpilotError(f"no proposer for drafter network {type(network).__name__} (kind {kind!r})")
     tree = dict(block_size=block_size, tree_branch=cfg.tree_branch, tree_depth=cfg.tree_depth)
     if kind == "dflash":
-        return DFlashProposer(network, **tree, second_level=cfg.second_level)
-    if kind == "dflash2":
-        return DFlash2Proposer(network, **tree)
-    return DSparkProposer(network, **tree, confidence_threshold=cfg.confidence_threshold)
+        proposer = DFlashProposer(network, **tree, second_level=cfg.second_level)
+    elif kind == "dflash2":
+        proposer = DFlash2Proposer(network, **tree)
+    else:
+        proposer = DSparkProposer(network, **tree, confidence_threshold=cfg.confidence_threshold)
+    if cfg.draft_path == "fused":  # the network's draft forward through its fused CPU step
+        proposer.step = fused_drafter(network)
+    if cfg.context_path == "fused":  # its context injection through the fused CPU step
+        proposer.inject = fused_drafter(network)
+    return proposer
 
 
 def _replay_proposer(spec: EngineSpec, target, drafter, replay, references) -> Proposer:

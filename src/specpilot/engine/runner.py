@@ -38,7 +38,7 @@ class TargetRunner:
     """
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (),
-                 backend: Backend | None = None, verify_width: int = 1):
+                 backend: Backend | None = None, verify_width: int = 1, fused: bool = False):
         self.model = model
         self.batch, self.max_seq, self.capture = batch, max_seq, tuple(capture)
         self.device = model.lm_head.weight.device
@@ -47,6 +47,8 @@ class TargetRunner:
             raise SpecpilotError("the runner's backend was chosen for another model")
         self.verify_width = int(verify_width)  # the widest block the engine verifies (sizes the rings)
         model.setup_cache(batch, max_seq, verify_width=ring_reserve(self.verify_width))
+        # verify and decode steps through the fused CPU step (engine config verify_path: fused)
+        self.fused = self.backend.fused_step() if fused else None
         self.length = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.steps = self.backend.step_graphs  # the captured steps (None: eager)
         self._recurrent = model.config.is_recurrent
@@ -216,6 +218,14 @@ class TargetRunner:
         check_width(self.model.state, N)
         self._pending = N
         self.model.state.discard()
+        if self.fused is not None:
+            anc = depth = None
+            if parents is not None:  # the tree shape is static within a generation: its mask once
+                key = (parents.data_ptr(), tuple(parents.shape), False)
+                if self._tree_key != key:
+                    self._tree_key, self._tree = key, tree_ancestors(parents)
+                anc, depth = self._tree
+            return self.fused.forward(block, self.length, self.capture, anc, depth)
         if parents is None and self.steps is not None:
             out = self.steps.run(block, self.length, self.capture)
             if self._recurrent:  # a graph replay runs no Python: tell the fast path which tape commit() re-runs
@@ -261,6 +271,10 @@ class TargetRunner:
             logits, _ = self.steps.run(tokens[:, None], self.length, self.capture, write=True)
         elif self.steps is not None:
             logits, _ = self.verify(tokens[:, None])
+        elif self.fused is not None:  # a dense target: a decode step is a one-token verify
+            self._check_room(1)
+            self.model.state.discard()
+            logits, _ = self.fused.forward(tokens[:, None], self.length, self.capture)
         else:
             self._check_room(1)
             self.model.state.discard()

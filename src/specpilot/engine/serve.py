@@ -94,14 +94,15 @@ def generate_batch(spec: EngineSpec, dep: Deployment, prompts: list[list[int]], 
     deployment's drafter for its cost only.
     """
     if spec.engine == "ar":
-        return generate_ar(TargetRunner(dep.target, len(prompts), max_seq, (), dep.backend), prompts, max_new_tokens,
-                           eos_id)
+        return generate_ar(TargetRunner(dep.target, len(prompts), max_seq, (), dep.backend, fused=spec.fused_verify), prompts,
+                           max_new_tokens, eos_id)
     if replay is not None and references is None:
         references = [r.output_ids for r in generate_batch(EngineSpec("ar"), dep, prompts, max_new_tokens, max_seq,
                                                             eos_id)]
     proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay, references)
     runner = TargetRunner(dep.target, len(prompts), max_seq, proposer.capture, dep.backend,
-                          verify_width=engine_width(spec, proposer))
+                          verify_width=engine_width(spec, proposer),
+                          fused=spec.fused_verify)
     return generate(runner, proposer, prompts, max_new_tokens, eos_id, accept=spec.accept, profile=profile,
                     overlap=spec.overlap)
 
@@ -235,7 +236,8 @@ def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], ma
     proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay,
                                     [r.reference for r in requests[:B]] if replay is not None else None)
     capture = proposer.capture if proposer is not None else ()
-    runner = TargetRunner(dep.target, B, max_seq, capture, dep.backend, verify_width=engine_width(spec, proposer))
+    runner = TargetRunner(dep.target, B, max_seq, capture, dep.backend, verify_width=engine_width(spec, proposer),
+                          fused=spec.fused_verify)
     bar = tqdm(total=len(requests), desc=f"{spec.engine} c{concurrency}", unit="req", disable=not opts.progress)
     # (a sliding-window target's prompts go in the runner's fixed pieces, TargetRunner.prefill_piece,
     # and a refill block over every row is cut to its widest block, TargetRunner.max_block)

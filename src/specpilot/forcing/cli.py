@@ -17,6 +17,7 @@ from ..device import pick_device, pick_dtype
 from ..engine.config import EngineConfig
 from ..errors import SpecpilotError
 from ..io import comma_list, one_out_each, read_json, read_prompts, write_json
+from ..fastpath.cpu_linear import set_matmul
 from ..kernels_build import agent_engine_configs, agent_w12_choice, engine_tables, w12_choice_for
 from ..models.loading import load_drafter, load_target
 from ..records import Record, read_records
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(an engine run with --graphs off or --kernels torch needs eager: its records do not say so)")
     p.add_argument("--kernel-configs", help="JSON file {role: config key}: the matmul configs the engine ran with "
                    "('specpilot run --kernel-configs'), for the Triton teacher-forced pass")
-    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json the engine cell ran with: its "
+    p.add_argument("--kernel-agent", help="the kernel sub-agent's kernel-agent.json the engine cell ran with (on the "
+                   "CPU its matmul kernel for the re-execution of fused steps): its "
                    "engine matmul tables (engine_configs) for the Triton teacher-forced pass and the re-execution "
                    "(--kernel-configs on top, as in 'specpilot run')")
     p.add_argument("--out", required=True, type=comma_list,
@@ -176,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
         tolerance_for(DEFAULT_TOLERANCE, "bf16" if dtype == torch.bfloat16 else "fp32")
     kernel_configs = forcing_kernel_configs(args.kernel_agent, args.kernel_configs)
     w12_choice = agent_w12_choice(read_json(args.kernel_agent), args.kernel_agent) if args.kernel_agent else {}
+    cpu = read_json(args.kernel_agent).get("cpu") if args.kernel_agent else None
+    if cpu:  # the re-execution runs fused CPU steps with the matmul kernel the cell ran (the teacher: plain)
+        set_matmul(cpu.get("matmul", "aten"))
     targets = _Targets(args.target, dtype, device, kernel_configs, bool(args.kernel_configs), w12_choice, drafter)
     failed = False
     for name, candidate, out in candidates:
