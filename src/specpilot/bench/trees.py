@@ -204,8 +204,8 @@ def measure(a: argparse.Namespace) -> dict:
                 record("static", n, {"tree_nodes": n, "tree_profile": str(path)})
         if kind == "dflash2" and "dflash2-spine" in a.builders:
             for n in a.nodes:
-                b, d = spine_shape(n, k, K)
-                record("spine", n, {"tree_branch": b, "tree_depth": d})
+                b, d = spine_shape(n, k, K)  # (0, 1): the budget holds only the chain
+                record("spine", n, {"tree_branch": b, "tree_depth": d} if b else {})
         if kind == "dflash2" and "dflash2-lattice" in a.builders:
             logs = []
             for n in a.nodes:
