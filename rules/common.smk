@@ -100,9 +100,15 @@ else:
 RUN_ROUNDS = "specpilot" in RUN_ENGINES
 FORCED_ENGINES = [e for e in RUN_ENGINES if e != "ar"]  # checked by token forcing against ar (in this order)
 
-# Timing jobs (engine runs, ceilings) take every core the run was given, so nothing else runs
-# beside them on this machine; resources: timing_slots=1 (a global limit set in the profile)
-# keeps two of them from timing at once.
+# Timing jobs (engine cells, round steps, the kernel sub-agent): on a GPU each takes its device's
+# share of the cores and no timing slot (its device isolates it). On the CPU each takes one core and
+# one timing slot; the profile allows two slots (profiles/default), so on a machine of two or more
+# cores two timed jobs run side by side, one core each, and nothing else runs beside them. One core
+# per CPU cell because the CPU deployments' steps gain nothing from a second thread (the tiny
+# target's 12-token verify 2.39 ms at one thread, 2.55 ms at two, both paths alike: `specpilot bench
+# cpu-step --threads 1/2`, 2026-12-05, BENCHMARKS.md), and each cell times its engines interleaved,
+# request by request, so a neighbour's load slows every engine of the cell alike. The device
+# measurements (ceilings) take every core and every slot: nothing runs beside them.
 def _given_cores():
     try:
         return workflow.cores
@@ -159,16 +165,30 @@ def on_device(wildcards):
     return "" if wildcards.gpu == "cpu" else f"python -m specpilot.devices run --gpu {wildcards.gpu} --"
 
 
+CPU_TIMED_THREADS = 1  # cores of a timed CPU job (see above)
+CPU_TIMING_SLOTS = 2  # the profile's timing_slots: timed CPU jobs side by side (profiles/default)
+
+
 def timing_threads(wildcards):
-    """threads: of a timing job: every core given on cpu (nothing runs beside a timed CPU cell); on a
-    GPU its device's share, so one timing job per device runs at once."""
-    return TIMING_THREADS if wildcards.gpu == "cpu" else max(1, TIMING_THREADS // max(1, DEVICE_SLOTS))
+    """threads: of a timing job: one core on cpu (two timed jobs side by side, see above); on a GPU
+    its device's share, so one timing job per device runs at once."""
+    return CPU_TIMED_THREADS if wildcards.gpu == "cpu" else max(1, TIMING_THREADS // max(1, DEVICE_SLOTS))
 
 
 def timing_slot(wildcards):
-    """resources: timing_slots -- 1 on cpu (the profile allows one at a time); 0 on a GPU, where the
-    job's own device isolates its timing."""
+    """resources: timing_slots -- 1 on cpu (the profile allows CPU_TIMING_SLOTS at a time); 0 on a
+    GPU, where the job's own device isolates its timing."""
     return 1 if wildcards.gpu == "cpu" else 0
+
+
+def measure_threads(wildcards):
+    """threads: of a device measurement (ceilings): every core given, on cpu and GPU alike."""
+    return TIMING_THREADS
+
+
+def measure_slots(wildcards):
+    """resources: timing_slots of a device measurement: every slot on cpu (nothing timed beside it)."""
+    return CPU_TIMING_SLOTS if wildcards.gpu == "cpu" else 0
 
 
 def names_regex(names):

@@ -1,6 +1,6 @@
-# Stage: device measurements and the engine cells. Timing jobs take
-# every core given to the run and one timing slot, so no two cells (or a cell and a measurement)
-# are timed at once on one machine.
+# Stage: device measurements and the engine cells. On the CPU a timed job takes one core and one of
+# the profile's two timing slots, a device measurement every core and both slots
+# (rules/common.smk says why).
 
 
 rule ceilings:
@@ -11,9 +11,9 @@ rule ceilings:
     params:
         on_device=on_device,
         device=torch_device,
-    threads: timing_threads
+    threads: measure_threads
     resources:
-        timing_slots=timing_slot,
+        timing_slots=measure_slots,
         gpu=gpu_count,
         gpu_model=gpu_model,
     conda:
