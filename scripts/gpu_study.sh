@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
 CONFIG=${CONFIG:-config/gpu.yaml}
-LIMIT=${GPU_STUDY_LIMIT:-500}
+LIMIT=${GPU_STUDY_LIMIT:-510}
 SITE=${SITE:-/tmp/specpilot-site}
 OUTDIR=${OUT:-results/gpu-study}
 mkdir -p "$OUTDIR"
