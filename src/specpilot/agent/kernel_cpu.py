@@ -104,6 +104,24 @@ def check_drafter(dep, prompts: list[dict], block: int, new_tokens: int) -> dict
             "passed": same == len(prompts)}
 
 
+def drafter_steps(prop, last: torch.Tensor, ctx: torch.Tensor, at: torch.Tensor, width: int,
+                  kernels: list[str]) -> dict[str, Callable[[], object]]:
+    """The drafter's timed steps for :func:`interleaved_ms`: ``draft_plain`` / ``context_plain`` (the
+    network's own forward) and ``draft_fused_{k}`` / ``context_fused_{k}`` per matmul kernel ``k``
+    (:func:`specpilot.fastpath.cpu_drafter.fused_drafter`). ``prop``: a started drafter proposer;
+    ``last`` int64 [1] the anchor token; ``ctx`` the target features of the last verify [1, T, F];
+    ``at`` int64 [1] the committed length; ``width``: the block in the drafter's counting + 1."""
+    net = prop.drafter
+    fns = {"draft_plain": (lambda: net.draft(last, at, prop.embed, prop.lm_head, width)) if prop.kind != "dspark"
+           else (lambda: net.draft_full(last, at, width - 1)),
+           "context_plain": lambda: net.add_context(ctx, at)}
+    for k in kernels:
+        fused = fused_drafter(net, k)
+        fns[f"draft_fused_{k}"] = lambda f=fused: f.draft(last, at, prop.embed, prop.lm_head, width)
+        fns[f"context_fused_{k}"] = lambda f=fused: f.add_context(ctx, at)
+    return fns
+
+
 def time_steps(dep, prompt: list[int], block: int, kernels: list[str], target: bool, drafter: bool) -> dict:
     """Interleaved medians [ms] of the plain and the fused steps (one per matmul kernel: ``fused_aten``,
     ``fused_onednn``) after ``prompt``: the target's verify at the stock width and its one-token decode
@@ -125,15 +143,7 @@ def time_steps(dep, prompt: list[int], block: int, kernels: list[str], target: b
         if drafter:
             prop.start(runner, [prompt], feats, logits.argmax(-1))
             last, ctx = torch.tensor([int(prompt[-1])]), runner.verify(blk)[1]
-            net, at = prop.drafter, runner.length
-            fns = {"draft_plain": (lambda: net.draft(last, at, prop.embed, prop.lm_head, width)) if prop.kind != "dspark"
-                   else (lambda: net.draft_full(last, at, width - 1)),
-                   "context_plain": lambda: net.add_context(ctx, at)}
-            for k in kernels:
-                fused = fused_drafter(net, k)
-                fns[f"draft_fused_{k}"] = lambda f=fused: f.draft(last, at, prop.embed, prop.lm_head, width)
-                fns[f"context_fused_{k}"] = lambda f=fused: f.add_context(ctx, at)
-            out.update(interleaved_ms(fns))
+            out.update(interleaved_ms(drafter_steps(prop, last, ctx, runner.length, width, kernels)))
     return out
 
 

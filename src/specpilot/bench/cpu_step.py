@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 
-from ..agent.kernel_cpu import interleaved_ms
+from ..agent.kernel_cpu import drafter_steps, interleaved_ms
 from ..deployment import Deployment, load_deployment
 from ..engine.proposers import make_proposer
 from ..engine.runner import TargetRunner
-from ..fastpath.cpu_drafter import fused_drafter
 from ..fastpath.cpu_linear import onednn_problem
 from ..fastpath.cpu_target import FusedTarget
 from ..models.config import TargetConfig
@@ -100,15 +99,7 @@ def measure(args) -> dict:
         out["target_ms"] = interleaved_ms(fns, rounds, calls)
         prop.start(runner, [prompt], feats, logits.argmax(-1))
         last, ctx, at = torch.tensor([5]), runner.verify(blk)[1], runner.length
-        net = prop.drafter
-        fns = {"draft_plain": (lambda: net.draft(last, at, prop.embed, prop.lm_head, width)) if prop.kind != "dspark"
-               else (lambda: net.draft_full(last, at, width - 1)),
-               "context_plain": lambda: net.add_context(ctx, at)}
-        for k in kernels:
-            f = fused_drafter(net, k)
-            fns[f"draft_fused_{k}"] = lambda f=f: f.draft(last, at, prop.embed, prop.lm_head, width)
-            fns[f"context_fused_{k}"] = lambda f=f: f.add_context(ctx, at)
-        out["drafter_ms"] = interleaved_ms(fns, rounds, calls)
+        out["drafter_ms"] = interleaved_ms(drafter_steps(prop, last, ctx, at, width, kernels), rounds, calls)
     return out
 
 
