@@ -134,3 +134,21 @@ def test_agent_file_records_the_interval(seed):
     r = agent_run({10: 1.2}, seed)
     assert r["min_gain"] == MIN_GAIN
     assert all({"gain_lo", "gain_hi"} <= set(t) for t in r["trials"])
+
+
+def test_a_direction_the_memory_trials_measured_whole_gets_no_agent():
+    """The 27B hybrid round on the H200 (2026-12-05) re-timed overlap in an agent after its memory
+    trial had measured the same config: such a direction is covered, the next one is planned."""
+    ctx = {"drafter": "dflash", "gpu": "h200", "dense": True, "directions": ["overlap", "block_size"]}
+    gaps = {"host": 2e-4, "acceptance": 1e-4}
+    base = {"block_size": 16}
+    assert dirs.plan_directions(ctx, gaps, base, 1) == ["overlap"]
+    tried = [{"direction": "overlap", "params": {"overlap": True}, "merged": False, "gain": 1.013}]
+    assert dirs.covered(dirs.REGISTRY["overlap"], base, tried)
+    assert dirs.plan_directions(ctx, gaps, base, 1, tried) == ["block_size"]
+    # a merged trial measured something else (with other entries): not a cover
+    merged = [dict(tried[0], merged=True)]
+    assert not dirs.covered(dirs.REGISTRY["overlap"], base, merged)
+    # a grid of many points is not covered by one trial of it
+    one = [{"direction": "block_size", "params": {"block_size": 8}, "merged": False}]
+    assert not dirs.covered(dirs.REGISTRY["block_size"], base, one)

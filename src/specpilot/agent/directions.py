@@ -105,13 +105,26 @@ def applicable(ctx: dict) -> list[Direction]:
     return [d for d in REGISTRY.values() if d.applies(ctx) and (not allowed or d.name in allowed)]
 
 
-def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int) -> list[str]:
+def covered(direction: Direction, base: dict, tried: list[dict]) -> bool:
+    """Whether memory trials on this deployment already measured every candidate of ``direction``
+    that changes ``base`` (``tried``: the plan's ``memory_tried`` entries; only trials of the entry
+    on its own count, not merged ones): an agent for it would re-time the same configs."""
+    seen = [t["params"] for t in tried if t.get("direction") == direction.name and not t.get("merged")]
+    todo = [c for c in direction.candidates()
+            if not all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items()) and direction.apply(base, c) != base]
+    return bool(todo) and all(any(direction.apply(base, s) == direction.apply(base, c) for s in seen) for c in todo)
+
+
+def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int,
+                    tried: list[dict] | None = None) -> list[str]:
     """The directions of a round: of those that apply to ``ctx``, attack a term with a positive gap
-    (``gaps``: term -> seconds per token) and have something to try from ``base``
-    (:meth:`Direction.explorable`), first the best-ranked direction of each term, terms by gap (so
+    (``gaps``: term -> seconds per token), have something to try from ``base``
+    (:meth:`Direction.explorable`) and were not measured whole by this round's memory trials
+    (``tried``, :func:`covered`), first the best-ranked direction of each term, terms by gap (so
     every term the cost model ranks gets a direction, not only the largest one's many), then the
     others by gap; ``agents`` of them (registration order breaks ties)."""
-    live = sorted((d for d in applicable(ctx) if gaps.get(d.cost_term, 0.0) > 0 and d.explorable(base)),
+    live = sorted((d for d in applicable(ctx) if gaps.get(d.cost_term, 0.0) > 0 and d.explorable(base)
+                   and not covered(d, base, tried or [])),
                   key=lambda d: -gaps[d.cost_term])
     firsts = {}
     for d in live:

@@ -157,7 +157,9 @@ def plan(args) -> int:
         ar = {r.request_id: r for r in ev.ar}
         base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
-    chosen = dirs.plan_directions(ctx, gaps, base, args.agents)
+    chosen = dirs.plan_directions(ctx, gaps, base, args.agents, tried)
+    # a direction whose every candidate the memory trials above measured here gets no agent of its own
+    covered = [d.name for d in dirs.applicable(ctx) if dirs.covered(d, base, tried)]
     ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
     order = {}
     if "tree_lattice" in chosen:  # the budgets ranked by the cost model (tau curve x verify cost, this device)
@@ -173,10 +175,12 @@ def plan(args) -> int:
                      "ranked_directions": [{"direction": d.name, "cost_term": d.cost_term,
                                             "gap_s_per_token": gaps.get(d.cost_term, 0.0)} for d in ranked],
                      "memory_tried": tried, "memory_transferred": transferred, "memory_invalidated": invalidated,
+                     "covered_by_memory": covered,
                      "stock_speedup_vs_ar": stock_speedup, "base_speedup_vs_ar": base_speedup,
                      "base_tau": analysis["tau"], "context": ctx, "candidate_order": order})
     print(report, end="")
-    print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}")
+    print(f"directions for round {args.round}: {', '.join(chosen) or 'none'}"
+          + (f" (measured whole by the memory trials: {', '.join(covered)})" if covered else ""))
     return 0
 
 
