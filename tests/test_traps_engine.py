@@ -187,27 +187,3 @@ def test_tiny_build_progress_reaches_its_log_as_it_goes(tmp_path, data_dir):
         time.sleep(0.05)
     assert proc.returncode == 0, log.read_text()[-2000:]
     assert seen_early, "nothing reached the log before the build ended"
-
-
-def test_hybrid_trees_on_a_gpu_stop_before_any_work(monkeypatch):
-    """Token trees on a hybrid (Gated DeltaNet) target in the Triton family step on a GPU are
-    refused (the 27B shape's tree verify differed from AR on the H200): the verify raises one clear
-    error naming the settings before it computes anything; a chain verify still runs."""
-    import torch
-
-    from specpilot.engine import runner as runner_mod
-    from specpilot.engine.runner import TargetRunner
-    from specpilot.errors import SpecpilotError
-    from specpilot.models.random_checkpoint import build_target
-
-    target = build_target("tiny-hybrid", seed=1)
-    r = TargetRunner(target, 1, 64, verify_width=4)
-    r.prefill([list(range(3, 20))])
-    monkeypatch.setattr(TargetRunner, "tree_fast", property(lambda self: True))
-    r.device = torch.device("cuda")  # as on a GPU: nothing below reaches the device before the check
-    with pytest.raises(SpecpilotError, match="tree_nodes / tree_branch / tree_lattice.*hybrid"):
-        r.verify(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[-1, 0, 0, 1]]))
-    assert "Qwen3.8-27B" in runner_mod.HYBRID_TREE_REFUSAL
-    r.device = torch.device("cpu")
-    logits, _ = r.verify(torch.tensor([[5, 6, 7, 8]]))  # a chain: unaffected
-    assert logits.shape[:2] == (1, 4)

@@ -29,7 +29,6 @@ from ..models.config import TargetConfig, read_config
 from ..models.loading import drafter_config
 from ..records import merge_repeats, read_records, write_records
 from .config import ENGINES, WEIGHT_FORMATS, EngineConfig, EngineSpec
-from .runner import HYBRID_TREE_REFUSAL
 from .serve import ServeOptions, default_max_seq, kv_slots_needed, serve, serve_turns, shift_times
 
 
@@ -223,9 +222,6 @@ def check_capacity(args, specs: list[EngineSpec], prompts: list[dict]) -> None:
     first = max(prompts, key=lambda p: len(p["prompt_ids"]))
     longest = len(first["prompt_ids"])
     for sp in specs:
-        tree = any((sp.config.to_dict().get(k) or 0) > 0 for k in ("tree_nodes", "tree_lattice", "tree_branch"))
-        if cuda and cfg.is_recurrent and tree and sp.engine != "ar" and args.kernels != "torch":
-            raise SpecpilotError(f"engine {sp.engine}: {HYBRID_TREE_REFUSAL}")
         width = sp.verify_width
         what = "ar" if sp.engine == "ar" else \
             widest_engine({**sp.config.to_dict(), "block_size": sp.block_size})[1]

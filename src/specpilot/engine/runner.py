@@ -18,14 +18,15 @@ from .backend import Backend, choose_backend
 from .verify import compact_path_, compact_ring_path_, tree_inputs
 
 
-# Token trees on a Gated DeltaNet hybrid target in the Triton family step on a GPU: refused. On the
+# Token trees on a Gated DeltaNet hybrid target in the Triton family step run on a GPU again. On the
 # H200 (2026-12-05, scripts/gpu_families.sh, BENCHMARKS.md "Targets by family") 31- and 63-node
 # static trees on the Qwen3.8-27B hybrid shape differed from AR (0/3 at c1, first at a 0.125-logit
-# margin) although the tiny hybrid's tree nodes are bit-equal to their decodes on the same GPU and
-# under the interpreter; until the difference is found the configuration stops rather than runs.
-HYBRID_TREE_REFUSAL = ("token trees (engine config tree_nodes / tree_branch / tree_lattice) on a hybrid "
-                       "(Gated DeltaNet) target are refused on a GPU: the Triton family step's tree verify "
-                       "differed from AR at the Qwen3.8-27B shape (BENCHMARKS.md, 2026-12-05); use a chain")
+# margin) and were refused here (HYBRID_TREE_REFUSAL) until the cause was found: the tree
+# attention by paths (kernels/step.py, _attn_partial_kernel, PATH) put a node's G query rows in
+# the row tile a chain gives them, and with G = 24 / 4 = 6 (not a divisor of the 16-row tile) the
+# rows of some nodes crossed the tile's end and were never computed (their partial sums over the
+# tree's chunks stayed empty, > 16 nodes, or stale, fewer). Fixed by ending such a node's tile at its last row (test:
+# tests/test_family_trees.py, heads straddling tiles); the tiny hybrid (G = 2) never hit it.
 
 
 class TargetRunner:
@@ -250,8 +251,6 @@ class TargetRunner:
         # (wider or deeper than its tables) stops here: it never falls back to the eager forward,
         # whose arithmetic differs from the step's
         fast = self.tree_fast
-        if fast and self._recurrent and self.device.type == "cuda":
-            raise SpecpilotError(HYBRID_TREE_REFUSAL)
         key = (parents, fast)
         if self._tree_key is None or self._tree_key[0] is not parents or self._tree_key[1] != fast:
             self._tree_key = None

@@ -404,8 +404,13 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     start = tl.load(start_ptr + b).to(tl.int32)
     if TAIL:
         c = start // CHUNK + c
-    if PATH:  # node rt's G rows, in the row tile (and at the tile positions) a chain verify gives them
-        r = ((rt * G) // BR_) * BR_ + tl.arange(0, BR_)
+    if PATH:  # node rt's G rows, in the row tile (and at the tile positions) a chain verify gives them;
+        # when G does not divide the tile (the 27B hybrid's 24 / 4 = 6 heads) and the node's rows
+        # cross a tile boundary, the tile ends at its last row instead (every row is still computed;
+        # a row's bits do not depend on its position in the tile)
+        r0 = ((rt * G) // BR_) * BR_
+        r0 = tl.where(rt * G + G > r0 + BR_, rt * G + G - BR_, r0)
+        r = r0 + tl.arange(0, BR_)
         rmask = (r >= rt * G) & (r < rt * G + G)
         t = rt + tl.arange(0, BR_) * 0
         dep = tl.load(depth_ptr + b * T + rt).to(tl.int32)
