@@ -56,6 +56,34 @@ def test_cost_model_ranks_terms_per_committed_token():
     assert "acceptance" in report_text(a, "t")
 
 
+def test_cost_model_holds_steps_to_ceilings_of_their_thread_count():
+    """A step timed with 1 thread is held to the 1-thread ceilings (half the 2-thread matmul rate and
+    bandwidth here: its floors twice as long, its ratio half), the thread counts named in the report;
+    records without ``threads`` and GPU ceilings keep the top-level (every-thread) measurement."""
+    per = {"1": {"memory_bandwidth_bytes_per_s": 0.5e9, "matmul_flop_per_s": 0.5e12},
+           "2": {"memory_bandwidth_bytes_per_s": 1e9, "matmul_flop_per_s": 1e12}}
+    ceil = {**CEIL, "device": "cpu", "threads": 2, "per_threads": per}
+    one = [_rec(0, 0.010, 0.020, 0.040, [4] * 10)]
+    one[0].threads = 1
+    a1 = analyze(one, CFG, None, ceil, 4, block_size=8)
+    old = analyze([_rec(0, 0.010, 0.020, 0.040, [4] * 10)], CFG, None, ceil, 4, block_size=8)
+    assert (a1["step_threads"], a1["floor_threads"]) == (1, 1)
+    assert (old["step_threads"], old["floor_threads"]) == (None, 2)
+    assert a1["floor_step_s"]["verify"] == pytest.approx(2 * old["floor_step_s"]["verify"])
+    v1 = next(t for t in a1["terms"] if t["term"] == "verify")["ratio_to_floor"]
+    v2 = next(t for t in old["terms"] if t["term"] == "verify")["ratio_to_floor"]
+    assert v1 == pytest.approx(v2 / 2)
+    assert "ceilings measured with 1 thread(s), as the steps were timed" in report_text(a1, "t")
+    assert "2 thread(s); the steps' thread count not recorded" in report_text(old, "t")
+    three = [_rec(0, 0.010, 0.020, 0.040, [4] * 10)]
+    three[0].threads = 3  # not measured: the every-thread ceilings, the mismatch stated
+    a3 = analyze(three, CFG, None, ceil, 4, block_size=8)
+    assert a3["floor_threads"] == 2 and a3["floor_step_s"] == old["floor_step_s"]
+    assert "none with the steps' 3" in report_text(a3, "t")
+    gpu = analyze(one, CFG, None, {**ceil, "device": "cuda"}, 4, block_size=8)
+    assert gpu["floor_step_s"] == old["floor_step_s"] and "GPU" in report_text(gpu, "t")
+
+
 def test_direction_schema_and_grid():
     d = dirs.REGISTRY["tree_verify"]
     assert len(d.candidates()) == 4 * 3

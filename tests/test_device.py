@@ -67,6 +67,27 @@ def test_ceilings_on_cpu(tmp_path):
     assert doc["gpu"] == "cpu" and doc["dtype"] == "float32"
     assert doc["memory_bandwidth_bytes_per_s"] > 0 and doc["matmul_flop_per_s"] > 0
     assert {"device_name", "torch", "timestamp", "threads"} <= doc.keys()
+    # per thread count: one thread and every thread given, the top level being every thread's
+    assert set(doc["per_threads"]) == {str(n) for n in ceilings.cpu_thread_counts(doc["threads"])}
+    assert "1" in doc["per_threads"]
+    every = doc["per_threads"][str(doc["threads"])]
+    assert every["matmul_flop_per_s"] == doc["matmul_flop_per_s"]
+    one, n = ceilings.for_threads(doc, 1)
+    assert n == 1 and one["memory_bandwidth_bytes_per_s"] == doc["per_threads"]["1"]["memory_bandwidth_bytes_per_s"]
+
+
+def test_ceilings_for_threads_picks_the_matching_measurement():
+    from specpilot.ceilings import cpu_thread_counts, for_threads
+
+    assert cpu_thread_counts(4) == [1, 4] and cpu_thread_counts(1) == [1]
+    top = {"memory_bandwidth_bytes_per_s": 80e9, "matmul_flop_per_s": 220e9}
+    doc = {**top, "threads": 2, "device": "cpu",
+           "per_threads": {"1": {"memory_bandwidth_bytes_per_s": 30e9, "matmul_flop_per_s": 100e9}, "2": top}}
+    assert for_threads(doc, 1) == ({"memory_bandwidth_bytes_per_s": 30e9, "matmul_flop_per_s": 100e9}, 1)
+    assert for_threads(doc, 2) == (top, 2)
+    assert for_threads(doc, None) == (top, 2)  # records without threads: the top level, as before
+    assert for_threads(doc, 8) == (top, 2)  # not measured: no floor made up, the measured count said
+    assert for_threads(top, 1) == (top, None)  # an old file: neither per_threads nor threads
 
 
 def test_ceilings_refuses_wrong_device(tmp_path):

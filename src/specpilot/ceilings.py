@@ -10,6 +10,15 @@ measured on the machine itself rather than taken from a datasheet:
 
 It takes a few seconds on CPU. The output (JSON) also names the device, dtype, torch version,
 thread count and the time of measurement.
+
+On the CPU both ceilings depend on the threads a step runs with (one core's bandwidth and vector
+units against every core's), so they are measured once per thread count: with one thread and with
+every thread given (``--threads``), kept under ``per_threads`` (``{"1": {...}, "2": {...}}``, each
+with the two ceilings, their medians and the raw timings). The top-level values stay the
+measurement with every thread (what readers of older files read). The cost model compares a step
+timed with T threads against the ceilings measured with T threads (:func:`for_threads`); a
+timed CPU job of the workflow runs with one thread (``rules/common.smk``). A GPU has one
+measurement, as before.
 """
 
 from __future__ import annotations
@@ -121,6 +130,32 @@ def measure(device: str, copy_mib: int, matmul_n: int, repeats: int) -> dict:
     }
 
 
+def cpu_thread_counts(threads: int) -> list[int]:
+    """The thread counts the CPU ceilings are measured at: one, and ``threads`` (every thread given)."""
+    return sorted({1, max(1, int(threads))})
+
+
+CEILING_KEYS = ("memory_bandwidth_bytes_per_s", "memory_bandwidth_median_bytes_per_s", "matmul_flop_per_s",
+                "matmul_median_flop_per_s")
+
+
+def for_threads(ceilings: dict, threads: int | None) -> tuple[dict, int | None]:
+    """The ceilings a step timed with ``threads`` threads is held to, and the thread count they were
+    measured with.
+
+    The ``per_threads`` entry of exactly ``threads`` when the file has one (CPU ceilings from
+    :func:`run`); otherwise the top-level measurement and its own ``threads`` (a GPU, a step whose
+    thread count is unknown -- ``None``, records written before they carried it -- or a thread
+    count that was not measured: no floor is made up for it, and the caller states the mismatch).
+    Returns ``(ceilings with the keys of CEILING_KEYS the file has, measured thread count or None)``.
+    """
+    per = ceilings.get("per_threads") or {}
+    if threads is not None and str(int(threads)) in per:
+        return {k: per[str(int(threads))][k] for k in CEILING_KEYS if k in per[str(int(threads))]}, int(threads)
+    measured = ceilings.get("threads")
+    return {k: ceilings[k] for k in CEILING_KEYS if k in ceilings}, (int(measured) if measured is not None else None)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -153,8 +188,19 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    result.update(measure(args.device, copy_mib, matmul_n, repeats))
+    if cpu:  # one measurement per thread count, every thread's last (the top-level values)
+        every = torch.get_num_threads()
+        per = {}
+        for n in cpu_thread_counts(every):
+            torch.set_num_threads(n)
+            per[str(n)] = measure(args.device, copy_mib, matmul_n, repeats)
+        torch.set_num_threads(every)
+        result.update(per[str(every)])
+        result["per_threads"] = per
+    else:
+        result.update(measure(args.device, copy_mib, matmul_n, repeats))
     write_json(args.out, result)
-    print(f"{gpu}: {result['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"{result['matmul_flop_per_s'] / 1e12:.2f} TFLOP/s ({result['dtype']}) -> {args.out}")
+    for n, m in (result.get("per_threads") or {str(result["threads"]): result}).items():
+        print(f"{gpu} ({n} thread(s)): {m['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"{m['matmul_flop_per_s'] / 1e12:.2f} TFLOP/s ({m['dtype']}) -> {args.out}")
     return 0

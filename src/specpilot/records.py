@@ -58,6 +58,10 @@ class Record:
         device_index, device_uuid, device_name: the physical device that timed the request
             (:func:`specpilot.devices.device_identity`: index and UUID on a GPU host, ``cpu``
             otherwise); None in records written before they existed.
+        threads: torch's CPU threads in the process that timed the request (``torch.get_num_threads()``;
+            the host side of a GPU step too); the cost model holds CPU steps to ceilings measured with
+            as many threads (:func:`specpilot.ceilings.for_threads`). None in records written before
+            it existed.
     """
 
     request_id: str
@@ -89,6 +93,7 @@ class Record:
     device_index: int | None = None
     device_uuid: str | None = None
     device_name: str | None = None
+    threads: int | None = None
 
     @property
     def tau(self) -> float:

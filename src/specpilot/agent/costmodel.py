@@ -18,6 +18,10 @@ M = batch x block rows):
 - ``idle_slots``: the share f of slot-time without a running request (1 - sum of the requests'
   time in flight / (c x wall time of the cell)); gap = f x the step's per-token cost, the
   throughput the empty slots forgo.
+Ceilings: a step is held to the ceilings measured with the threads it ran with (the records'
+``threads``; :func:`specpilot.ceilings.for_threads`: CPU ceilings are measured per thread count, so a
+one-thread timed CPU job is not held to every core's bandwidth and matmul rate); the analysis names
+the thread count the floors assume (``floor_threads``) and the steps' (``step_threads``).
 Kernel launch configs are tuned apart from the rounds, by the kernel sub-agent
 (:mod:`specpilot.agent.kernel_agent`), whose winners every round step and engine cell use.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+from ..ceilings import for_threads
 from ..models.config import TargetConfig
 from ..models.dflash import DrafterConfig
 from ..records import Record
@@ -67,6 +72,29 @@ def step_floors(cfg: TargetConfig, dcfg: DrafterConfig | None, ceilings: dict, b
     return out
 
 
+def record_threads(records: list[Record]) -> int | None:
+    """The thread count the records were timed with (their ``threads``): the largest one recorded,
+    None when no record carries it (records written before the field)."""
+    known = [r.threads for r in records if getattr(r, "threads", None)]
+    return max(known) if known else None
+
+
+def threads_line(analysis: dict) -> str:
+    """The report's line on the threads behind the floors and behind the measured steps."""
+    ft, st = analysis.get("floor_threads"), analysis.get("step_threads")
+    if analysis.get("device") == "cuda":
+        return "floors: the GPU's ceilings"
+    if ft is None:  # ceilings (or an analysis) from before thread counts were recorded
+        return "floors: the device's ceilings (their thread count not recorded)"
+    if st is None:
+        return (f"floors: ceilings measured with {ft} thread(s); the steps' thread count not recorded "
+                f"(records from before it was)")
+    if ft != st:
+        return (f"floors: ceilings measured with {ft} thread(s), none with the steps' {st}: the floors assume "
+                f"{ft} thread(s)")
+    return f"floors: ceilings measured with {ft} thread(s), as the steps were timed"
+
+
 def idle_fraction(records: list[Record]) -> float:
     """Share of slot-time without a running request: 1 - sum(finish - arrival) / (c x wall), c =
     the records' concurrency, wall = last finish - first arrival; 0 without times."""
@@ -98,7 +126,10 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
     tau = sum(sum(r.committed_per_step) for r in steps) / sum(r.verify_steps for r in steps)
     batch = max(r.concurrency for r in steps)
     context = sum(r.prompt_tokens + r.new_tokens / 2 for r in steps) / n
-    fl = step_floors(cfg, dcfg, ceilings, batch, block_size, context, dtype_bytes)
+    step_threads = record_threads(steps)
+    device = ceilings.get("device", "cpu")
+    ceil, floor_threads = for_threads(ceilings, step_threads if device == "cpu" else None)
+    fl = step_floors(cfg, dcfg, ceil, batch, block_size, context, dtype_bytes)
 
     def term(name, measured, floor):
         gap = max(measured - floor, 0.0) / tau
@@ -126,7 +157,8 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
             "measured_step_s": {"draft": draft, "verify": verify, "host": host, "prefill_stall": stall,
                                 "total": total},
             "verify_rows": batch * block_size, "idle_slot_fraction": idle,
-            "floor_step_s": fl, "terms": terms}
+            "floor_step_s": fl, "terms": terms, "step_threads": step_threads, "floor_threads": floor_threads,
+            "device": device, "ceilings": ceil}
 
 
 def report_text(analysis: dict, title: str) -> str:
@@ -135,7 +167,9 @@ def report_text(analysis: dict, title: str) -> str:
     lines = [f"{title}", f"tau {analysis['tau']:.2f} at block {analysis['block_size']}, batch "
              f"{analysis['batch']}, context ~{analysis['context_tokens']:.0f} tokens",
              f"per step: draft {ms['draft'] * 1e3:.2f} ms, verify {ms['verify'] * 1e3:.2f} ms, "
-             f"host {ms['host'] * 1e3:.2f} ms; verify floor {analysis['floor_step_s']['verify'] * 1e3:.3f} ms",
+             f"host {ms['host'] * 1e3:.2f} ms; verify floor {analysis['floor_step_s']['verify'] * 1e3:.3f} ms, "
+             f"draft floor {analysis['floor_step_s']['draft'] * 1e3:.3f} ms",
+             threads_line(analysis),
              "gaps (seconds per committed token lost to each term, largest first):"]
     for t in analysis["terms"]:
         ratio = "inf" if math.isinf(t["ratio_to_floor"]) else f"{t['ratio_to_floor']:.1f}x"

@@ -17,9 +17,18 @@ weights and its context cache in place, with fewer operations:
   accepted positions overwrites them) and attention reads the slots in use without a mask, instead
   of concatenating the whole context to the block every layer; otherwise the network's masks over
   the slots in use;
-- DFlash2's convolutions as two taps' sum (kernel 2) without the zero start, its selector walk with
-  the successor codes of every candidate looked up once; DSpark's Markov walk with the confidence
-  head run once over the walk afterwards.
+- DFlash2's convolutions as two taps' sum (kernel 2) without the zero start or a padded copy, its
+  selector walk over the scores of every (predecessor, candidate) pair computed at once (a host
+  argmax loop over a [slots, k, k] table); DSpark's Markov walk reading one row of the pair table
+  ``W1 W2^T`` per slot (vocabularies up to :data:`MARKOV_TABLE_BYTES`; else one ``addmv`` per slot),
+  with the confidence head run once over the walk afterwards;
+- the signed sine table made once per cache, no pass over a tensor for a scale of 1, residual adds
+  in place.
+
+Profile of one draft step (tiny build, 1 thread, 2026-12-05): the matmuls ~0.29 ms of DFlash's
+~0.55 ms (onednn, near the one-thread matmul rate), the rest per-operation overhead (norms, RoPE,
+attention, ~20 small ops per layer); DFlash2's walk (~8 ops per slot) and convolutions, DSpark's
+Markov walk (all of W2 read per slot) on top.
 
 Drafts equal the network's (the same arithmetic up to matmul blocking; proposals are verified
 anyway, so a draft that differed could only change acceptance, never an output). The kernel
@@ -41,6 +50,7 @@ from ..models.dspark import DSparkDrafter
 from .cpu_linear import Linear, matmul
 from .cpu_target import rotate, signed_sin
 
+MARKOV_TABLE_BYTES = 64 * 2**20  # DSpark's Markov pair table is kept up to this size (vocabularies to ~4k)
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # net -> {kernel: step}
 
 
@@ -111,6 +121,20 @@ class FusedDrafter:
         # the mask-free draft: every layer non-causal; a window only while it spans every position
         self.windows = [c.layer_window(i) for i in range(self.L)]
         self.open_block = not any(c.layer_causal(i) for i in range(self.L))
+        self._ssin = (None, None)  # (the network's sine table, its signed_sin): made once per table
+        self._markov = None  # DSpark: (W1, W2, their pair table or None), :meth:`_markov_table`
+
+    def _rope(self, start: torch.Tensor, T: int, B: int, lo: int):
+        """cos and signed sin [B or 1, T, D] of positions start.. (the signed sine table made once
+        per :meth:`setup_cache`'s table, not per step)."""
+        net = self.net
+        if self._ssin[0] is not net.sin:
+            self._ssin = (net.sin, signed_sin(net.sin))
+        ssin = self._ssin[1]
+        if B == 1:
+            return net.cos[lo:lo + T][None], ssin[lo:lo + T][None]
+        pos = start[:, None] + torch.arange(T)
+        return net.cos[pos], ssin[pos]
 
     def setup_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
         """The network's own context cache (:meth:`DFlashDrafter.setup_cache`): the fused step reads it in place."""
@@ -126,12 +150,9 @@ class FusedDrafter:
         ctx = net.hidden_norm(self.fc(features))
         kv = self.kv(ctx).view(B, T, self.L, 2, self.nkv, self.hd)
         lo = int(start.min())
-        if B == 1:
-            cos, sin = net.cos[lo:lo + T][None, :, None, None], net.sin[lo:lo + T][None, :, None, None]
-        else:
-            pos = start[:, None] + torch.arange(T)
-            cos, sin = net.cos[pos][:, :, None, None], net.sin[pos][:, :, None, None]
-        k = rotate(F.rms_norm(kv[:, :, :, 0], (self.hd,), None, self.eps) * self.k_norms, cos, signed_sin(sin))
+        cos, sin = self._rope(start, T, B, lo)
+        k = rotate(F.rms_norm(kv[:, :, :, 0], (self.hd,), None, self.eps) * self.k_norms, cos[:, :, None, None],
+                   sin[:, :, None, None])
         v = kv[:, :, :, 1]
         store_k, store_v = net.ctx_k.transpose(0, 1), net.ctx_v.transpose(0, 1)  # (B, L, Hkv, S, D)
         if B == 1:
@@ -172,16 +193,15 @@ class FusedDrafter:
         B, T = block.shape
         lo = int(start.min())
         open_ = self._open(B, lo, T, ctx_len)
-        if B == 1:
-            cos, sin = net.cos[lo:lo + T][None, :, None], net.sin[lo:lo + T][None, :, None]
-        else:
-            pos = start[:, None] + torch.arange(T)
-            cos, sin = net.cos[pos][:, :, None], net.sin[pos][:, :, None]
-        sin = signed_sin(sin)
+        cos, sin = self._rope(start, T, B, lo)
+        cos, sin = cos[:, :, None], sin[:, :, None]
         C = int((start if ctx_len is None else ctx_len).max())
         masks = None if open_ else self._masks(start, T, C, ctx_len)
         nh, nkv, hd, eps = self.nh, self.nkv, self.hd, self.eps
-        h = net.embed_block(block, embed)
+        # :meth:`DFlashDrafter.embed_block` (DSpark: its own table), the scale skipped when 1 (x * 1.0 == x)
+        h = (net.embed_tokens if isinstance(net, DSparkDrafter) else embed)(block)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
         for i, layer in enumerate(net.layers):
             x = F.rms_norm(h, (self.hidden,), layer.input_layernorm.weight, eps)
             if layer.attention_conv is not None:
@@ -202,7 +222,7 @@ class FusedDrafter:
             y = self.o[i](y.transpose(1, 2).reshape(B, T, nh * hd))
             if layer.attention_conv is not None:
                 y = _conv(y, dyn, layer.attention_conv.base_kernel[1], layer.attention_conv.group_size)
-            h = h + y
+            h += y  # h is this step's own tensor: in place
             x = F.rms_norm(h, (self.hidden,), layer.post_attention_layernorm.weight, eps)
             if layer.mlp_conv is not None:
                 x, dyn = _conv_prepare(layer.mlp_conv, self.convs[i][1], x)
@@ -210,7 +230,7 @@ class FusedDrafter:
             y = self.down[i](F.silu(g) * u)
             if layer.mlp_conv is not None:
                 y = _conv(y, dyn, layer.mlp_conv.base_kernel[1], layer.mlp_conv.group_size)
-            h = h + y
+            h += y
         return net.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -218,7 +238,9 @@ class FusedDrafter:
         head = self._heads.get(id(lm_head.weight))
         if head is None or head.weight is not lm_head.weight:
             head = self._heads[id(lm_head.weight)] = Linear(lm_head.weight, self.kernel)
-        out = head(hidden) * self.config.output_multiplier
+        out = head(hidden)
+        if self.config.output_multiplier != 1.0:  # x * 1.0 == x: no pass over the logits for it
+            out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
 
@@ -241,7 +263,8 @@ class FusedDrafter:
         logits = self.logits(hidden, lm_head)
         if isinstance(net, DFlash2Drafter):
             path, cands, scores = _walk(net.candidate_selector, hidden, logits, anchor)
-            return path, torch.full_like(logits, float("-inf")).scatter(-1, cands, scores.to(logits.dtype))
+            # the logits are spent: their buffer holds the scores (in place, no second block of V)
+            return path, logits.fill_(float("-inf")).scatter_(-1, cands, scores.to(logits.dtype))
         return logits.argmax(-1), logits
 
     @torch.no_grad()
@@ -251,20 +274,58 @@ class FusedDrafter:
         net = self.net
         hidden = self.block_hidden(self._block(anchor, gamma), start, None)
         base = self.logits(hidden, net.lm_head)
-        w1, w2 = net.markov_head.markov_w1.weight, net.markov_head.markov_w2.weight
-        prev, toks, logits = anchor, [], []
-        for j in range(gamma):
-            lj = base[:, j] + F.linear(F.embedding(prev, w1), w2)
-            prev = lj.argmax(-1)
-            toks.append(prev)
-            logits.append(lj)
-        toks_t = torch.stack(toks, 1)
+        toks_t, logits = self._markov_walk(base, anchor)
         if net.confidence_head is None:
             conf = torch.ones(anchor.shape[0], gamma)
         else:  # the walk's predecessors: the anchor, then each draft but the last
             prevs = torch.cat([anchor[:, None], toks_t[:, :-1]], 1)
             conf = torch.sigmoid(net.confidence_head(hidden, net.markov_head.markov_w1(prevs)).float())
-        return toks_t, torch.stack(logits, 1), conf
+        return toks_t, logits, conf
+
+    def _markov_table(self) -> torch.Tensor | None:
+        """DSpark's Markov bias of every (previous, next) token pair, ``W1 @ W2^T`` [V, V], made once
+        per network when it holds at most :data:`MARKOV_TABLE_BYTES` (a small vocabulary: the tiny
+        build's 2048 tokens, 16 MiB), else None."""
+        net = self.net
+        w1, w2 = net.markov_head.markov_w1.weight, net.markov_head.markov_w2.weight
+        if self._markov is None or self._markov[0] is not w1 or self._markov[1] is not w2:
+            V = w2.shape[0]
+            fits = w1.shape[0] * V * w1.element_size() <= MARKOV_TABLE_BYTES
+            self._markov = (w1, w2, (w1 @ w2.T).contiguous() if fits else None)
+        return self._markov[2]
+
+    def _markov_walk(self, base: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's Markov walk over base logits [B, gamma, V] after ``anchor`` [B]: each slot's
+        logits are ``base_j + W2 W1[prev]``, prev the previous slot's argmax. Returns (tokens int64
+        [B, gamma], logits [B, gamma, V]).
+
+        With the pair table (:meth:`_markov_table`) a slot reads one row of it (8 KiB for 2048
+        tokens) instead of all of W2 (its matrix-vector product), the walk's only work per slot; the
+        bias is the same sum of r products in another order (~1e-6 apart). Without it, one row:
+        ``addmv`` into the output (bit-equal to the network's ``linear`` + add); more rows: the
+        network's arithmetic."""
+        net = self.net
+        w1, w2 = net.markov_head.markov_w1.weight, net.markov_head.markov_w2.weight
+        B, gamma, V = base.shape
+        table = self._markov_table()
+        out = torch.empty_like(base)
+        if B == 1:
+            p, toks = int(anchor[0]), []
+            for j in range(gamma):
+                if table is not None:
+                    torch.add(base[0, j], table[p], out=out[0, j])
+                else:
+                    torch.addmv(base[0, j], w2, w1[p], out=out[0, j])
+                p = int(out[0, j].argmax())
+                toks.append(p)
+            return torch.tensor([toks], dtype=torch.long), out
+        prev, toks = anchor, []
+        for j in range(gamma):
+            bias = table[prev] if table is not None else F.linear(F.embedding(prev, w1), w2)
+            torch.add(base[:, j], bias, out=out[:, j])
+            prev = out[:, j].argmax(-1)
+            toks.append(prev)
+        return torch.stack(toks, 1), out
 
 
 def _conv_prepare(conv, projection: Linear, x: torch.Tensor):
@@ -276,28 +337,51 @@ def _conv_prepare(conv, projection: Linear, x: torch.Tensor):
 
 def _conv(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
     """:func:`specpilot.models.dflash2.grouped_dynamic_conv` over one block [B, T, C] (taps summed
-    from tap 0, as the reference accumulates them after its zero start)."""
+    from tap 0, as the reference accumulates them after its zero start). Tap t adds its product to
+    rows t.. only (rows before it would add the zero start's 0), in place: no padded copy."""
     B, T, C = x.shape
     K = base.shape[0]
-    xb = x.view(B, T, C // group, group)
-    dyn = dyn.view(B, T, K, C // group, 1)
-    out = (base[0].view(C // group, group) + dyn[:, :, 0]) * xb
-    for t in range(1, K):
-        shifted = F.pad(xb[:, :-t], (0, 0, 0, 0, t, 0))
-        out = out + (base[t].view(C // group, group) + dyn[:, :, t]) * shifted
+    G = C // group
+    xb = x.view(B, T, G, group)
+    dyn = dyn.view(B, T, K, G, 1)
+    base = base.view(K, G, group)
+    out = (base[0] + dyn[:, :, 0]) * xb
+    for t in range(1, min(K, T)):
+        out[:, t:] += (base[t] + dyn[:, t:, t]) * xb[:, :-t]
     return out.view(B, T, C)
 
 
 def _walk(sel, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
-    """:meth:`CandidateSelector.walk` with the successor codes of every slot's candidates looked up
-    in one operation (the walk's arithmetic unchanged)."""
-    unary, cands = logits.topk(min(sel.top_k, logits.shape[-1]), dim=-1)
-    hp = sel.hidden_projection(hidden)
-    succ = sel.successor_codebook(cands)  # [B, k, K, r]
-    prev, path, scores = anchor, [], []
-    for j in range(hidden.shape[1]):
-        sc = unary[:, j] + torch.einsum("...r,...kr->...k", sel.predecessor_codebook(prev) * hp[:, j], succ[:, j])
-        prev = cands[:, j].gather(1, sc.argmax(-1, keepdim=True))[:, 0]
-        path.append(prev)
-        scores.append(sc)
-    return torch.stack(path, 1), cands, torch.stack(scores, 1)
+    """:meth:`CandidateSelector.walk` in a fixed handful of operations instead of a handful per slot.
+
+    The walk's score at slot j is ``unary[j] + (pred(prev) * hp[j]) . succ[j, c]`` for the candidates
+    c of slot j, ``prev`` being the anchor (slot 0) or the candidate the walk took at slot j - 1.
+    Every predecessor the walk can take is one of slot j - 1's ``k`` candidates, so the scores of
+    every (predecessor, candidate) pair are computed at once (the lattice's transition table,
+    :meth:`CandidateSelector.lattice`: [B, n - 1, k, k]), and the walk itself is a host loop of
+    argmaxes over that small table (first maximum on ties, as ``argmax``). The scores and the
+    path are the walk's (the same products, summed over the rank by a matmul of k rows instead of
+    one)."""
+    unary, cands = logits.topk(min(sel.top_k, logits.shape[-1]), dim=-1)  # [B, n, k]
+    hp = sel.hidden_projection(hidden)  # [B, n, r]
+    succ = sel.successor_codebook(cands)  # [B, n, k, r]
+    B, n, k = cands.shape
+    first = unary[:, 0] + torch.einsum("br,bkr->bk", sel.predecessor_codebook(anchor) * hp[:, 0], succ[:, 0])
+    if n == 1:
+        idx = first.argmax(-1, keepdim=True)
+        return cands[:, 0].gather(1, idx), cands, first[:, None]
+    pred = sel.predecessor_codebook(cands[:, :-1]) * hp[:, 1:, None, :]  # [B, n - 1, k, r]
+    trans = unary[:, 1:, None, :] + torch.einsum("bjar,bjcr->bjac", pred, succ[:, 1:])  # [B, n - 1, k, k]
+    rows_first, rows_trans, picks = first.tolist(), trans.tolist(), []
+    for b in range(B):
+        row, taken = rows_first[b], []
+        for j in range(n):
+            i = max(range(k), key=row.__getitem__)  # the first maximum, as argmax
+            taken.append(i)
+            if j + 1 < n:
+                row = rows_trans[b][j][i]
+        picks.append(taken)
+    idx = torch.tensor(picks, dtype=torch.long)  # [B, n]: the candidate taken at each slot
+    path = cands.gather(2, idx[:, :, None])[:, :, 0]
+    later = trans.gather(2, idx[:, :-1, None, None].expand(B, n - 1, 1, k))[:, :, 0]
+    return path, cands, torch.cat([first[:, None], later], 1)
