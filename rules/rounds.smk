@@ -290,7 +290,7 @@ rule specpilot_config:
     conda:
         "../envs/engine.yaml"
     shell:
-        "python -m specpilot round final --integrated {input.integrated} --costmodel-text {input.costmodel_text}"
+        "python -m specpilot final --integrated {input.integrated} --costmodel-text {input.costmodel_text}"
         " --out {output} > {log} 2>&1"
 
 

@@ -13,14 +13,14 @@
 # what the rounds tried and kept. Table, summary, logs and results go under $OUT when it is set.
 # Environment: WHEELS (wheel folder, default .whl), CONFIG (default config/gpu.yaml; more
 # --configfile overlays in EXTRA_CONFIGS), GPU_STUDY_LIMIT (seconds Snakemake may run, default
-# 500), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
+# 520), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
 # CPU check of the same plumbing: GPU=cpu EXTRA_CONFIGS=.test/config/gpu-tiny.yaml bash scripts/gpu_study.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
 CONFIG=${CONFIG:-config/gpu.yaml}
-LIMIT=${GPU_STUDY_LIMIT:-510}
+LIMIT=${GPU_STUDY_LIMIT:-520}
 SITE=${SITE:-/tmp/specpilot-site}
 OUTDIR=${OUT:-results/gpu-study}
 mkdir -p "$OUTDIR"
@@ -47,16 +47,21 @@ fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/specpilot-triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 
-GPU=${GPU:-$("$PY" -c 'from specpilot.device import detect_gpu; print(detect_gpu())')}
+# the device's name and the versions in one interpreter (each start imports torch: seconds of the budget)
+DETECTED=$("$PY" -c 'import sys, torch, snakemake; from specpilot.device import detect_gpu
+print("torch", torch.__version__, "snakemake", snakemake.__version__, file=sys.stderr); print(detect_gpu())')
+GPU=${GPU:-$DETECTED}
 [ -n "$GPU" ] || { say "could not detect the device"; exit 2; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$PY" -c 'import torch, snakemake; print("torch", torch.__version__, "snakemake", snakemake.__version__)'
 say "device $GPU, config $CONFIG ${EXTRA_CONFIGS:-}, data ${SPECPILOT_DATA_DIR:-(config data_dir / shared/)}"
 
 # ---- the workflow, stopped at LIMIT seconds (then what finished is reported) ----
 CORES=$(nproc)
 THREADS=$(( CORES > 2 ? CORES / 2 : 1 ))  # a GPU job's threads: half the cores, the rest for the CPU jobs beside it
-"$PY" -m snakemake --unlock --configfile $CONFIG ${EXTRA_CONFIGS:-} --config gpu=$GPU >/dev/null 2>&1
+# a lock left by an interrupted run (a fresh box has none: no second parse of the workflow then)
+if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then
+    "$PY" -m snakemake --unlock --configfile $CONFIG ${EXTRA_CONFIGS:-} --config gpu=$GPU >/dev/null 2>&1
+fi
 S0=$SECONDS
 timeout -s INT -k 30 "$LIMIT" "$PY" -m snakemake --cores all --max-threads $THREADS --keep-going --rerun-incomplete \
     --configfile $CONFIG ${EXTRA_CONFIGS:-} --config gpu=$GPU -- "results/$GPU/table.csv" > "$OUTDIR/snakemake.log" 2>&1

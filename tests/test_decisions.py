@@ -152,3 +152,29 @@ def test_a_direction_the_memory_trials_measured_whole_gets_no_agent():
     # a grid of many points is not covered by one trial of it
     one = [{"direction": "block_size", "params": {"block_size": 8}, "merged": False}]
     assert not dirs.covered(dirs.REGISTRY["block_size"], base, one)
+
+
+def test_final_config_copies_the_last_round_and_refuses_other_files(tmp_path):
+    """`specpilot final` (no torch: on the GPU study's critical path) writes the round's config,
+    its calibration figures and the cost model lines; a file that is not an integration is refused."""
+    import json
+    import subprocess
+    import sys
+
+    from specpilot.agent.final import final_config
+    from specpilot.errors import SpecpilotError
+
+    integrated = {"config": {"block_size": 16, "overlap": True}, "round": 2, "speedup_vs_ar": 3.4, "tau": 4.2,
+                  "gate": {"passed": True}}
+    out = final_config(integrated, "cost model\nverify 1.0x\n")
+    assert out["engine_config"] == {"block_size": 16, "overlap": True} and out["round"] == 2
+    assert out["validated_by_token_forcing"] is True and out["costmodel"] == ["cost model", "verify 1.0x"]
+    with pytest.raises(SpecpilotError, match="no gate"):
+        final_config({k: v for k, v in integrated.items() if k != "gate"})
+    (tmp_path / "i.json").write_text(json.dumps(integrated))
+    code = ("import sys; from specpilot.cli import main; rc = main(['final', '--integrated', sys.argv[1], "
+            "'--out', sys.argv[2]]); assert 'torch' not in sys.modules, 'final imported torch'; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "i.json"), str(tmp_path / "s.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["tau_calibration"] == 4.2

@@ -24,6 +24,7 @@ kernels            kernels_build             build / tune the per-GPU kernels (r
 table              aggregate                 aggregate records into the study table (geometric means)
 figures            figures                   draw the study figures from the table
 round              agent.rounds              agent rounds: references, plan, one direction's agent, integrate
+final              agent.final               the specpilot engine config of a deployment: its last round's integrated config
 memory             agent.memory              merge structured-memory snapshots into one file
 convert-w12        w12.convert               convert a bf16 checkpoint to the lossless 12-bit format
 random-checkpoint  models.random_checkpoint  write a random-weight checkpoint of a named shape

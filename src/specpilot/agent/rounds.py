@@ -15,8 +15,8 @@ is a declared output:
 - ``integrate``: merge the winners into one config, re-validate and re-measure it
   (``integrated.json``), and write the round's memory snapshot (``memory.jsonl``: the snapshot it
   started from, the plan's invalidations, and the mechanisms integrated this round).
-``final`` copies the last round's integrated config to ``specpilot.json``; ``kernels`` is the kernel
-sub-agent (:mod:`specpilot.agent.kernel_agent`).
+``specpilot final`` (:mod:`specpilot.agent.final`) copies the last round's integrated config to
+``specpilot.json``; ``kernels`` is the kernel sub-agent (:mod:`specpilot.agent.kernel_agent`).
 
 Method parameters (command-line options, from config ``rounds``): ``min_gain`` (a candidate
 counts as a win only when the lower end of its gain's 95 % interval, the interval the table uses:
@@ -408,18 +408,6 @@ def _integrated_costmodel(args, ev, ctx: dict, chosen: dict, result: dict, evide
     return analysis
 
 
-def final(args) -> int:
-    """The specpilot engine config = the last round's integrated config."""
-    last = read_json(args.integrated)
-    out = {"engine_config": last["config"], "round": last["round"],
-           "speedup_vs_ar_calibration": last["speedup_vs_ar"], "tau_calibration": last["tau"],
-           "validated_by_token_forcing": last["gate"]["passed"]}
-    if args.costmodel_text:  # where the time goes with this config (the last round's integration)
-        out["costmodel"] = Path(args.costmodel_text).read_text().splitlines()
-    write_json(args.out, out)
-    return 0
-
-
 KERNEL_SECTIONS = ("w12", "engine", "w12_fast")  # the kernel sub-agent's sections (kernel_agent.tune's switches)
 
 
@@ -464,7 +452,7 @@ _FILE_OPTIONS = {
     "--ceilings": "ceilings.json of the device (plan, integrate)",
     "--costmodel": "costmodel.json: written by plan, read by integrate",
     "--costmodel-text": "costmodel.txt: written by plan, read by agent (policy context); integrate writes the "
-                        "integrated config's (costmodel-integrated.txt), final copies it into specpilot.json",
+                        "integrated config's (costmodel-integrated.txt), `specpilot final` copies it into specpilot.json",
     "--kernels-manifest": "results/{gpu}/kernels/manifest.json",
     "--kernel-agent": "the kernel sub-agent's kernel-agent.json (tuned kernels used)",
     "--memory": "memory snapshot this round starts from (none = empty)",
@@ -474,7 +462,7 @@ _FILE_OPTIONS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("step", choices=("references", "plan", "agent", "integrate", "final", "kernels"))
+    p.add_argument("step", choices=("references", "plan", "agent", "integrate", "kernels"))
     p.add_argument("--out", required=True)
     p.add_argument("--out-stock", help="stock references to write (references; --out gets AR's)")
     p.add_argument("--round", type=int, default=1)
@@ -482,7 +470,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--previous", help="integrated.json of the previous round (plan)")
     p.add_argument("--previous-costmodel", help="costmodel-integrated.txt of the previous round (plan: the cost "
                                                 "model of its base, measured by that round's integration)")
-    p.add_argument("--integrated", help="integrated.json of the last round (final)")
     p.add_argument("--agent-files", nargs="*", default=[])
     p.add_argument("--direction")
     p.add_argument("--target")
@@ -534,7 +521,7 @@ def run(args) -> int:
     if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
         raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
                              f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")
-    if args.step not in ("final", "kernels"):  # the stock block: an integer, or the drafter's own (auto)
+    if args.step != "kernels":  # the stock block: an integer, or the drafter's own (auto)
         args.block_size = resolve_block(args.block_size, args.drafter, "--block-size")
-    return {"references": references, "plan": plan, "agent": agent, "integrate": integrate, "final": final,
+    return {"references": references, "plan": plan, "agent": agent, "integrate": integrate,
             "kernels": kernels}[args.step](args)

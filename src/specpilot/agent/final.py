@@ -1,0 +1,50 @@
+"""``specpilot final``: the specpilot engine config of a deployment = its last round's integrated
+config (``results/{gpu}/{deployment}/specpilot.json``).
+
+Kept apart from :mod:`specpilot.agent.rounds` so that this step, on the critical path between a
+deployment's last round and its engine cells, imports no torch (a job of well under a second
+instead of ~5 s of imports: the GPU study's one-call budget, issue 46).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import SpecpilotError
+from ..io import read_json, write_json
+
+
+def final_config(integrated: dict, costmodel_text: str | None = None) -> dict:
+    """The content of ``specpilot.json`` from a round's ``integrated.json`` content.
+
+    Returns ``engine_config`` (the round's config), ``round``, the calibration speedup over AR and
+    tau, whether token forcing validated it and, given ``costmodel_text``, the cost model of that
+    config as lines (where the time goes with it).
+
+    Raises:
+        SpecpilotError: ``integrated`` lacks a key a round's integration writes.
+    """
+    missing = [k for k in ("config", "round", "speedup_vs_ar", "tau", "gate") if k not in integrated]
+    if missing:
+        raise SpecpilotError(f"--integrated is not a round's integrated.json: no {', '.join(missing)}")
+    out = {"engine_config": integrated["config"], "round": integrated["round"],
+           "speedup_vs_ar_calibration": integrated["speedup_vs_ar"], "tau_calibration": integrated["tau"],
+           "validated_by_token_forcing": integrated["gate"]["passed"]}
+    if costmodel_text is not None:
+        out["costmodel"] = costmodel_text.splitlines()
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``specpilot final``."""
+    p.add_argument("--integrated", required=True, help="integrated.json of the deployment's last round")
+    p.add_argument("--costmodel-text", help="costmodel-integrated.txt of that round (copied in as lines)")
+    p.add_argument("--out", required=True, help="specpilot.json to write (atomically)")
+
+
+def run(args) -> int:
+    """Write ``--out`` from ``--integrated`` (and ``--costmodel-text``)."""
+    text = Path(args.costmodel_text).read_text() if args.costmodel_text else None
+    write_json(args.out, final_config(read_json(args.integrated), text))
+    return 0
