@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from ..deployment import Deployment
@@ -224,8 +225,6 @@ def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dic
 
 def _threads() -> int:
     """torch's CPU threads in this process (the record's ``threads``)."""
-    import torch
-
     return torch.get_num_threads()
 
 
