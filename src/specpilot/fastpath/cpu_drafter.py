@@ -357,21 +357,18 @@ def _walk(sel, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor)
     The walk's score at slot j is ``unary[j] + (pred(prev) * hp[j]) . succ[j, c]`` for the candidates
     c of slot j, ``prev`` being the anchor (slot 0) or the candidate the walk took at slot j - 1.
     Every predecessor the walk can take is one of slot j - 1's ``k`` candidates, so the scores of
-    every (predecessor, candidate) pair are computed at once (the lattice's transition table,
-    :meth:`CandidateSelector.lattice`: [B, n - 1, k, k]), and the walk itself is a host loop of
+    every (predecessor, candidate) pair are computed at once (the lattice's edge tables,
+    :meth:`CandidateSelector.lattice`, plus the unary scores), and the walk itself is a host loop of
     argmaxes over that small table (first maximum on ties, as ``argmax``). The scores and the
     path are the walk's (the same products, summed over the rank by a matmul of k rows instead of
     one)."""
-    unary, cands = logits.topk(min(sel.top_k, logits.shape[-1]), dim=-1)  # [B, n, k]
-    hp = sel.hidden_projection(hidden)  # [B, n, r]
-    succ = sel.successor_codebook(cands)  # [B, n, k, r]
+    cands, unary, first, trans = sel.lattice(hidden, logits, anchor)  # edges [B, k], [B, n - 1, k, k]
     B, n, k = cands.shape
-    first = unary[:, 0] + torch.einsum("br,bkr->bk", sel.predecessor_codebook(anchor) * hp[:, 0], succ[:, 0])
+    first = unary[:, 0] + first
     if n == 1:
         idx = first.argmax(-1, keepdim=True)
         return cands[:, 0].gather(1, idx), cands, first[:, None]
-    pred = sel.predecessor_codebook(cands[:, :-1]) * hp[:, 1:, None, :]  # [B, n - 1, k, r]
-    trans = unary[:, 1:, None, :] + torch.einsum("bjar,bjcr->bjac", pred, succ[:, 1:])  # [B, n - 1, k, k]
+    trans = unary[:, 1:, None, :] + trans  # the walk's scores: unary + edge
     rows_first, rows_trans, picks = first.tolist(), trans.tolist(), []
     for b in range(B):
         row, taken = rows_first[b], []
