@@ -145,7 +145,7 @@ def test_a_direction_the_memory_trials_measured_whole_gets_no_agent():
     assert dirs.plan_directions(ctx, gaps, base, 1) == ["overlap"]
     tried = [{"direction": "overlap", "params": {"overlap": True}, "merged": False, "gain": 1.013}]
     assert dirs.covered(dirs.REGISTRY["overlap"], base, tried)
-    assert dirs.plan_directions(ctx, gaps, base, 1, tried) == ["block_size"]
+    assert dirs.plan_directions(ctx, gaps, base, 1, ["overlap"]) == ["block_size"]
     # a merged trial measured something else (with other entries): not a cover
     merged = [dict(tried[0], merged=True)]
     assert not dirs.covered(dirs.REGISTRY["overlap"], base, merged)

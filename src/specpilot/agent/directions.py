@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ..errors import SpecpilotError
 
@@ -49,14 +49,15 @@ class Direction:
         return {"type": "object", "additionalProperties": False, "required": sorted(self.space),
                 "properties": {k: {"enum": list(v)} for k, v in self.space.items()}}
 
+    def changes(self, base: dict) -> list[dict]:
+        """The grid's candidates that change ``base`` other than by switching the mechanism off."""
+        return [c for c in self.candidates()
+                if not all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items()) and self.apply(base, c) != base]
+
     def explorable(self, base: dict) -> bool:
         """Whether the grid holds a candidate that changes ``base`` other than switching the mechanism
         off (a mechanism already on at its only setting has nothing left to try)."""
-        for c in self.candidates():
-            off = all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items())
-            if not off and self.apply(base, c) != base:
-                return True
-        return False
+        return bool(self.changes(base))
 
     def apply(self, config: dict, params: dict) -> dict:
         """A new engine config with ``params`` set (the input is not modified), normalized; when a
@@ -109,22 +110,22 @@ def covered(direction: Direction, base: dict, tried: list[dict]) -> bool:
     """Whether memory trials on this deployment already measured every candidate of ``direction``
     that changes ``base`` (``tried``: the plan's ``memory_tried`` entries; only trials of the entry
     on its own count, not merged ones): an agent for it would re-time the same configs."""
-    seen = [t["params"] for t in tried if t.get("direction") == direction.name and not t.get("merged")]
-    todo = [c for c in direction.candidates()
-            if not all(k in DEFAULTS and v in DEFAULTS[k] for k, v in c.items()) and direction.apply(base, c) != base]
-    return bool(todo) and all(any(direction.apply(base, s) == direction.apply(base, c) for s in seen) for c in todo)
+    seen = [direction.apply(base, t["params"]) for t in tried
+            if t.get("direction") == direction.name and not t.get("merged")]
+    todo = direction.changes(base)
+    return bool(todo) and all(direction.apply(base, c) in seen for c in todo)
 
 
 def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int,
-                    tried: list[dict] | None = None) -> list[str]:
+                    skip: Collection[str] = ()) -> list[str]:
     """The directions of a round: of those that apply to ``ctx``, attack a term with a positive gap
     (``gaps``: term -> seconds per token), have something to try from ``base``
-    (:meth:`Direction.explorable`) and were not measured whole by this round's memory trials
-    (``tried``, :func:`covered`), first the best-ranked direction of each term, terms by gap (so
+    (:meth:`Direction.explorable`) and are not in ``skip`` (the round's plan: those its memory
+    trials measured whole, :func:`covered`), first the best-ranked direction of each term, terms by gap (so
     every term the cost model ranks gets a direction, not only the largest one's many), then the
     others by gap; ``agents`` of them (registration order breaks ties)."""
     live = sorted((d for d in applicable(ctx) if gaps.get(d.cost_term, 0.0) > 0 and d.explorable(base)
-                   and not covered(d, base, tried or [])),
+                   and d.name not in skip),
                   key=lambda d: -gaps[d.cost_term])
     firsts = {}
     for d in live:

@@ -157,9 +157,9 @@ def plan(args) -> int:
         ar = {r.request_id: r for r in ev.ar}
         base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
     gaps = {t["term"]: t["gap_s_per_token"] for t in analysis["terms"]}
-    chosen = dirs.plan_directions(ctx, gaps, base, args.agents, tried)
     # a direction whose every candidate the memory trials above measured here gets no agent of its own
     covered = [d.name for d in dirs.applicable(ctx) if dirs.covered(d, base, tried)]
+    chosen = dirs.plan_directions(ctx, gaps, base, args.agents, covered)
     ranked = sorted(dirs.applicable(ctx), key=lambda d: -gaps.get(d.cost_term, 0.0))
     order = {}
     if "tree_lattice" in chosen:  # the budgets ranked by the cost model (tau curve x verify cost, this device)
