@@ -220,12 +220,7 @@ def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dic
         drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"],
         arrival_s=getattr(r, "arrival_s", None), first_token_s=getattr(r, "first_token_s", None),
         finish_s=getattr(r, "finish_s", None), prefill_stall_s=getattr(r, "prefill_stall_s", 0.0),
-        threads=_threads())
-
-
-def _threads() -> int:
-    """torch's CPU threads in this process (the record's ``threads``)."""
-    return torch.get_num_threads()
+        threads=torch.get_num_threads())
 
 
 def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_new_tokens: int,
