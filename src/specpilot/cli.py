@@ -18,6 +18,7 @@ _TABLE = """
 build-tiny         tiny.build                build the embedded tiny deployment (tokenizer, target, drafter) on CPU
 prompts            prompts.cli               write one benchmark's formatted, tokenized prompts
 run                engine.cli                run one engine over a prompt file into a records file
+serve              server.cli                serve a deployment's engine behind an OpenAI-compatible HTTP API
 force              forcing.cli               token forcing: check a candidate's records against reference records
 ceilings           ceilings                  measure a device's memory bandwidth and matmul rate
 kernels            kernels_build             build / tune the per-GPU kernels (records that none apply on CPU)

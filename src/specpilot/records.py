@@ -62,6 +62,16 @@ class Record:
             the host side of a GPU step too); the cost model holds CPU steps to ceilings measured with
             as many threads (:func:`specpilot.ceilings.for_threads`). None in records written before
             it existed.
+        max_new_tokens, eos_id: a served request's own token budget and the token that ended it
+            (``specpilot serve``, where each request has its own; token forcing's re-execution
+            serves it with them); None in a workflow cell (the cell's budget, EOS ignored).
+        served: what ``specpilot serve`` answered: ``finish_reason`` (``length``, ``eos``,
+            ``stop``, ``cancelled``), ``endpoint``, ``completion_tokens`` (tokens returned to the
+            client) and, for a stop string, ``stop`` = ``{"string", "tokens"}``: the response
+            text was cut where the string begins, inside the step whose commit completed it, and
+            ``tokens`` counts the output tokens up to and including the one that completed it;
+            ``output_ids`` keeps every token the engine committed (that whole step), which token
+            forcing checks. None outside serving.
     """
 
     request_id: str
@@ -94,6 +104,9 @@ class Record:
     device_uuid: str | None = None
     device_name: str | None = None
     threads: int | None = None
+    max_new_tokens: int | None = None
+    eos_id: int | None = None
+    served: dict[str, Any] | None = None
 
     @property
     def tau(self) -> float:

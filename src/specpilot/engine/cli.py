@@ -349,6 +349,21 @@ def _time_engines(args, cells: _Cells, specs: list[EngineSpec], prompts: list[di
     return runs
 
 
+def stamp_records(records: list, dep: Deployment, kernel_outputs: dict | None) -> dict:
+    """Stamp records with the device that timed them (issue 40) and, when ``kernel_outputs`` is
+    given (a kernel manifest or sub-agent output was used), the kernels in ``engine_config["kernels"]``
+    with the checked-cuBLAS selection of the fast steps on this GPU (:mod:`specpilot.tuning.select`).
+    Returns that selection (empty off the fast path)."""
+    chosen = dep.backend.matmul_choices()
+    device = device_identity()
+    for r in records:
+        r.device_index, r.device_uuid, r.device_name = device["device_index"], device["device_uuid"], \
+            device["device_name"]
+        if kernel_outputs is not None:
+            r.engine_config["kernels"] = dict(kernel_outputs, **({"matmul": chosen} if chosen else {}))
+    return chosen
+
+
 def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: dict, kernel_outputs: dict,
            block_note: str | None = None) -> list:
     """Write each engine's records (repeats merged, the kernels recorded, stock's ``block_note``);
@@ -359,14 +374,8 @@ def _write(args, cells: _Cells, specs: list[EngineSpec], outs: list[str], runs: 
         if block_note and sp.engine == "stock":
             for r in records:
                 r.engine_config["block_reason"] = block_note
-        # the checked-cuBLAS selection of the fast steps on this GPU (tuning.select)
-        chosen = cells.dep(sp).backend.matmul_choices()
-        device = device_identity()  # which physical device timed the cell (issue 40)
-        for r in records:
-            r.device_index, r.device_uuid, r.device_name = device["device_index"], device["device_uuid"], \
-                device["device_name"]
-            if args.kernels_manifest or args.kernel_agent:
-                r.engine_config["kernels"] = dict(kernel_outputs, **({"matmul": chosen} if chosen else {}))
+        chosen = stamp_records(records, cells.dep(sp), kernel_outputs if args.kernels_manifest or args.kernel_agent
+                               else None)
         write_records(out, records)
         taus = [t for r in records for t in r.committed_per_step]
         line = {"engine": sp.engine, "requests": len(records), "tau": round(sum(taus) / max(len(taus), 1), 3),

@@ -63,12 +63,14 @@ from .verify import accept_greedy, advance, step
 
 @dataclass
 class Request:
-    """One queued request: prompt ids, its new-token budget, and the replay drafter's reference
-    output (AR output ids of the same prompt; only the replay drafter reads it)."""
+    """One queued request: prompt ids, its new-token budget, the replay drafter's reference
+    output (AR output ids of the same prompt; only the replay drafter reads it), and whether it
+    ignores the scheduler's ``eos_id``."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     reference: list[int] | None = None
+    ignore_eos: bool = False  # decode the whole budget even past the scheduler's eos_id (serving's ignore_eos)
 
 
 @dataclass
@@ -279,31 +281,45 @@ class Scheduler:
     def _loop(self, queue: deque, slot: list, length: list[int], last: torch.Tensor, requests: list[Request],
               out: list[RequestResult], t0: float) -> None:
         """Decode steps (and the refills between them) until the queue and every slot are empty."""
+        pipe = self._pipe()
+        while any(s is not None for s in slot) or self._pending:
+            last = self._iteration(pipe, queue, slot, length, last, requests, out, t0)
+
+    def _pipe(self) -> OverlapStepper | None:
+        """The overlap stepper of a run (None: steps one at a time); sets :attr:`overlapped`."""
         runner, drafter = self.runner, self.drafter
         pipe = OverlapStepper(runner, drafter, self.accept) if self.overlap and drafter.can_overlap() else None
         self.overlapped = pipe is not None
-        while any(s is not None for s in slot) or self._pending:
-            if self._pending:  # admit the newcomers whose prefill finished beside the last steps
-                last, _ = self._poll(queue, slot, length, last, requests, out, t0)
-                if not any(s is not None for s in slot):
-                    continue
-            if pipe is not None:  # the next draft runs while the host does this step's bookkeeping
-                st = pipe.step(last, [0 if i is None else requests[i].max_new_tokens - len(out[i].output_ids)
-                                      for i in slot])
-            else:
-                st = step(runner, drafter, last, self.accept, self.profile)
-            self.steps += 1
-            if self.on_step is not None:
-                self.on_step(st.proposal, st.paths)
-            now = st.t_end - t0
-            counts, committed, freed = self._record(st, slot, requests, out, now)
-            last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
-            for b in range(runner.batch):
-                length[b] += counts[b]
-            if self.beside:
-                self._launch_beside(freed, now, queue, slot, length, requests, out)
-            else:
-                last = self._refill(freed, now, queue, slot, length, last, requests, out, t0)
+        return pipe
+
+    def _iteration(self, pipe: OverlapStepper | None, queue, slot: list, length: list[int], last: torch.Tensor,
+                   requests, out, t0: float) -> torch.Tensor:
+        """One scheduler iteration (module docstring): admit finished beside-prefills, one decode step
+        for every slot, the refills of the slots it freed. Returns the anchors [B] of the next step.
+        ``queue``, ``requests`` and ``out`` may be any containers indexed by request id (the online
+        scheduler, :mod:`specpilot.engine.online`, keys them by id)."""
+        runner, drafter = self.runner, self.drafter
+        if self._pending:  # admit the newcomers whose prefill finished beside the last steps
+            last, _ = self._poll(queue, slot, length, last, requests, out, t0)
+            if not any(s is not None for s in slot):
+                return last
+        if pipe is not None:  # the next draft runs while the host does this step's bookkeeping
+            st = pipe.step(last, [0 if i is None else requests[i].max_new_tokens - len(out[i].output_ids)
+                                  for i in slot])
+        else:
+            st = step(runner, drafter, last, self.accept, self.profile)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(st.proposal, st.paths)
+        now = st.t_end - t0
+        counts, committed, freed = self._record(st, slot, requests, out, now)
+        last = pipe.advance(committed) if pipe is not None else advance(runner, drafter, st, counts, committed)
+        for b in range(runner.batch):
+            length[b] += counts[b]
+        if self.beside:
+            self._launch_beside(freed, now, queue, slot, length, requests, out)
+            return last
+        return self._refill(freed, now, queue, slot, length, last, requests, out, t0)
 
     def _record(self, st, slot: list, requests: list[Request], out: list[RequestResult], now: float):
         """Commit one step's tokens to each running request (budgets, EOS); returns (counts kept per
@@ -314,7 +330,7 @@ class Scheduler:
                 counts.append(0), committed.append([])
                 continue
             r = out[i]
-            done = take_tokens(r, st.proposed[b], requests[i].max_new_tokens, self.eos_id)
+            done = take_tokens(r, st.proposed[b], requests[i].max_new_tokens, self._eos(requests[i]))
             counts.append(r.committed_per_step[-1])
             committed.append(st.proposed[b][: counts[-1]])
             if self.profile:
@@ -489,6 +505,10 @@ class Scheduler:
         self._launch_beside(again, now, queue, slot, length, requests, out)
         return last, admitted
 
+    def _eos(self, req: Request) -> int | None:
+        """The token that ends ``req`` (None: it decodes its whole budget)."""
+        return None if req.ignore_eos else self.eos_id
+
     def _admit(self, b: int, i: int, first: int, arrival: float, prefill_s: float, first_s: float,
                requests: list[Request], out: list[RequestResult]) -> bool:
         """Record request i's first token in slot b and reset the drafter's slot; True if it is done."""
@@ -496,7 +516,7 @@ class Scheduler:
         r.arrival_s, r.prefill_s, r.first_token_s = arrival, prefill_s, first_s
         r.output_ids.append(first)
         self.drafter.reset_slot(b, list(req.prompt_ids), first, req.reference)
-        done = req.max_new_tokens <= 1 or first == self.eos_id
+        done = req.max_new_tokens <= 1 or first == self._eos(req)
         if done:
             r.finish_s, r.decode_s = first_s, 0.0
             if self.on_finish is not None:

@@ -201,10 +201,10 @@ def serve(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_new_tokens
         rows = _serve_static(spec, dep, prompts, max_new_tokens, concurrency, max_seq, opts)
     else:
         rows = _serve_continuous(spec, dep, prompts, max_new_tokens, concurrency, max_seq, opts)
-    return [_record(spec, p, r, concurrency, meta, opts, dep.backend.path) for p, r in zip(prompts, rows)]
+    return [to_record(spec, p, r, concurrency, meta, opts, dep.backend.path) for p, r in zip(prompts, rows)]
 
 
-def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dict, opts: ServeOptions,
+def to_record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dict, opts: ServeOptions,
             path: str) -> Record:
     """One request's :class:`~specpilot.records.Record`; ``path``: the execution path every step
     of the engine ran (the backend's, :data:`~specpilot.engine.backend.PATHS`), recorded as
@@ -223,6 +223,18 @@ def _record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: dic
         threads=torch.get_num_threads())
 
 
+def continuous_engine(spec: EngineSpec, dep: Deployment, slots: int, max_seq: int,
+                      replay: AcceptanceProfile | None = None, references: list[list[int]] | None = None):
+    """The proposer (None for AR) and the :class:`TargetRunner` of ``slots`` rows and ``max_seq``
+    KV-cache slots each that continuous batching serves engine ``spec`` with over ``dep`` (the
+    closed-loop cells here and ``specpilot serve``'s online scheduler alike)."""
+    proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay, references)
+    capture = proposer.capture if proposer is not None else ()
+    runner = TargetRunner(dep.target, slots, max_seq, capture, dep.backend, verify_width=engine_width(spec, proposer),
+                          fused=spec.fused_verify)
+    return proposer, runner
+
+
 def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_new_tokens: int,
                       concurrency: int, max_seq: int, opts: ServeOptions) -> list[RowResult]:
     """All prompts through one :class:`~specpilot.engine.scheduler.Scheduler` of c slots."""
@@ -235,11 +247,8 @@ def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], ma
     requests = [Request(p["prompt_ids"], max_new_tokens, references[p["request_id"]] if replay is not None else None)
                 for p in prompts]
     B = min(concurrency, len(prompts))
-    proposer = make_engine_proposer(spec, dep.target, dep.drafter, replay,
-                                    [r.reference for r in requests[:B]] if replay is not None else None)
-    capture = proposer.capture if proposer is not None else ()
-    runner = TargetRunner(dep.target, B, max_seq, capture, dep.backend, verify_width=engine_width(spec, proposer),
-                          fused=spec.fused_verify)
+    proposer, runner = continuous_engine(spec, dep, B, max_seq, replay,
+                                         [r.reference for r in requests[:B]] if replay is not None else None)
     bar = tqdm(total=len(requests), desc=f"{spec.engine} c{concurrency}", unit="req", disable=not opts.progress)
     # (a sliding-window target's prompts go in the runner's fixed pieces, TargetRunner.prefill_piece,
     # and a refill block over every row is cut to its widest block, TargetRunner.max_block)

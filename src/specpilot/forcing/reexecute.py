@@ -33,7 +33,7 @@ ServeFn = Callable[..., list[Record]]
 class Reexecution:
     """How to re-execute a candidate's engine for the spot re-execution.
 
-    ``serve(spec, rows, max_new_tokens, concurrency, max_seq)`` serves prompt rows (dicts with
+    ``serve(spec, rows, max_new_tokens, concurrency, max_seq, eos_id=None)`` serves prompt rows (dicts with
     request_id, benchmark, prompt_ids) with an :class:`~specpilot.engine.config.EngineSpec` in
     batches of ``concurrency`` in the given order, and returns their records (no warm-up needed).
     ``tokens``: leading new tokens per request whose verify steps are re-run (0: none).
@@ -59,9 +59,9 @@ def serve_reexecution(deployment_for: Callable[[EngineConfig], Deployment], meta
         progress bar.
     """
 
-    def run(spec, rows, max_new_tokens, concurrency, max_seq):
+    def run(spec, rows, max_new_tokens, concurrency, max_seq, eos_id=None):
         return serve(spec, deployment_for(spec.config), rows, max_new_tokens, concurrency, meta,
-                     ServeOptions(max_seq=max_seq, warmup=False, progress=False))
+                     ServeOptions(eos_id=eos_id, max_seq=max_seq, warmup=False, progress=False))
 
     return run
 
@@ -73,19 +73,23 @@ def _turn(request_id: str) -> str:
 
 def _serving_groups(candidate: list[Record]) -> dict[tuple, list[Record]]:
     """The candidate's records grouped as the engine served them: by turn of a multi-turn chain,
-    engine, concurrency and engine config, each group in record order."""
+    engine, concurrency, engine config, and a served request's own budget and EOS token (records
+    of ``specpilot serve``: ``max_new_tokens``, ``eos_id``; None in a workflow cell), each group in
+    record order."""
     groups: dict[tuple, list[Record]] = {}
     for r in candidate:
         cfg = r.engine_config or {}
-        key = (_turn(r.request_id), r.engine, int(r.concurrency), repr(sorted(cfg.items(), key=lambda kv: kv[0])))
+        key = (_turn(r.request_id), r.engine, int(r.concurrency), repr(sorted(cfg.items(), key=lambda kv: kv[0])),
+               r.max_new_tokens, r.eos_id)
         groups.setdefault(key, []).append(r)
     return groups
 
 
 def _rerun_group(reexecution: Reexecution, engine: str, concurrency: int, cfg: dict, rows: list[dict],
-                 cell_max_new: int) -> tuple[int, list[Record]]:
-    """Serve one group's rows again with the cell's KV-cache size; returns (token budget, records).
-    Raises SpecpilotError when the engine config cannot run."""
+                 cell_max_new: int, eos_id: int | None = None) -> tuple[int, list[Record]]:
+    """Serve one group's rows again with the cell's KV-cache size (``cell_max_new``: the cell's
+    budget, or a served request's own), stopping at ``eos_id`` where the engine did; returns
+    (token budget, records). Raises SpecpilotError when the engine config cannot run."""
     config = EngineConfig.parse(cfg, "the records' engine_config", record=True)
     block = config.block_size if isinstance(config.block_size, int) else 1
     spec = EngineSpec(engine, block, config.without("block_size"))
@@ -95,7 +99,7 @@ def _rerun_group(reexecution: Reexecution, engine: str, concurrency: int, cfg: d
     if reexecution.max_positions:
         max_seq = min(max_seq, reexecution.max_positions)
     budget = max(1, min(1 + reexecution.tokens, cell_max_new, max_seq - longest - width - 1))
-    return budget, reexecution.serve(spec, rows, budget, concurrency, max_seq)
+    return budget, reexecution.serve(spec, rows, budget, concurrency, max_seq, eos_id=eos_id)
 
 
 def _compare_rerun(r: Record, x: Record, budget: int) -> tuple[int, dict | None]:
@@ -153,7 +157,7 @@ def reexecution_check(candidate: list[Record], prompt_of: Callable[[Record], lis
         report["skipped"].append("replay_tokens 0")
         return report, violations
     t0 = time.perf_counter()
-    for (_, engine, concurrency, _), recs in _serving_groups(candidate).items():
+    for (_, engine, concurrency, _, own_max_new, eos_id), recs in _serving_groups(candidate).items():
         cfg = dict(recs[0].engine_config or {})
         if cfg.get("replay_profile") or any(r.synthetic for r in recs):
             report["skipped"].append(f"{len(recs)} synthetic request(s) (replay drafter)")
@@ -164,7 +168,8 @@ def reexecution_check(candidate: list[Record], prompt_of: Callable[[Record], lis
         rows = [{"request_id": r.request_id, "benchmark": r.benchmark, "prompt_ids": prompt_of(r)} for r in recs]
         report["requests"] += len(recs)
         try:
-            budget, rerun = _rerun_group(reexecution, engine, concurrency, cfg, rows, cell_max_new)
+            budget, rerun = _rerun_group(reexecution, engine, concurrency, cfg, rows, own_max_new or cell_max_new,
+                                         eos_id)
         except SpecpilotError as e:
             violations += [{"check": "replay", "request_id": r.request_id,
                             "detail": f"engine config {recs[0].engine_config} could not be re-run: {e}"} for r in recs]
