@@ -1,0 +1,276 @@
+"""``specpilot serve`` against the ``openai`` client: one server per module on the tiny deployment.
+
+The server runs the specpilot engine (the drafter with an engine config) at 2 slots and a queue
+of 6. Checked: 8 concurrent chat requests equal ``specpilot run --engine ar`` token for token
+(records and text), streaming equals non-streaming, token forcing passes on the server's records,
+a client that disconnects mid-stream frees its slot, a full queue answers 429, and every bad
+request gets a 4xx naming the field while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from specpilot.cli import main as specpilot_main
+from specpilot.errors import SpecpilotError
+from specpilot.prompts import BENCHMARKS, load_tokenizer, write_prompt_file
+from specpilot.records import read_records
+from specpilot.server.engine import deployment_files
+from specpilot.server.text import TextStream
+
+REPO = Path(__file__).resolve().parents[1]
+NEW = 24  # tokens per request
+MAX_SEQ = 1024
+SLOTS, QUEUE = 2, 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory, tiny_deployment, data_dir) -> tuple[Path, list[dict]]:
+    """Two prompts of each of four benchmarks for the tiny tokenizer (a prompt file)."""
+    out = tmp_path_factory.mktemp("serve-prompts")
+    rows = []
+    for b in BENCHMARKS[:4]:
+        rows += write_prompt_file(b, tiny_deployment / "target", out / f"{b}.jsonl", 2, data_dir=data_dir)
+    path = out / "all.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_deployment):
+    """A running ``specpilot serve`` (specpilot engine, DFlash drafter, block 8, chain tree off)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    config = tmp / "specpilot.json"
+    config.write_text(json.dumps({"block_size": 8}))
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specpilot", "serve", "--target", str(tiny_deployment / "target"),
+           "--drafter", str(tiny_deployment / "drafter-dflash"), "--engine-config", str(config),
+           "--deployment", "tiny", "--max-concurrency", str(SLOTS), "--max-queue", str(QUEUE),
+           "--max-seq", str(MAX_SEQ), "--record", str(tmp / "served"), "--port", str(port), "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield {"base": base, "client": OpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
+           "record": tmp / "served", "config": config, "proc": proc}
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def _chat(client, text: str, **kw):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                          temperature=0, **kw)
+
+
+def _ok(server) -> None:
+    """The server still serves a short request."""
+    r = server["client"].completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_concurrent_chat_equals_ar(server, prompts, tiny_deployment, tmp_path):
+    """8 concurrent chat requests (the benchmark prompts' first turns) return exactly the tokens
+    ``specpilot run --engine ar`` decodes from the prompt file; then token forcing passes on
+    the server's records."""
+    path, rows = prompts
+    ar = tmp_path / "ar.jsonl"
+    assert specpilot_main(["run", "--engine", "ar", "--target", str(tiny_deployment / "target"), "--prompts",
+                           str(path), "--out", str(ar), "--max-new-tokens", str(NEW), "--threads", "1"]) == 0
+    want = {r.request_id: r.output_ids for r in read_records(ar)}
+    results: dict[str, object] = {}
+
+    def ask(row):
+        results[row["request_id"]] = _chat(server["client"], row["turns"][0], max_tokens=NEW,
+                                           extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=ask, args=(row,)) for row in rows]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tok = load_tokenizer(tiny_deployment / "target")
+    served = {tuple(json.loads(x)["prompt_ids"]): json.loads(x)["request_id"]
+              for x in (server["record"] / "prompts.jsonl").read_text().splitlines()}
+    records = {r.request_id: r for r in read_records(server["record"] / "records.jsonl")}
+    assert len(rows) == 8
+    for row in rows:
+        reply = results[row["request_id"]]
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == NEW and reply.usage.prompt_tokens == len(row["prompt_ids"])
+        assert reply.choices[0].message.content == tok.decode(want[row["request_id"]], skip_special_tokens=True)
+        rec = records[served[tuple(row["prompt_ids"])]]  # the chat template gave the prompt file's ids
+        assert rec.output_ids == want[row["request_id"]]
+        assert rec.engine == "specpilot" and rec.concurrency == SLOTS and rec.max_new_tokens == NEW
+    taus = [r.tau for r in records.values()]
+    assert max(taus) > 1.0  # the drafter's tokens were accepted: the engine was speculative
+    verdict = tmp_path / "verdict.json"
+    assert specpilot_main(["force", "--candidate", str(server["record"] / "records.jsonl"),
+                           "--target", str(tiny_deployment / "target"), "--drafter", str(tiny_deployment / "drafter-dflash"),
+                           "--prompts", str(server["record"] / "prompts.jsonl"), "--engine-config",
+                           str(server["config"]), "--out", str(verdict), "--threads", "1"]) == 0
+    v = json.loads(verdict.read_text())
+    assert v["passed"] and v["tokens_checked"] == v["tokens_generated"] >= 8 * NEW
+    assert v["replay"]["reproduced"] == v["replay"]["requests"] >= 8
+
+
+def test_stream_equals_non_stream(server, prompts):
+    """The streamed deltas join to the non-streamed text; the usage chunk counts the same tokens;
+    a stop string cuts both at the same place."""
+    row = prompts[1][0]
+    for kw in ({}, {"stop": ["\n"]}):
+        whole = _chat(server["client"], row["turns"][0], max_tokens=NEW, **kw)
+        chunks = list(_chat(server["client"], row["turns"][0], max_tokens=NEW, stream=True,
+                            stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish == [whole.choices[0].finish_reason]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert "\n" not in whole.choices[0].message.content
+
+
+def test_disconnect_frees_slot_and_full_queue_429(server):
+    """Clients that hang up mid-stream free their slots (the next request is served at once,
+    not after their long budgets); more requests than slots + queue get 429."""
+    client = server["client"]
+    streams = [client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=800, stream=True)
+               for _ in range(SLOTS)]
+    for s in streams:
+        next(iter(s))  # one chunk: the request runs
+        s.close()
+    t0 = time.time()
+    _ok(server)
+    assert time.time() - t0 < 30
+    assert _gauge(server, 'requests_total{reason="cancelled"}') >= SLOTS
+    codes: list[int] = []
+    held = []
+
+    def ask():
+        try:
+            s = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=800, stream=True)
+            held.append(s)
+            codes.append(200)
+        except openai.RateLimitError:
+            codes.append(429)
+
+    threads = [threading.Thread(target=ask) for _ in range(SLOTS + QUEUE + 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in held:
+        s.close()
+    assert sorted(codes) == [200] * (SLOTS + QUEUE) + [429] * 3
+    deadline = time.time() + 30  # the hang-ups reach the engine between its steps
+    while _gauge(server, "queue_length") + _gauge(server, "running_requests") > 0 and time.time() < deadline:
+        time.sleep(0.2)
+    _ok(server)
+
+
+def _gauge(server, name: str) -> float:
+    metrics = urllib.request.urlopen(server["base"] + "/metrics").read().decode()
+    return float(metrics.split(f"\nspecpilot_{name} ")[1].split()[0])
+
+
+def _post(base: str, path: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": "Hi", "max_tokens": 2}, 404, "model"),
+    ({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0.7}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "Hi", "max_tokens": 2, "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "Hi", "max_tokens": MAX_SEQ}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": [5] * (MAX_SEQ + 1), "max_tokens": 2}, 400, "prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * (MAX_SEQ + 10)}], "max_tokens": 2}, 400,
+     "messages"),
+    ({"model": "tiny", "prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": ', 400, "body"),
+])
+def test_bad_requests(server, body, status, param):
+    """Each bad request: its 4xx and OpenAI's error object naming the field; the server keeps serving."""
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    code, reply = _post(server["base"], path, body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert code == status, reply
+    assert reply["error"]["param"] == param, reply
+    _ok(server)
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte (the tiny tokenizer's shape), to test character splitting."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_whole_characters_and_stop_inside_a_step():
+    """Deltas are whole characters (a 2-byte character split across steps waits); a stop string
+    ending inside a multi-token step cuts the text before it and counts the tokens up to it."""
+    ids = list("aé|b".encode())  # a, é (2 bytes), |, b
+    ts = TextStream(_ByteTokenizer(), stops=["|b"])
+    assert ts.feed(ids[:2]) == ("a", False)  # é incomplete: held back
+    assert ts.feed(ids[2:4]) == ("é", False)  # '|' may begin the stop string: held back
+    assert ts.feed(ids[4:] + list(b"zz")) == ("", True)
+    assert ts.text == "aé" and ts.stop == "|b" and ts.stop_tokens == 5
+    plain = TextStream(_ByteTokenizer())
+    assert "".join(plain.feed([i])[0] for i in ids) + plain.flush() == "aé|b"
+
+
+def test_deployment_files_by_name(tmp_path):
+    """Name-based lookup: a tiny deployment's shared build, its engine config and kernels from the
+    run's results folder; a missing file is named."""
+    (tmp_path / "config.yaml").write_text("deployments:\n  tiny-dflash2: {target: tiny, drafter: dflash2, "
+                                          "weight_format: fp32, block_size: auto}\n")
+    res = tmp_path / "run" / "results" / "cpu"
+    for p in ("run/resources/deployments/tiny/target", "run/resources/deployments/tiny/drafter-dflash2",
+              "run/results/cpu/kernels/tiny-dflash2"):
+        (tmp_path / p).mkdir(parents=True)
+    (res / "kernels" / "manifest.json").write_text("{}")
+    (res / "kernels" / "tiny-dflash2" / "kernel-agent.json").write_text("{}")
+    with pytest.raises(SpecpilotError, match="specpilot.json not found"):
+        deployment_files("tiny-dflash2", res, tmp_path / "config.yaml")
+    (res / "tiny-dflash2").mkdir()
+    (res / "tiny-dflash2" / "specpilot.json").write_text("{}")
+    f = deployment_files("tiny-dflash2", res, tmp_path / "config.yaml")
+    assert f.target.endswith("deployments/tiny/target") and f.drafter.endswith("tiny/drafter-dflash2")
+    assert f.dtype == "fp32" and f.drafter_name == "dflash2" and f.engine_config.endswith("tiny-dflash2/specpilot.json")
+    with pytest.raises(SpecpilotError, match="'tiny-b' is not in"):
+        deployment_files("tiny-b", res, tmp_path / "config.yaml")
