@@ -43,6 +43,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                              "the engine layer by layer"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
+    "client": ("client", "an OpenAI-compatible endpoint (specpilot serve, SGLang, vLLM) at given concurrencies "
+                         "through the openai package: throughput, TTFT, per-chunk ITL p50/p99, tokens per request"),
+    "serve-vs-run": ("serve_vs_run", "specpilot serve against specpilot run on the same prompts and engine, "
+                                     "alternating: c1 throughput ratio, c4 over c1, the found engine served "
+                                     "against stock served (per-request ratio, bootstrap interval)"),
     "cpu-step": ("cpu_step", "the CPU step paths of a built deployment: plain, fused (aten / oneDNN matmuls) and "
                              "optionally torch.compile, verify, decode, draft and context injection, interleaved"),
 }

@@ -1,0 +1,178 @@
+"""``specpilot bench serve-vs-run``: the served engine against ``specpilot run``, in one command.
+
+On the same prompts, engine config and token budget (``ignore_eos``, as ``specpilot run``), the
+benchmark starts ``specpilot serve`` three times (the found engine with 1 slot and with
+``--concurrency-high`` slots, stock with 1 slot; each with the KV-cache size ``specpilot run``
+allocates for these prompts, so both attend over the same cache) and then, ``--rounds`` times,
+alternating which goes first: ``specpilot run --engine specpilot --concurrency 1`` (throughput =
+output tokens / the cell's wall seconds, from its records) and ``specpilot bench client``'s loop
+against each server (:func:`specpilot.bench.client.drive`). A machine whose speed drifts slows
+both sides of a round alike. Reported: served / run throughput at c1 per round and its median
+(the bar: within 5 %), high-concurrency over c1 served throughput, TTFT and ITL p50/p99, and the
+found engine served against stock served: geometric mean over requests of stock / specpilot
+decode seconds (each request's fastest round, as the study table) with the table's bootstrap
+interval over requests and rounds (:func:`specpilot.aggregate.bootstrap_interval`), to set beside
+the table's ``specpilot_over_stock``.
+
+``--dry-run``: a random tiny deployment, four short prompts, one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..aggregate import bootstrap_interval, geomean
+from ..errors import SpecpilotError
+from ..io import read_prompts, write_jsonl
+from ..records import read_records
+from ..server.engine import EngineFiles, run_args
+from ..engine import cli as run_cli
+from ..engine.serve import kv_slots_needed
+from ._common import Run, add_common
+from .client import drive, dry_deployment, free_port, start_server
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p, "serve-vs-run")
+    p.add_argument("--target", help="target checkpoint directory")
+    p.add_argument("--drafter", help="drafter checkpoint directory")
+    p.add_argument("--drafter-name", default="dflash")
+    p.add_argument("--engine-config", help="the found engine's config (results/{gpu}/{deployment}/specpilot.json)")
+    p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json (as the workflow cell)")
+    p.add_argument("--kernel-agent", help="results/{gpu}/kernels/{deployment}/kernel-agent.json")
+    p.add_argument("--prompts", help="prompt file (results/prompts/{deployment}/{benchmark}.jsonl)")
+    p.add_argument("--limit", type=int, help="the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency-high", type=int, default=4, help="the second served concurrency (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads of run and the servers (0: torch default)")
+
+
+def _run_cell(args, prompts: Path, out: Path, threads: int) -> dict:
+    """``specpilot run`` of the found engine at c1: output tokens / the cell's wall seconds."""
+    cmd = [sys.executable, "-m", "specpilot", "run", "--engine", "specpilot", "--target", args.target,
+           "--drafter", args.drafter, "--drafter-name", args.drafter_name, "--engine-config", args.engine_config,
+           "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", str(args.max_new_tokens),
+           "--concurrency", "1", "--threads", str(threads)]
+    for flag, v in (("--kernels-manifest", args.kernels_manifest), ("--kernel-agent", args.kernel_agent)):
+        if v:
+            cmd += [flag, v]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SpecpilotError(f"specpilot run failed: {r.stderr[-1500:]}")
+    recs = read_records(out)
+    wall = max(x.finish_s for x in recs) - min(x.arrival_s for x in recs)
+    return {"output_tok_s": sum(x.new_tokens for x in recs) / wall, "wall_s": wall,
+            "tokens": sum(x.new_tokens for x in recs)}
+
+
+def _servers(args, rows: list[dict], tmp: Path) -> dict[str, tuple]:
+    """The three servers (name -> (process, base url)), each with ``specpilot run``'s KV-cache size."""
+    files = EngineFiles(deployment="bench", target=args.target, drafter=args.drafter, drafter_name=args.drafter_name,
+                        engine_config=args.engine_config, kernels_manifest=args.kernels_manifest,
+                        kernel_agent=args.kernel_agent)
+    longest = max(len(r["prompt_ids"]) for r in rows)
+    out = {}
+    for name, engine, slots in (("c1", "specpilot", 1), (f"c{args.concurrency_high}", "specpilot", args.concurrency_high),
+                                ("stock-c1", "stock", 1)):
+        spec = run_cli.engine_specs(run_args(files, engine, "cpu", args.threads, "off"))[0]
+        max_seq = kv_slots_needed(longest, args.max_new_tokens, spec.verify_width, slots > 1)
+        argv = ["--target", args.target, "--drafter", args.drafter, "--drafter-name", args.drafter_name,
+                "--engine", engine, "--max-concurrency", str(slots), "--max-seq", str(max_seq),
+                "--threads", str(args.threads), "--model-name", "bench"]
+        if engine == "specpilot":
+            argv += ["--engine-config", args.engine_config]
+        for flag, v in (("--kernels-manifest", args.kernels_manifest), ("--kernel-agent", args.kernel_agent)):
+            if v:
+                argv += [flag, v]
+        port = free_port()
+        out[name] = (start_server(argv, port, tmp / f"server-{name}.log"), f"http://127.0.0.1:{port}/v1")
+    return out
+
+
+def _rounds(bench: Run, args, rows: list[dict], prompts: Path, servers: dict, tmp: Path) -> None:
+    """Alternate run and served, ``--rounds`` times; every measurement kept under ``rounds``."""
+    high = f"c{args.concurrency_high}"
+    rounds = bench.R.setdefault("rounds", [])
+    for k in range(args.rounds):
+        got = {}
+        order = ["run", "c1"] if k % 2 == 0 else ["c1", "run"]
+        for what in order + [high, "stock-c1"]:
+            if what == "run":
+                got["run"] = _run_cell(args, prompts, tmp / f"run-{k}.jsonl", args.threads)
+            else:
+                c = args.concurrency_high if what == high else 1
+                got[what] = drive(servers[what][1], "bench", rows, c, "completions", args.max_new_tokens, True)
+        got["served_over_run_c1"] = got["c1"]["output_tok_s"] / got["run"]["output_tok_s"]
+        got[f"{high}_over_c1"] = got[high]["output_tok_s"] / got["c1"]["output_tok_s"]
+        rounds.append(got)
+        bench.save()
+
+
+def summary(rounds: list[dict], high: str) -> dict:
+    """Medians over rounds, and the served found engine against served stock per request."""
+    med = {key: statistics.median(r[key] for r in rounds) for key in ("served_over_run_c1", f"{high}_over_c1")}
+    for key in ("run", "c1", high, "stock-c1"):
+        med[f"{key}_tok_s"] = statistics.median(r[key]["output_tok_s"] for r in rounds)
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
+        for c in ("c1", high):
+            med[f"{c}_{key}"] = statistics.median(r[c][key] or 0.0 for r in rounds)
+    times: dict[str, tuple[list, list]] = {}
+    for r in rounds:
+        for side, key in ((0, "stock-c1"), (1, "c1")):
+            for q in r[key]["per_request"]:
+                times.setdefault(q["request_id"], ([], []))[side].append(max(q["decode_s"], 1e-9))
+    pairs = [v for v in times.values() if v[0] and v[1]]
+    med["specpilot_over_stock_served"] = geomean(min(a) / min(e) for a, e in pairs)
+    lo, hi = bootstrap_interval([pairs])
+    med["specpilot_over_stock_served_lo"], med["specpilot_over_stock_served_hi"] = lo, hi
+    return med
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the servers, alternate the rounds, write the JSON, print the table."""
+    bench = Run("serve-vs-run", args)
+    tmp_dir = tempfile.TemporaryDirectory(prefix="specpilot-svr-")
+    tmp = Path(tmp_dir.name)
+    servers: dict = {}
+    try:
+        if args.dry_run:
+            dep, rows = dry_deployment(tmp / "dep")
+            (tmp / "engine.json").write_text('{"block_size": 3}')
+            args.target, args.drafter, args.engine_config = str(dep / "target"), str(dep / "drafter-dflash"), \
+                str(tmp / "engine.json")
+            args.max_new_tokens, args.rounds, args.threads = 8, 1, 1
+        else:
+            if not (args.target and args.drafter and args.engine_config and args.prompts):
+                raise SpecpilotError("give --target, --drafter, --engine-config and --prompts")
+            rows = read_prompts(args.prompts, args.limit)
+        prompts = tmp / "prompts.jsonl"
+        write_jsonl(prompts, rows)
+        bench.R.update(max_new_tokens=args.max_new_tokens, requests=len(rows), threads=args.threads)
+        servers = bench.phase("servers", lambda: _servers(args, rows, tmp), keep=False) or {}
+        if servers:
+            bench.phase("rounds_run", lambda: _rounds(bench, args, rows, prompts, servers, tmp), keep=False)
+        high = f"c{args.concurrency_high}"
+        s = bench.phase("summary", lambda: summary(bench.R["rounds"], high)) if bench.R.get("rounds") else None
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+        tmp_dir.cleanup()
+    lines = []
+    if s:
+        lines = [f"served/run c1 throughput: median {s['served_over_run_c1']:.3f} over {len(bench.R['rounds'])} round(s) "
+                 f"(run {s['run_tok_s']:.1f} tok/s, served {s['c1_tok_s']:.1f})",
+                 f"served {high}/c1 throughput: {s[f'{high}_over_c1']:.2f} ({s[f'{high}_tok_s']:.1f} tok/s)",
+                 f"c1 TTFT p50/p99 {s['c1_ttft_ms_p50']:.1f}/{s['c1_ttft_ms_p99']:.1f} ms, ITL p50/p99 "
+                 f"{s['c1_itl_ms_p50']:.1f}/{s['c1_itl_ms_p99']:.1f} ms; {high} TTFT p50/p99 {s[f'{high}_ttft_ms_p50']:.1f}/"
+                 f"{s[f'{high}_ttft_ms_p99']:.1f} ms, ITL p50/p99 {s[f'{high}_itl_ms_p50']:.1f}/{s[f'{high}_itl_ms_p99']:.1f} ms",
+                 f"specpilot served / stock served (decode, geomean over requests): "
+                 f"{s['specpilot_over_stock_served']:.3f} [{s['specpilot_over_stock_served_lo']:.3f}, "
+                 f"{s['specpilot_over_stock_served_hi']:.3f}]"]
+    return bench.finish(lines)
