@@ -245,3 +245,24 @@ def test_cpu_step_dry_run(tmp_path):
     assert {f"{s}_{p}" for s in ("verify", "decode") for p in ["plain"] + [f"fused_{k}" for k in m["kernels"]]} \
         == set(m["target_ms"])
     assert {"draft_plain", "context_plain", "draft_fused_aten", "context_fused_aten"} <= set(m["drafter_ms"])
+
+
+def test_client_dry_run(tmp_path):
+    """The client drives a real ``specpilot serve`` (random tiny deployment) at c1 and c4."""
+    r = bench(tmp_path, "client")
+    assert r["errors"] == []
+    for c in (1, 4):
+        cell = r[f"c{c}"]
+        assert cell["concurrency"] == c and cell["requests"] == 4 and cell["tokens_per_request"] == 8
+        assert cell["output_tok_s"] > 0 and cell["ttft_ms_p50"] > 0
+
+
+@pytest.mark.slow  # three servers and a run start one after the other: about a minute on 2 cores
+def test_serve_vs_run_dry_run(tmp_path):
+    """One round of run / served c1 / served c4 / stock served on a random tiny deployment."""
+    r = bench(tmp_path, "serve-vs-run")
+    assert r["errors"] == []
+    (rnd,) = r["rounds"]
+    assert rnd["run"]["tokens"] == 4 * 8 and rnd["c1"]["requests"] == rnd["c4"]["requests"] == 4
+    s = r["summary"]
+    assert s["served_over_run_c1"] > 0 and s["specpilot_over_stock_served_lo"] <= s["specpilot_over_stock_served"]

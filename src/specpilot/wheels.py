@@ -4,8 +4,10 @@ Cluster GPU nodes often reach no registry, and their images hold Python, torch a
 Snakemake. This command writes, on a machine that reaches one, every wheel the workflow needs beyond
 such an image, for a named Python and platform:
 
-1. Snakemake's dependency closure (``pip wheel`` here: wheels from the index, pure-Python ones built
-   from source distributions where the index has no wheel, e.g. ``connection_pool``);
+1. the dependency closure of Snakemake and of the serving packages (:data:`SERVING_PACKAGES`:
+   ``specpilot serve`` and ``specpilot bench client``; ``pip wheel`` here: wheels from the index,
+   pure-Python ones built from source distributions where the index has no wheel, e.g.
+   ``connection_pool``);
 2. each compiled wheel of it replaced by the one for the target (``pip download --no-deps
    --only-binary=:all: --python-version X.Y --implementation cp --platform ...``); pure-Python wheels
    (``py3-none-any``) serve every Python as they are;
@@ -49,6 +51,8 @@ IMAGE_PACKAGES = ("torch", "triton", "numpy", "pandas", "matplotlib", "transform
                   "requests", "urllib3", "idna", "certifi", "charset-normalizer", "psutil", "packaging",
                   "typing-extensions", "attrs", "wrapt", "tabulate")
 MAX_MB = 60.0
+# specpilot serve (FastAPI on uvicorn) and its benchmark client (openai): not in a GPU image either
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,6 +174,17 @@ def _snakemake_spec(spec: str | None) -> str:
         raise SpecpilotError("snakemake is not installed here: give --snakemake (e.g. snakemake==9.27.1)") from None
 
 
+def serving_specs() -> list[str]:
+    """Requirements of :data:`SERVING_PACKAGES`: this environment's versions (pinned), else the name."""
+    out = []
+    for name in SERVING_PACKAGES:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
+
+
 def _retarget(local: list[Path], python: str, platforms: list[str] | None, out: Path) -> list[Path]:
     """The wheels for the target: pure ones as they are; compiled ones kept when the target is this
     Python and platform, else downloaded for it (one pip call per package)."""
@@ -210,7 +225,8 @@ def write_wheels(out: str | Path, python: str, platforms: list[str] | None, excl
         old.unlink()
     root = _project(project)
     with tempfile.TemporaryDirectory(prefix="specpilot-wheels-") as tmp:
-        _pip(["wheel", "--wheel-dir", tmp, "--prefer-binary", _snakemake_spec(snakemake)], "building Snakemake's wheels")
+        _pip(["wheel", "--wheel-dir", tmp, "--prefer-binary", _snakemake_spec(snakemake), *serving_specs()],
+             "building the wheels of Snakemake and the serving packages")
         local = [w for w in Path(tmp).glob("*.whl") if canonicalize_name(parse_wheel_filename(w.name)[0]) not in excluded]
         wheels = _retarget(local, python, platforms, out)
         had_build = (root / "build").exists()
@@ -249,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
           + (f"; benchmark data in {s['data']}" if s["data"] else ""))
     if s["specpilot_requirements_not_included"]:
         print("not included (the target's image must have them, or the workflow does not import them there: "
-              f"datasets only for Hub data, openai only for the LLM policy): "
+              f"datasets only for Hub data): "
               f"{', '.join(s['specpilot_requirements_not_included'])}")
     print(f"install: python3 -m pip install --no-index --no-deps --target SITE {args.out}/*.whl; "
           f"then PYTHONPATH=SITE PATH=SITE/bin:$PATH")
