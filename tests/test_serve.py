@@ -146,10 +146,12 @@ def test_concurrent_chat_equals_ar(server, prompts, tiny_deployment, tmp_path):
 
 
 def test_stream_equals_non_stream(server, prompts):
-    """The streamed deltas join to the non-streamed text; the usage chunk counts the same tokens;
-    a stop string cuts both at the same place."""
+    """The streamed deltas join to the non-streamed text, with the same finish reason and usage;
+    with a stop string taken from the middle of that text, both are cut where it begins, the
+    usage counts the tokens up to it, and the record says where the response was cut."""
     row = prompts[1][0]
-    for kw in ({}, {"stop": ["\n"]}):
+
+    def both(**kw):
         whole = _chat(server["client"], row["turns"][0], max_tokens=NEW, **kw)
         chunks = list(_chat(server["client"], row["turns"][0], max_tokens=NEW, stream=True,
                             stream_options={"include_usage": True}, **kw))
@@ -158,7 +160,29 @@ def test_stream_equals_non_stream(server, prompts):
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert finish == [whole.choices[0].finish_reason]
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert "\n" not in whole.choices[0].message.content
+        return whole
+
+    full = both(extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason == "length" and len(text) >= 8
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = both(stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].message.content == text[:text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < NEW
+    rec = read_records(server["record"] / "records.jsonl")[-1]
+    assert rec.served["stop"] == {"string": stop, "tokens": cut.usage.completion_tokens}
+    assert rec.served["finish_reason"] == "stop" and rec.new_tokens >= cut.usage.completion_tokens
+    assert rec.output_ids == full_ids(server, rec)[: rec.new_tokens]  # the step's tokens, AR's own
+
+
+def full_ids(server, rec) -> list[int]:
+    """The output of the first record of the same prompt that decoded its whole budget."""
+    prompts = {json.loads(x)["request_id"]: json.loads(x)["prompt_ids"]
+               for x in (server["record"] / "prompts.jsonl").read_text().splitlines()}
+    for r in read_records(server["record"] / "records.jsonl"):
+        if prompts[r.request_id] == prompts[rec.request_id] and r.new_tokens == NEW:
+            return r.output_ids
+    raise AssertionError("no full record of the prompt")
 
 
 def test_disconnect_frees_slot_and_full_queue_429(server):
