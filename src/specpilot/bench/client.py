@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,8 +32,10 @@ from pathlib import Path
 import numpy as np
 from openai import AsyncOpenAI
 
+from ..deployment_random import write_random_deployment
 from ..errors import SpecpilotError
 from ..io import comma_list, read_prompts
+from ..prompts import load_tokenizer
 from ._common import Run, add_common
 
 ITL_NOTE = "per text chunk (bench_serving's ITL): a verify step committing several tokens is one chunk"
@@ -149,8 +152,6 @@ def start_server(argv: list[str], port: int, log: Path, timeout_s: float = 300) 
 
 def free_port() -> int:
     """A TCP port free on this host now."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -158,9 +159,6 @@ def free_port() -> int:
 
 def dry_deployment(folder: Path) -> tuple[Path, list[dict]]:
     """A random tiny deployment (byte-level tokenizer) and four short prompt rows, for dry runs."""
-    from ..deployment_random import write_random_deployment
-    from ..prompts import load_tokenizer
-
     write_random_deployment(folder, "tiny", seed=0, block_size=4)
     tok = load_tokenizer(folder / "target")
     rows = [{"request_id": f"dry/{i:04d}", "benchmark": "dry", "turns": [t],
