@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("specpilot", "stock", "ar"), default="specpilot",
                    help="the found engine (default), or the stock / AR baseline of the same deployment")
     p.add_argument("--max-concurrency", type=int, default=1,
-                   help="request slots decoded together (continuous batching; default 1)")
+                   help="request slots decoded together (continuous batching; default 1). The engine config by name "
+                        "is the rounds' one, tuned at the study's concurrency (1 in the embedded default): "
+                        "give a config tuned for another regime with --engine-config")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; one more is answered 429 (default 64)")
     p.add_argument("--max-seq", type=int, help="KV-cache slots per request: the context (prompt + max_tokens + "
