@@ -298,3 +298,18 @@ def test_deployment_files_by_name(tmp_path):
     assert f.dtype == "fp32" and f.drafter_name == "dflash2" and f.engine_config.endswith("tiny-dflash2/specpilot.json")
     with pytest.raises(SpecpilotError, match="'tiny-b' is not in"):
         deployment_files("tiny-b", res, tmp_path / "config.yaml")
+
+
+def test_force_passes_on_every_served_record(server, tiny_deployment, tmp_path):
+    """Last: token forcing on everything the server recorded (3-token requests, stop strings,
+    cancelled streams), each request re-executed with its own budget and EOS."""
+    records = read_records(server["record"] / "records.jsonl")
+    assert {r.served["finish_reason"] for r in records} >= {"length", "stop", "cancelled"}
+    assert min(r.max_new_tokens for r in records) == 3
+    verdict = tmp_path / "verdict.json"
+    assert specpilot_main(["force", "--candidate", str(server["record"] / "records.jsonl"),
+                           "--target", str(tiny_deployment / "target"), "--drafter", str(tiny_deployment / "drafter-dflash"),
+                           "--prompts", str(server["record"] / "prompts.jsonl"), "--out", str(verdict),
+                           "--threads", "1"]) == 0
+    v = json.loads(verdict.read_text())
+    assert v["passed"] and v["replay"]["reproduced"] == v["replay"]["requests"] == len(records)
