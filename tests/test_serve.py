@@ -25,10 +25,13 @@ import pytest
 from openai import OpenAI
 
 from specpilot.cli import main as specpilot_main
+from specpilot.engine.online import OnlineScheduler, Submission
+from specpilot.engine.scheduler import Request, Scheduler
+from specpilot.engine.serve import continuous_engine
 from specpilot.errors import SpecpilotError
 from specpilot.prompts import BENCHMARKS, load_tokenizer, write_prompt_file
 from specpilot.records import read_records
-from specpilot.server.engine import deployment_files
+from specpilot.server.engine import EngineFiles, ServedEngine, deployment_files
 from specpilot.server.text import TextStream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -313,3 +316,32 @@ def test_force_passes_on_every_served_record(server, tiny_deployment, tmp_path):
                            "--threads", "1"]) == 0
     v = json.loads(verdict.read_text())
     assert v["passed"] and v["replay"]["reproduced"] == v["replay"]["requests"] == len(records)
+
+
+@pytest.mark.parametrize("config", [{"block_size": 8, "tree_branch": 2, "tree_depth": 2},
+                                    {"block_size": 8, "verify_path": "fused", "draft_path": "fused"}])
+def test_online_scheduler_equals_closed_loop(tiny_deployment, prompts, config, tmp_path):
+    """In process: the online scheduler (requests submitted from another thread, 2 slots) commits
+    exactly the closed-loop scheduler's tokens and steps, with the engine's mechanisms on."""
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    files = EngineFiles("tiny", str(tiny_deployment / "target"), str(tiny_deployment / "drafter-dflash"),
+                        engine_config=str(tmp_path / "c.json"))
+    eng = ServedEngine(files, "specpilot", slots=2, max_seq=MAX_SEQ, device="cpu", threads=1, graphs="off")
+    rows = prompts[1][:4]
+    proposer, runner = continuous_engine(eng.spec, eng.dep, 2, MAX_SEQ)
+    closed = Scheduler(runner, proposer, accept=eng.spec.accept, overlap=eng.spec.overlap)
+    want = closed.run([Request(r["prompt_ids"], 16) for r in rows])
+    eng.start()
+    assert isinstance(eng.scheduler, OnlineScheduler)
+    got, done = {}, threading.Semaphore(0)
+    for k, r in enumerate(rows):
+        def fin(res, reason, k=k):
+            got[k] = (list(res.output_ids), list(res.committed_per_step), reason)
+            done.release()
+        eng.scheduler.submit(Submission(r["prompt_ids"], 16, ignore_eos=True, on_finish=fin))
+    for _ in rows:
+        assert done.acquire(timeout=120)
+    eng.scheduler.stop()
+    for k, w in enumerate(want):
+        assert got[k] == (w.output_ids, w.committed_per_step, "length")
+    assert (eng.scheduler.runner.fused is not None) == (config.get("verify_path") == "fused")
