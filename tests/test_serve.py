@@ -31,7 +31,7 @@ from specpilot.engine.serve import continuous_engine
 from specpilot.errors import SpecpilotError
 from specpilot.prompts import BENCHMARKS, load_tokenizer, write_prompt_file
 from specpilot.records import read_records
-from specpilot.server.engine import EngineFiles, ServedEngine, deployment_files
+from specpilot.server.engine import EngineFiles, ServedEngine, best_deployment, deployment_files
 from specpilot.server.text import TextStream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,6 +301,13 @@ def test_deployment_files_by_name(tmp_path):
     assert f.dtype == "fp32" and f.drafter_name == "dflash2" and f.engine_config.endswith("tiny-dflash2/specpilot.json")
     with pytest.raises(SpecpilotError, match="'tiny-b' is not in"):
         deployment_files("tiny-b", res, tmp_path / "config.yaml")
+    with pytest.raises(SpecpilotError, match="table.csv not found"):
+        best_deployment(res)
+    (res / "table.csv").write_text(
+        "deployment,benchmark,concurrency,specpilot_speedup\n"
+        "tiny,gsm8k,1,9.0\ntiny,geomean,1,2.5\ntiny-dflash2,geomean,1,2.75\ntiny-dspark,geomean,1,\n"
+        "tiny,geomean,4,3.0\nall,geomean,1,2.6\n")
+    assert best_deployment(res) == "tiny-dflash2"  # a cell row, c4, an empty value and 'all' do not count
 
 
 def test_force_passes_on_every_served_record(server, tiny_deployment, tmp_path):

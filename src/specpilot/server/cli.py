@@ -16,12 +16,13 @@ import uvicorn
 
 from ..errors import SpecpilotError
 from .app import create_app
-from .engine import EngineFiles, RecordWriter, ServedEngine, deployment_files
+from .engine import EngineFiles, RecordWriter, ServedEngine, best_deployment, deployment_files
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``specpilot serve``."""
-    p.add_argument("--deployment", help="deployment name; with --results: load it from a finished workflow run")
+    p.add_argument("--deployment", help="deployment name; with --results: load it from a finished workflow run "
+                   "('best': the one with the highest specpilot speedup in its table.csv)")
     p.add_argument("--results", help="results/{gpu} folder of a finished workflow run (e.g. results/cpu)")
     p.add_argument("--config", default="config/config.yaml",
                    help="the run's workflow config (names the deployment's target and drafter; default config/config.yaml)")
@@ -60,7 +61,8 @@ def engine_files(args) -> EngineFiles:
     if args.results:
         if not args.deployment:
             raise SpecpilotError("--results needs --deployment (the deployment to serve)")
-        files = deployment_files(args.deployment, args.results, args.config)
+        name = best_deployment(args.results) if args.deployment == "best" else args.deployment
+        files = deployment_files(name, args.results, args.config)
     elif args.target:
         files = EngineFiles(deployment=args.deployment or "custom", target=args.target, drafter=args.drafter,
                             drafter_name=args.drafter_name or "dflash")

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 import yaml
 
@@ -87,6 +88,21 @@ def deployment_files(name: str, results: str | Path, config: str | Path = "confi
             raise SpecpilotError(f"deployment {name!r}: {getattr(files, what)} not found (is the workflow run in "
                                  f"{root} finished?)")
     return files
+
+
+def best_deployment(results: str | Path) -> str:
+    """The deployment of a finished run with the highest ``specpilot_speedup`` over AR in its
+    table (``{results}/table.csv``: the per-deployment ``geomean`` rows at the smallest
+    concurrency). Raises SpecpilotError when the table is missing or has no such value."""
+    path = Path(results) / "table.csv"
+    if not path.is_file():
+        raise SpecpilotError(f"{path} not found: --deployment best needs a finished workflow run's table")
+    t = pd.read_csv(path)
+    t = t[(t["benchmark"] == "geomean") & (t["deployment"] != "all") & t["specpilot_speedup"].notna()]
+    t = t[t["concurrency"] == t["concurrency"].min()] if len(t) else t
+    if not len(t):
+        raise SpecpilotError(f"{path} has no deployment with a specpilot speedup (forcing failed or not run)")
+    return str(t.loc[t["specpilot_speedup"].idxmax(), "deployment"])
 
 
 def run_args(files: EngineFiles, engine: str, device: str, threads: int, graphs: str) -> argparse.Namespace:
