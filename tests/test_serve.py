@@ -352,3 +352,16 @@ def test_online_scheduler_equals_closed_loop(tiny_deployment, prompts, config, t
     for k, w in enumerate(want):
         assert got[k] == (w.output_ids, w.committed_per_step, "length")
     assert (eng.scheduler.runner.fused is not None) == (config.get("verify_path") == "fused")
+
+
+def test_text_stream_incremental_equals_whole_decode(tiny_deployment, prompts):
+    """Fed step by step (steps of 1..5 tokens), the deltas join to the tokenizer's decoding of all
+    tokens at once: the incremental decoding loses and adds nothing."""
+    tok = load_tokenizer(tiny_deployment / "target")
+    for row in prompts[1][:4]:
+        ids = row["prompt_ids"][: 120]
+        ts, k, out, n = TextStream(tok), 0, "", 1
+        while k < len(ids):
+            out += ts.feed(ids[k:k + n])[0]
+            k, n = k + n, n % 5 + 1
+        assert out + ts.flush() == tok.decode(ids, skip_special_tokens=True)

@@ -174,6 +174,11 @@ class OnlineScheduler(Scheduler):
                 self._cancelled.add(i)
                 self._cv.notify_all()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (started, not stopped, no error)."""
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
     def load(self) -> tuple[int, int]:
         """(requests waiting for a slot, requests in slots)."""
         with self._cv:

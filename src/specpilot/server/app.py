@@ -268,7 +268,7 @@ def create_app(engine: ServedEngine, model: str, writer: RecordWriter | None = N
     @app.get("/health")
     async def health():
         s = engine.scheduler
-        if s.error is not None or s._thread is None or not s._thread.is_alive():
+        if not s.alive:
             return JSONResponse({"status": "error", "error": str(s.error or "engine not running")}, status_code=503)
         return {"status": "ok"}
 

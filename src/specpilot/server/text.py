@@ -36,9 +36,24 @@ class TextStream:
         self.text = ""  # the response text so far (cut at a stop string once found)
         self.stop: str | None = None  # the stop string found
         self.stop_tokens: int | None = None  # output tokens up to the one completing it
+        # incremental decoding (vLLM's detokenizer, detokenize_incrementally): the text of
+        # ids[:read] is self.text; new tokens are decoded with the step's tokens before them
+        # (ids[prefix:]), so a tokenizer that treats a sequence's first token specially (a leading
+        # space) decodes them as within the whole, and a step costs a few tokens' decoding
+        self._prefix = self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text_upto(self, k: int) -> tuple[str, bool]:
+        """(the text of ids[:k], whether it ends on a whole character), decoding only from the prefix."""
+        if k <= self._read:
+            return self.text, True
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:k])
+        if after.endswith(REPLACEMENT) or len(after) < len(before):
+            return self.text + after[len(before):].rstrip(REPLACEMENT), False
+        return self.text + after[len(before):], True
 
     def feed(self, ids: list[int]) -> tuple[str, bool]:
         """Add one step's token ids; returns (text that can be sent now, whether a stop string ended
@@ -47,21 +62,25 @@ class TextStream:
             return "", True
         before = len(self.ids)
         self.ids.extend(ids)
-        text = self._decode(self.ids)
+        text, whole = self._text_upto(len(self.ids))
         hit = self._find(text)
         if hit is not None:
             pos, s = hit
-            self.stop, self.text = s, text[:pos]
             self.stop_tokens = next(k for k in range(before + 1, len(self.ids) + 1)
-                                    if self._find(self._decode(self.ids[:k])) is not None)
+                                    if self._find(self._text_upto(k)[0]) is not None)
+            self.stop, self.text = s, text[:pos]
             return self._take(len(self.text)), True
-        self.text = text
-        safe = len(text.rstrip(REPLACEMENT)) if text.endswith(REPLACEMENT) else len(text)
-        return self._take(safe - self._held(text[:safe])), False
+        if whole:  # the text of every token so far is final: later tokens decode from here
+            self.text, self._prefix, self._read = text, self._read, len(self.ids)
+        return self._take(len(text) - self._held(text), text), False
 
     def flush(self) -> str:
-        """The rest of the response text once the request finished (incomplete bytes included, as
-        the tokenizer decodes them)."""
+        """The rest of the response text once the request finished (an incomplete character's
+        bytes as the tokenizer decodes them)."""
+        if self.stop is None and self._read < len(self.ids):
+            before = self._decode(self.ids[self._prefix:self._read])
+            self.text += self._decode(self.ids[self._prefix:])[len(before):]
+            self._read = len(self.ids)
         return self._take(len(self.text))
 
     def _find(self, text: str) -> tuple[int, str] | None:
@@ -78,8 +97,9 @@ class TextStream:
                     break
         return best
 
-    def _take(self, upto: int) -> str:
+    def _take(self, upto: int, text: str | None = None) -> str:
+        text = self.text if text is None else text
         if upto <= self.sent:
             return ""
-        out, self.sent = self.text[self.sent:upto], upto
+        out, self.sent = text[self.sent:upto], upto
         return out
