@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency-high", type=int, default=4, help="the second served concurrency (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads of run and the servers (0: torch default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads of run and the servers (default 1, as the workflow's timed CPU cells; 0: torch's "
+                        "default, which on a busy 2-core machine made specpilot run 12x slower: OpenMP oversubscribed)")
 
 
 def _run_cell(args, prompts: Path, out: Path, threads: int) -> dict:
