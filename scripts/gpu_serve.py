@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,7 @@ def main() -> int:
     sh(PY + ["run", "--engine", "ar", "--target", target, "--prompts", str(prompts), "--out", str(OUT / "ar.jsonl"),
              "--max-new-tokens", str(NEW), "--concurrency", str(C), *DEVICE], 60, "run_ar.log")
     port, rec = free_port(), OUT / "served"
+    shutil.rmtree(rec, ignore_errors=True)  # the records of this run only
     server = start_server(["--target", target, "--drafter", drafter, "--engine", "stock", "--max-concurrency", str(C),
                            "--max-seq", str(PLEN + NEW + 64), "--record", str(rec), "--model-name", "rand", *DEVICE],
                           port, OUT / "server.log")
