@@ -365,3 +365,15 @@ def test_text_stream_incremental_equals_whole_decode(tiny_deployment, prompts):
             out += ts.feed(ids[k:k + n])[0]
             k, n = k + n, n % 5 + 1
         assert out + ts.flush() == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow  # a server, AR, the client, forcing and serve-vs-run's three servers: over a minute on 2 cores
+def test_gpu_serve_script_dry_run(tmp_path):
+    """``DRY=1 python scripts/gpu_serve.py``: its plumbing on the CPU, every figure line printed."""
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.run([sys.executable, "scripts/gpu_serve.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "served records equal to AR token for token: 8/8" in out and "token forcing on served records: pass" in out
+    assert "served stock c2:" in out and "serve-vs-run: served/run c1" in out and "rc=" not in out
