@@ -2,7 +2,9 @@
 
 The verify steps of the first :attr:`Reexecution.tokens` new tokens of every request are run
 again with the record's own engine config, in the cell's batches (record order, the record's
-concurrency, the cell's KV-cache size). Greedy decoding is deterministic, so the re-run's
+concurrency, the cell's KV-cache size); a request served by ``specpilot serve`` with its own token
+budget and EOS token (the record's ``max_new_tokens``, ``eos_id``), so a last step cut by either
+is cut alike. Greedy decoding is deterministic, so the re-run's
 ``committed_per_step`` and output prefix must equal the record's; a record the engine did not
 produce (AR's output ids with invented or copied step counts) fails here. It proves the engine did
 the recorded work on those steps; it cannot prove the later steps' timings.

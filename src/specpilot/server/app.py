@@ -113,11 +113,13 @@ class _Server:
         self.engine, self.model, self.writer = engine, model, writer
 
     def check_model(self, body) -> None:
+        """Raise ApiError 404 (param ``model``) unless the body names the served model."""
         if body.model != self.model:
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves {self.model!r}",
                            "model", "model_not_found")
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
+        """The messages through the chat template, tokenized as a prompt file is (no special tokens added)."""
         messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
         kwargs = CHAT_TEMPLATE_KWARGS if body.chat_template_kwargs is None else body.chat_template_kwargs
         try:
@@ -127,6 +129,7 @@ class _Server:
         return [int(t) for t in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def completion_prompt(self, body: CompletionBody) -> list[int]:
+        """The prompt's token ids: text tokenized, or ids checked against the vocabulary (ApiError naming ``prompt``)."""
         p = body.prompt
         if isinstance(p, list) and p and all(isinstance(t, str) for t in p):
             if len(p) != 1:

@@ -164,6 +164,7 @@ class ServedEngine:
 
     @property
     def verify_width(self) -> int:
+        """Tokens per verify forward of the served engine (its proposer's width; 1 for AR)."""
         return int(self.scheduler.verify_width)
 
     def room(self, prompt_len: int) -> int:
