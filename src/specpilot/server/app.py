@@ -41,19 +41,26 @@ class Job:
         self.done = asyncio.Event()
         self.result = self.reason = None
 
+    def _call(self, fn, *args) -> None:
+        """Run ``fn(*args)`` in the event loop (dropped once the loop is closed: the server stopped)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
     def on_tokens(self, ids: list[int]) -> bool:
         """Engine thread: one step's tokens; True when a stop string ends the response."""
         delta, stopped = self.text.feed(ids)
         if delta:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            self._call(self.queue.put_nowait, delta)
         return stopped
 
     def on_finish(self, result, reason: str) -> None:
         """Engine thread: the request ended (``reason`` of :data:`specpilot.engine.online.REASONS`)."""
         tail = self.text.flush() if reason != "error" else ""
         if tail:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, tail)
-        self.loop.call_soon_threadsafe(self._finish, result, reason)
+            self._call(self.queue.put_nowait, tail)
+        self._call(self._finish, result, reason)
 
     def _finish(self, result, reason: str) -> None:
         self.result, self.reason = result, reason
