@@ -4,7 +4,7 @@ On the same prompts, engine config and token budget (``ignore_eos``, as ``specpi
 benchmark starts ``specpilot serve`` three times (the found engine with 1 slot and with
 ``--concurrency-high`` slots, stock with 1 slot; each with the KV-cache size ``specpilot run``
 allocates for these prompts, so both attend over the same cache) and then, ``--rounds`` times,
-alternating which goes first: ``specpilot run --engine specpilot --concurrency 1`` (throughput =
+alternating which goes first: ``specpilot run --engine specpilot --concurrency 1 --no-profile`` (throughput =
 output tokens / the cell's wall seconds, from its records) and ``specpilot bench client``'s loop
 against each server (:func:`specpilot.bench.client.drive`). A machine whose speed drifts slows
 both sides of a round alike. Reported: served / run throughput at c1 per round and its median
@@ -56,11 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_cell(args, prompts: Path, out: Path, threads: int) -> dict:
-    """``specpilot run`` of the found engine at c1: output tokens / the cell's wall seconds."""
+    """``specpilot run`` of the found engine at c1: output tokens / the cell's wall seconds.
+    ``--no-profile``: the server does not time the draft phase apart either (profiling cost
+    ``specpilot run`` ~5 % on the CPU, 2026-12-06)."""
     cmd = [sys.executable, "-m", "specpilot", "run", "--engine", "specpilot", "--target", args.target,
            "--drafter", args.drafter, "--drafter-name", args.drafter_name, "--engine-config", args.engine_config,
            "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", str(args.max_new_tokens),
-           "--concurrency", "1", "--threads", str(threads)]
+           "--concurrency", "1", "--threads", str(threads), "--no-profile"]
     for flag, v in (("--kernels-manifest", args.kernels_manifest), ("--kernel-agent", args.kernel_agent)):
         if v:
             cmd += [flag, v]
