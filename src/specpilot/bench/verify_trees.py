@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,6 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-leaves", type=int, default=0, help="side leaves checked per tree and start (0: all)")
 
 
+@dataclass
+class Step:
+    """One captured tree / chain step and every tensor it reads or writes (kept alive with it)."""
+
+    run: Callable[[], object]  # a graph replay (CUDA) or the step itself
+    tok: torch.Tensor  # static tokens [1, T]
+    out: torch.Tensor  # output logits [1, T, V] (a workspace buffer)
+    graph: object  # the CUDA graph, or None
+    tree: tuple | None  # the tree's inputs (tree_inputs), None for a chain
+
+
 class Trees:
     """Tree and chain steps of one target at batch 1 (see the module docstring)."""
 
@@ -68,7 +81,7 @@ class Trees:
             buf.normal_(generator=g)
         self.gen = torch.Generator(device=self.dev).manual_seed(args.seed + 2)
         self.start = torch.full((1,), args.context, dtype=torch.long, device=self.dev)
-        self.steps: dict = {}  # name -> (run, static tokens, output logits [1, T, V], graph or None)
+        self.steps: dict[str, Step] = {}
         self.R = {"context": args.context, "capture_layers": list(self.capture), "trees": {}, "step_ms": {},
                   "x_ar": {}, "checks": {}}
 
@@ -96,20 +109,29 @@ class Trees:
                 return self.fast.forward(tok, self.start, cap, tree=tree)[0]
 
             out = fn()  # the workspace the step (and its graph) writes
-            g = timing.capture_graph(fn) if self.run.cuda else None
-            self.steps[name] = (g.replay if g is not None else fn, tok, out, g)
+            g = self.graph(fn) if self.run.cuda else None
+            # the step keeps every tensor its graph reads: a CUDA graph holds their addresses, not
+            # references, and a tree's inputs freed after the capture were reused by later
+            # allocations (token ids read as depths: RoPE rows far past the table, an illegal
+            # memory access at the first replay; issue 54)
+            self.steps[name] = Step(g.replay if g is not None else fn, tok, out, g, tree)
+
+    @staticmethod
+    def graph(fn):
+        """A CUDA graph of ``fn`` (:func:`timing.capture_graph`; a CPU test stands in its own)."""
+        return timing.capture_graph(fn)
 
     def replay(self, name: str) -> torch.Tensor:
         """Run step ``name`` once and return its logits [T, vocab] (a copy)."""
-        run, _, out, _ = self.steps[name]
-        run()
-        return out[0].clone()
+        st = self.steps[name]
+        st.run()
+        return st.out[0].clone()
 
     def times(self) -> None:
         rounds = {name: [] for name in self.steps}
         for r in range(self.a.rounds):
             for name in (list(self.steps) if r % 2 == 0 else list(reversed(self.steps))):
-                rounds[name].append(self.run.median_s(self.steps[name][0], self.a.replays) * 1e3)
+                rounds[name].append(self.run.median_s(self.steps[name].run, self.a.replays) * 1e3)
         ar = statistics.median(rounds["ar"])
         for name, v in rounds.items():
             self.R["step_ms"][name] = {"ms": statistics.median(v), "rounds_ms": v}
@@ -140,10 +162,10 @@ class Trees:
                   "leaf_max_abs_diff": 0.0, "tree_logits_finite": True}
             for draw in range(self.a.draws):
                 tok = self.tokens(len(par))
-                self.steps[name][1].copy_(tok)
+                self.steps[name].tok.copy_(tok)
                 lt = self.replay(name)
                 if chain is not None:
-                    self.steps[chain][1].copy_(tok[:, :B])
+                    self.steps[chain].tok.copy_(tok[:, :B])
                     lc = self.replay(chain)
                     ps["spine_bit_equal"] &= bool(torch.equal(lt[:B], lc))
                     ps["spine_max_abs_diff"] = max(ps["spine_max_abs_diff"],
