@@ -341,8 +341,29 @@ def test_tree_budget_ranks_budgets_by_tokens_per_ms(quick_deployment, quick_prom
     rows = generate(TargetRunner(target, 4, S, prop.capture), prop, prompts, 40)
     steps = [c for r in rows for c in r.committed_per_step[:-1]]
     assert lat.expected_tau(40) == pytest.approx(sum(steps) / len(steps), rel=0.08)
-    ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2)
-    assert set(ms) == {7, 40} and all(v > 0 for v in ms.values())
+    ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2, chain=8)
+    assert set(ms) == {0, 7, 40} and all(v > 0 for v in ms.values())  # 0: the chain of the block ("no tree")
+
+
+def test_tree_budget_ranks_no_tree():
+    """"No tree" (budget 0, the base's chain) is ranked with the budgets: a plan says trees do not
+    pay when the chain is predicted fastest (the GPU's measured case of issue 54: 63 nodes verify in
+    7.94 ms against the chain's 6.69 at a 1.2x tau), and the chain's tau is the base run's only
+    when the base verifies a chain."""
+    from specpilot.agent.tree_budget import chain_tau, rank_budgets
+
+    other = 1.35 + 0.4
+    pays = rank_budgets({0: 5.0, 63: 6.5, 127: 6.8}, {0: 6.69, 63: 7.94, 127: 9.46}, other)
+    assert [(r["nodes"], r["tree"]) for r in pays] == [(63, True), (127, True), (0, False)]
+    flat = rank_budgets({0: 5.0, 63: 5.3, 127: 5.5}, {0: 6.69, 63: 7.94, 127: 9.46}, other)
+    assert flat[0] == {"nodes": 0, "tree": False, "tau": 5.0, "step_ms": round(other + 6.69, 4),
+                       "tokens_per_ms": round(5.0 / (other + 6.69), 5)}
+    tie = rank_budgets({0: 2.0, 15: 2.0}, {0: 1.0, 15: 1.0}, 1.0)
+    assert [r["nodes"] for r in tie] == [0, 15]  # a tree must beat the chain, not tie it
+    assert chain_tau({"block_size": 12}, {"tau": 4.2}) == 4.2
+    assert chain_tau({"block_size": 12, "tree_lattice": 0, "tree_nodes": 0}, {"tau": 4.2}) == 4.2
+    for tree in ({"tree_lattice": 63}, {"tree_nodes": 31}, {"tree_branch": 2, "tree_depth": 3}):
+        assert chain_tau({"block_size": 12, **tree}, {"tau": 4.2}) is None
 
 
 def test_tree_acceptance_on_the_device_equals_the_host_walk():

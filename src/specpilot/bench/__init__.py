@@ -43,6 +43,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                              "the engine layer by layer"),
     "tree-bound": ("tree_bound", "the largest tau any tree of N nodes reaches under a replay profile, and the "
                                  "speedup over stock it bounds (CPU, seconds)"),
+    "host": ("host", "the engine's host work per step with a stand-in target (no model): AR, chain and lattice "
+                     "tree cells at c1 / c16, acceptance driven by replay profiles, split into its parts (CPU)"),
     "cpu-step": ("cpu_step", "the CPU step paths of a built deployment: plain, fused (aten / oneDNN matmuls) and "
                              "optionally torch.compile, verify, decode, draft and context injection, interleaved"),
 }
