@@ -84,18 +84,18 @@ class OracleSteps:
         self.calls = 0
 
     def _logits(self, R: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        t = now()
         tgt = R.gather(1, idx.clamp(0, R.shape[1] - 1))
-        out = torch.zeros(*tgt.shape, self.vocab, device=tgt.device).scatter_(2, tgt[..., None], 1.0)
-        self.seconds += now() - t
         self.calls += 1
-        return out
+        return torch.zeros(*tgt.shape, self.vocab, device=tgt.device).scatter_(2, tgt[..., None], 1.0)
 
     def run(self, tokens: torch.Tensor, start: torch.Tensor, capture=(), tree=None, write: bool = False):
         """A verify / decode step: (logits [B, T, vocab], None)."""
+        t = now()
         T = tokens.shape[1]
         depth = tree[1].long() if tree is not None else torch.arange(T, device=tokens.device)[None, :]
-        return self._logits(self.R, (start - self.P)[:, None] + depth + 1), None
+        out = self._logits(self.R, (start - self.P)[:, None] + depth + 1)
+        self.seconds += now() - t
+        return out, None
 
     def forward(self, tokens, start, capture=(), tree=None, rows=None, last_only=False, write=False):
         """A prefill of one row (``rows``; the runner's row prefill): (logits [1, 1, vocab], None)."""
@@ -213,6 +213,9 @@ def measure(run: Run, args: argparse.Namespace) -> dict:
                      "steps": med["steps"], "tau": med["tau"], "batch": B, "nodes": nodes,
                      "stand_in_ms_per_step": med["stand_in_s"] / med["steps"] * 1e3,
                      "outputs_equal_reference": all(r["outputs_equal_reference"] for r in rs + [part])}
+        ar = out.get(f"ar_c{B}")
+        if ar is not None:  # against the AR baseline at the same concurrency, same run (load cancels)
+            out[name]["x_ar"] = out[name]["host_ms_per_step"] / ar["host_ms_per_step"]
         if name in BARS_MS:
             out[name]["bar_ms"] = BARS_MS[name]
         run.R["cells"] = out
@@ -226,7 +229,8 @@ def table(cells: dict) -> list[str]:
         bar = c.get("bar_ms")
         verdict = f"  bar <= {bar:.2f}: {'met' if c['host_ms_per_step'] <= bar else 'MISSED'}" if bar else ""
         parts = " ".join(f"{k} {fmt(v, '{:.4f}')}" for k, v in c["parts_ms_per_step"].items())
-        L.append(f"  {name:<10} {fmt(c['host_ms_per_step'], '{:.4f}')} ms  (tau {c['tau']:.2f}, {c['steps']} steps; "
+        L.append(f"  {name:<10} {fmt(c['host_ms_per_step'], '{:.4f}')} ms  {fmt(c.get('x_ar'), '{:.2f}')}x AR's  "
+                 f"(tau {c['tau']:.2f}, {c['steps']} steps; "
                  f"{parts}; outputs = reference {c['outputs_equal_reference']}){verdict}")
     return L
 

@@ -26,20 +26,26 @@ from typing import Callable
 
 import torch
 
+from ..drafters.proposal import Proposal
+from ..engine.verify import accept_tree_device, decide
 from ..tuning import timing
 from . import _engine as E
-from ._common import Run, fmt
+from ._common import Run, fmt, kernel_profile
 
 # (name, DFlash block B = spine nodes, branch, depth); branch 0 = a chain of B tokens; branch -1 = a
 # lattice tree of ``depth`` nodes over B - 1 drafts in the geometry of the packaged measured lattice
 # profile (LATTICE_PROFILE's mean nodes per depth; the path form, as the engine runs a lattice tree)
-SHAPES = (("chain16", 16, 0, 0), ("chain32", 32, 0, 0), ("chain64", 64, 0, 0),
+SHAPES = (("chain16", 16, 0, 0), ("chain32", 32, 0, 0), ("chain64", 64, 0, 0), ("chain128", 128, 0, 0),
+          ("chain256", 256, 0, 0),
           ("tree32_s16", 16, 2, 8), ("tree61_s16", 16, 3, 15), ("tree64_s16", 16, 4, 12), ("tree64_s32", 32, 2, 16),
           ("lattice63", 12, -1, 63), ("lattice127", 12, -1, 127), ("lattice255", 12, -1, 255))
 DRY_SHAPES = (("chain4", 4, 0, 0), ("tree8_s4", 4, 2, 2), ("lattice20", 12, -1, 20))
 BARS = {"tree32_s16": 1.10, "tree64_s16": 1.25, "tree64_s32": 1.25,  # issue 16's bar per tree size
         "lattice127": 1.25, "lattice255": 1.60}  # issue 47's
 LATTICE_PROFILE = "tiny_dflash2_lattice"
+# issue 54: a tree of N nodes verified within 5 % of a chain of the same rows (N + 1 with the root)
+VS_CHAIN = {"lattice63": ("chain64", 1.05), "lattice127": ("chain128", 1.05), "lattice255": ("chain256", 1.05),
+            "lattice20": ("chain4", None)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-starts", type=int, nargs="+", default=[512, 509, 541, 600, 637],
                    help="block starts of the tree checks (blocks across 64-key tiles and 128-slot chunks)")
     p.add_argument("--max-leaves", type=int, default=0, help="side leaves checked per tree and start (0: all)")
+    p.add_argument("--kernels", choices=("on", "off"), default="on",
+                   help="per-kernel device time of each lattice tree and its chain (CUDA; after the timings)")
 
 
 @dataclass
@@ -83,7 +91,7 @@ class Trees:
         self.start = torch.full((1,), args.context, dtype=torch.long, device=self.dev)
         self.steps: dict[str, Step] = {}
         self.R = {"context": args.context, "capture_layers": list(self.capture), "trees": {}, "step_ms": {},
-                  "x_ar": {}, "checks": {}}
+                  "x_ar": {}, "x_chain": {}, "checks": {}, "kernels": {}, "host_side_ms": {}}
 
     def tokens(self, T: int) -> torch.Tensor:
         return torch.randint(0, self.m.config.vocab_size, (1, T), generator=self.gen, device=self.dev)
@@ -136,6 +144,9 @@ class Trees:
         for name, v in rounds.items():
             self.R["step_ms"][name] = {"ms": statistics.median(v), "rounds_ms": v}
             self.R["x_ar"][name] = statistics.median(v) / ar
+        for name, (chain, _) in VS_CHAIN.items():
+            if name in self.R["step_ms"] and chain in self.R["step_ms"]:
+                self.R["x_chain"][name] = self.R["step_ms"][name]["ms"] / self.R["step_ms"][chain]["ms"]
         length = self.start.clone()
         for P in (16, 32):  # the commit's compaction of an accepted path of P nodes of a 64-node block
             path = torch.tensor([[0] + list(range(64 - P + 1, 64))], dtype=torch.long, device=self.dev)
@@ -191,6 +202,36 @@ class Trees:
             res[k] = max(ps[k] for ps in res["per_start"].values())
         return res
 
+    def side_work(self) -> None:
+        """What a lattice tree's step adds outside the captured step, against its chain's (eager,
+        per call): the tree's inputs built from its parents (:func:`tree_inputs` with a depth bound,
+        as for a tree that changes every step) and the acceptance decision (the tree's on the
+        device, :func:`accept_tree_device`; the chain's under the greedy rule, :func:`decide`)."""
+        V = self.m.config.vocab_size
+        for name, (chain, _) in VS_CHAIN.items():
+            info = self.R["trees"].get(name)
+            if info is None or chain not in self.steps:
+                continue
+            par = torch.tensor([info["parents"]], dtype=torch.long, device=self.dev)
+            N, T = par.shape[1], self.steps[chain].tok.shape[1]
+            lt = torch.randn(1, N, V, device=self.dev, dtype=self.run.dtype)
+            lc = torch.randn(1, T, V, device=self.dev, dtype=self.run.dtype)
+            tok, ctok = self.tokens(N), self.tokens(T)
+            depth = info["block"] - 1
+            prop = Proposal(ctok)
+            self.R["host_side_ms"][name] = {k: self.run.median_s(f, 50) * 1e3 for k, f in (
+                ("tree_inputs", lambda: E.tree_inputs(par, depth)),
+                ("accept_tree", lambda: accept_tree_device(tok, par, lt, None, depth)),
+                ("accept_chain", lambda: decide(prop, lc)))}
+
+    def kernels(self) -> None:
+        """Device time per kernel of each lattice tree's step and its chain's (torch.profiler over
+        graph replays; after the timings: the profiler slows every later call)."""
+        for name, (chain, _) in VS_CHAIN.items():
+            for n in (name, chain):
+                if n in self.steps and n not in self.R["kernels"]:
+                    self.R["kernels"][n] = kernel_profile(self.steps[n].run)
+
     def measure(self) -> dict:
         self.build()
         for name, info in self.R["trees"].items():  # first: fresh random tokens into every step
@@ -198,6 +239,10 @@ class Trees:
             self.run.R["trees"] = self.R
             self.run.save()
         self.times()
+        self.side_work()
+        if self.run.cuda and self.a.kernels == "on":
+            self.run.save()
+            self.kernels()
         return self.R
 
 
@@ -214,6 +259,19 @@ def table(T: dict) -> list[str]:
         bar = BARS.get(name)
         verdict = f"<= {bar:.2f}: {'met' if T['x_ar'][name] <= bar else 'MISSED'}" if bar else ""
         L.append(f"  {name:<13} {nodes:>5} {fmt(v['ms']):>7} {fmt(T['x_ar'][name]):>6}  {verdict}")
+    for name, x in T.get("x_chain", {}).items():
+        chain, bar = VS_CHAIN[name]
+        verdict = f"  (issue 54 bar <= {bar:.2f}: {'met' if x <= bar else 'MISSED'})" if bar else ""
+        L.append(f"  {name} / {chain}: {fmt(x)}{verdict}")
+    for name, h in T.get("host_side_ms", {}).items():
+        L.append(f"  {name} outside the step (eager ms): " + ", ".join(f"{k} {fmt(v, '{:.4f}')}" for k, v in h.items()))
+    K = T.get("kernels", {})
+    for name, (chain, _) in VS_CHAIN.items():
+        if name in K and chain in K:
+            kt, kc = K[name]["kernels"], K[chain]["kernels"]
+            L.append(f"  kernels {name} vs {chain} (ms): sum {fmt(K[name]['kernel_sum_ms'])} vs {fmt(K[chain]['kernel_sum_ms'])}; "
+                     + ", ".join(f"{k[:40]} {fmt(kt.get(k, {}).get('ms'), '{:.4f}')}/{fmt(kc.get(k, {}).get('ms'), '{:.4f}')}"
+                                 for k in list(dict.fromkeys(list(kt)[:6] + list(kc)[:6]))))
     for name, c in T.get("checks", {}).items():
         L.append(f"  check {name}: spine = {c['spine_vs']} {c['spine_bit_equal']}; leaves = their path chains "
                  f"{c['leaves_bit_equal']}/{c['leaves_checked']} (max abs diff {fmt(c['leaf_max_abs_diff'], '{:.3g}')})")
