@@ -16,12 +16,15 @@ exactly as on the real target (every output equals the reference: checked); its 
 measured and left out of the host time.
 
 Cells: AR at c1 and c16 first (the baseline: the AR engine's host work through the same loop),
-then the chain at c1, the 63-node lattice tree at c1 and the chain at c16. Each cell: median over
-``--repeats`` runs of ``--new`` tokens per request of the host milliseconds per step, and the
-parts (``propose``: the drafter's proposal, a tree's build included; ``verify_inputs``: the
-runner's verify around the step (tree inputs); ``accept``: the acceptance decision and its host
-read; ``commit``: the runner's commit (path compaction) and the drafter's observation;
-``bookkeeping``: the rest of the loop), by wrapping those calls with a clock.
+then the chain at c1, the 63-node lattice tree at c1 and the chain at c16, each also as a multiple
+of AR's at its concurrency (``x_ar``: the machine's load cancels). Each cell: the median over
+``--repeats`` interleaved runs of ``--new`` tokens per request of the host milliseconds per step,
+on this thread's CPU time (``--clock cpu``: a busy shared machine inflates the wall clock with time
+spent descheduled; ``--clock wall`` on a quiet one), and from one more run the parts (``propose``:
+the drafter's proposal, a tree's build included; ``verify_inputs``: the runner's verify around the
+step (tree inputs); ``accept``: the acceptance decision and its host read; ``commit``: the runner's
+commit (path compaction) and the drafter's observation; ``bookkeeping``: the rest of the loop),
+each call wrapped with the clock (whose reads add their own cost to that run).
 """
 
 from __future__ import annotations
@@ -104,8 +107,8 @@ class OracleSteps:
 
 
 class PartClock:
-    """Wall-clock seconds spent in wrapped calls, by part (nested calls are not double counted: a
-    call inside a timed call counts for the outer part only)."""
+    """Seconds (the module's clock) spent in wrapped calls, by part (nested calls are not double
+    counted: a call inside a timed call counts for the outer part only)."""
 
     def __init__(self):
         self.s = dict.fromkeys(PARTS, 0.0)

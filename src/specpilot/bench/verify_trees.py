@@ -11,6 +11,12 @@ off the spine node before each; width B + branch x min(depth, B - 1)), with the 
 Each is captured as a CUDA graph, as the runner captures it, and timed over ``--replays`` replays in
 ``--rounds`` rounds (shapes interleaved, so drift shows as spread).
 
+Issue 54: each lattice tree against the chain of its rows (63 / 127 / 255 nodes against 64 / 128
+/ 256 tokens, bar 1.05x, ``x_chain``), what the tree adds outside the captured step (its inputs
+built from its parents, its acceptance against the chain's; ``host_side_ms``) and, on the GPU,
+device time per kernel of each tree and its chain (``--kernels``, after the timings). Each step
+keeps every tensor its graph reads (:class:`Step`): a CUDA graph holds addresses, not references.
+
 A side leaf's own K/V sit at its block slot in the tree but at slot start + depth in a chain (and
 in AR), so its attention sums its keys in other tiles whenever those slots fall in different
 64-key tiles or 128-slot chunks: the checks run at several block starts (``--check-starts``)
