@@ -226,7 +226,7 @@ class Trees:
             depth = info["block"] - 1
             prop = Proposal(ctok)
             self.R["host_side_ms"][name] = {k: self.run.median_s(f, 50) * 1e3 for k, f in (
-                ("tree_inputs", lambda: E.tree_inputs(par, depth)),
+                ("tree_inputs", lambda: E.tree_inputs(par.clone(), depth)),  # a new tree: built anew
                 ("accept_tree", lambda: accept_tree_device(tok, par, lt, None, depth)),
                 ("accept_chain", lambda: decide(prop, lc)))}
 

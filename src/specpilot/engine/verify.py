@@ -90,13 +90,13 @@ _TREE_CACHE: list = [None, None]  # [the parents tensor of a static tree, its (a
 
 
 def _ancestors(parents: torch.Tensor, max_depth: int | None):
-    """(ancestors bool [B, N, N], depth int64 [B, N]) of a tree: built each step for a tree that
-    changes every step (``max_depth`` given: no host read), else once per parents tensor (a static
-    tree reuses its tensor every step; keyed by the tensor itself, as the runner keys its mask)."""
-    if max_depth is not None:
-        return tree_ancestors(parents, max_depth)
+    """(ancestors bool [B, N, N], depth int64 [B, N]) of a tree, once per parents tensor (keyed by
+    the tensor itself, as the runner keys its tree inputs): a static tree reuses its tensor every
+    step; a tree that changes every step (``max_depth`` given: no host read) gets a new one, whose
+    ancestors :func:`tree_inputs` builds for the verify and the acceptance reads here again
+    (issue 54: built once per step, not twice). Not to be modified."""
     if _TREE_CACHE[0] is not parents:
-        _TREE_CACHE[0], _TREE_CACHE[1] = parents, tree_ancestors(parents)
+        _TREE_CACHE[0], _TREE_CACHE[1] = parents, tree_ancestors(parents, max_depth)
     return _TREE_CACHE[1]
 
 
@@ -403,7 +403,7 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     if max_depth is not None and max_depth > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth up to {max_depth}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config block_size)")
-    anc, depth = tree_ancestors(parents, max_depth)
+    anc, depth = _ancestors(parents, max_depth)
     if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config tree_depth / block_size)")
