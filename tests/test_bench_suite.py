@@ -105,7 +105,7 @@ def test_host_dry_run(tmp_path):
     r = bench(tmp_path, "host")
     assert r["errors"] == [] and r["clock"] == "cpu"
     c = r["cells"]
-    assert list(c) == ["ar_c1", "ar_c16", "chain_c1", "tree63_c1", "chain_c16"]  # the AR baseline first
+    assert list(c) == ["ar_c1", "ar_c16", "chain_c1", "tree63_c1", "chain_c16", "tree63_dynamic_c1"]  # AR first
     for name, cell in c.items():  # the stand-in's logits drive the replay acceptance: outputs = the references
         assert cell["outputs_equal_reference"] and cell["host_ms_per_step"] > 0, (name, cell)
         assert set(cell["parts_ms_per_step"]) == {"propose", "verify_inputs", "accept", "commit", "bookkeeping"}

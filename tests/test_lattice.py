@@ -369,7 +369,7 @@ def test_tree_budget_ranks_no_tree():
 def test_tree_acceptance_on_the_device_equals_the_host_walk():
     """accept_tree_device (the engine's tree decision, one host read) against accept_tree (the host
     walk) on random trees and logits rigged so that long paths are accepted, with padding rows."""
-    from specpilot.engine.verify import accept_static_tree, accept_tree, accept_tree_device
+    from specpilot.engine.verify import accept_tree_host, accept_tree, accept_tree_device
 
     g = torch.Generator().manual_seed(0)
     longest = 0
@@ -399,18 +399,18 @@ def test_tree_acceptance_on_the_device_equals_the_host_walk():
         assert proposed == [[int(tokens[b, i]) for i in p[1:]] + [bonus[b]] for b, p in enumerate(paths)]
         assert slots.shape[1] == max(map(len, paths))
         assert all(slots[b, :len(p)].tolist() == p for b, p in enumerate(paths))
-        assert accept_static_tree(tokens, parents, logits, lengths) == (paths, bonus, proposed)  # the host's
+        assert accept_tree_host(tokens, parents, logits, lengths) == (paths, bonus, proposed)  # the host's
         longest = max(longest, max(map(len, paths)))
     assert longest >= 6  # deep paths were accepted
 
 
 def test_host_decisions_equal_the_device_ones_with_ties():
     """The engine's host-side decisions (issue 54: fewer launches per step) against the device
-    ones: a static tree (accept_static_tree) where siblings carry equal tokens (the deepest accepted
+    ones: a static tree (accept_tree_host) where siblings carry equal tokens (the deepest accepted
     node wins, the lowest index among equally deep ones: not what a first-match walk finds), and a
     chain under the greedy rule (decide) against accept_greedy, with padded rows."""
     from specpilot.drafters.proposal import Proposal
-    from specpilot.engine.verify import (accept_greedy, accept_static_tree, accept_tree, accept_tree_device,
+    from specpilot.engine.verify import (accept_greedy, accept_tree_host, accept_tree, accept_tree_device,
                                         chain_drafts, decide)
 
     g = torch.Generator().manual_seed(1)
@@ -425,7 +425,7 @@ def test_host_decisions_equal_the_device_ones_with_ties():
         logits = torch.randn(B, N, V, generator=g)
         lengths = torch.randint(1, N + 1, (B,), generator=g) if trial % 2 else None
         want = accept_tree_device(tokens, parents, logits, lengths)[:3]
-        assert accept_static_tree(tokens, parents, logits, lengths) == want
+        assert accept_tree_host(tokens, parents, logits, lengths) == want
         differs += want[0] != accept_tree(tokens, parents, logits, lengths)[0]
         chain = Proposal(tokens, None, lengths)
         acc, bonus = accept_greedy(chain_drafts(chain), logits)

@@ -51,7 +51,7 @@ def test_cpu_matmul_layout_keeps_values_and_unties_only_the_head():
 
 
 def test_tree_ancestors_by_pointer_doubling_match_a_walk():
-    """tree_ancestors (pointer doubling, issue 54: log2 of the depth in iterations) against a walk
+    """tree_ancestors (repeated squaring, issue 54: log2 of the depth in products) against a walk
     up each node's parents, on random trees, chains as deep as their width, with and without a
     depth bound (a bound at the tree's depth or beyond it gives the same mask)."""
     import torch

@@ -16,7 +16,9 @@ exactly as on the real target (every output equals the reference: checked); its 
 measured and left out of the host time.
 
 Cells: AR at c1 and c16 first (the baseline: the AR engine's host work through the same loop),
-then the chain at c1, the 63-node lattice tree at c1 and the chain at c16, each also as a multiple
+then the chain at c1, the 63-node lattice tree at c1 (its parents tensor static, as the replay
+proposes it), the chain at c16 and the same tree as a new tree every step (``tree63_dynamic_c1``:
+a new parents tensor with a depth bound, as the DFlash2 lattice proposer makes it), each also as a multiple
 of AR's at its concurrency (``x_ar``: the machine's load cancels). Each cell: the median over
 ``--repeats`` interleaved runs of ``--new`` tokens per request of the host milliseconds per step,
 on this thread's CPU time (``--clock cpu``: a busy shared machine inflates the wall clock with time
@@ -36,6 +38,7 @@ import time
 import torch
 
 from ..drafters.lattice_profile import LatticeReplayProposer
+from ..drafters.proposal import Proposal
 from ..drafters.replay import ReplayProposer, load_profile
 from ..engine import verify as V
 from ..engine.backend import Backend
@@ -47,7 +50,7 @@ from ._common import Run, add_common, fmt
 CHAIN_PROFILE, LATTICE_PROFILE = "study_stock", "tiny_dflash2_lattice"
 # (cell, concurrency, proposer kind, tree nodes); the AR cells first: the baseline
 CELLS = (("ar_c1", 1, "ar", 0), ("ar_c16", 16, "ar", 0), ("chain_c1", 1, "chain", 0),
-         ("tree63_c1", 1, "lattice", 63), ("chain_c16", 16, "chain", 0))
+         ("tree63_c1", 1, "lattice", 63), ("chain_c16", 16, "chain", 0), ("tree63_dynamic_c1", 1, "dynamic", 63))
 BARS_MS = {"chain_c1": 0.10, "tree63_c1": 0.15, "chain_c16": 0.30}
 PARTS = ("propose", "verify_inputs", "accept", "commit")
 VOCAB = 64  # the stand-in's vocabulary: its logits' argmax costs what a launch costs
@@ -134,12 +137,23 @@ def _requests(B: int, prompt_len: int, new: int, seed: int) -> list[Request]:
                     torch.randint(0, VOCAB, (new,), generator=g).tolist()) for _ in range(B)]
 
 
+class DynamicLatticeReplay(LatticeReplayProposer):
+    """The lattice replay proposing each step's tree as a new parents tensor with its depth bound,
+    as the DFlash2 lattice proposer (:mod:`specpilot.drafters.lattice`) does: the verify builds the
+    tree's inputs and the acceptance runs on the device every step."""
+
+    def proposal(self, handle, last):
+        p = super().proposal(handle, last)
+        return Proposal(p.tokens, p.parents.clone(), max_depth=self.block_size - 1)
+
+
 def _proposer(kind: str, nodes: int, refs: list[list[int]]):
     """The replay drafter of a cell (None: AR)."""
     if kind == "chain":
         return ReplayProposer(refs, load_profile(CHAIN_PROFILE), VOCAB)
-    if kind == "lattice":
-        return LatticeReplayProposer(refs, load_profile(LATTICE_PROFILE), VOCAB, nodes=nodes)
+    if kind in ("lattice", "dynamic"):
+        cls = LatticeReplayProposer if kind == "lattice" else DynamicLatticeReplay
+        return cls(refs, load_profile(LATTICE_PROFILE), VOCAB, nodes=nodes)
     return None
 
 

@@ -178,6 +178,7 @@ class VerifyOutput:
         return torch.tensor([p + [0] * (width - len(p)) for p in self.paths], dtype=torch.long, device=device)
 
 
+HOST_TREE_NODES = 256  # a tree that changes every step is decided on the host up to this many nodes (batch x width)
 _CHILDREN: list = [None, None]  # [the parents tensor of a static tree, its children per row and node]
 
 
@@ -196,11 +197,11 @@ def _children(parents: torch.Tensor) -> list[list[list[int]]]:
     return _CHILDREN[1]
 
 
-def accept_static_tree(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+def accept_tree_host(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
                        lengths: torch.Tensor | None = None) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """:func:`accept_tree_device`'s decision for a static tree (one parents tensor every step), on
-    the host from the argmax and the tokens (two small reads) and the tree's children lists (built
-    once): a search through the accepted nodes only (a node is accepted when its parent is and its
+    """:func:`accept_tree_device`'s decision on the host from the argmax and the tokens (two small
+    reads) and the tree's children lists (built once per parents tensor: once for a static tree,
+    every step for one that changes): a search through the accepted nodes only (a node is accepted when its parent is and its
     token is the target's argmax at the parent), ending at the deepest, the lowest index among
     equally deep ones, as the device version does. Returns (paths, bonus, proposed)."""
     post, toks = logits.argmax(-1).tolist(), tokens.tolist()
@@ -247,11 +248,13 @@ def decide(prop: Proposal, logits: torch.Tensor, accept: Callable = accept_greed
     """The acceptance of ``prop`` given the verified block's logits [B, N, vocab]: a chain under the
     rule ``accept`` (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]), one host
     synchronization (the greedy rule on the host from the argmax: the same decision with fewer
-    launches); a static tree by :func:`accept_static_tree`, a tree that changes every step by
-    :func:`accept_tree_device` (one host read too)."""
+    launches); a static tree, or one that changes every step of at most :data:`HOST_TREE_NODES`
+    nodes over the batch, by :func:`accept_tree_host`, a larger changing tree by
+    :func:`accept_tree_device` (one host read too; its children lists would cost more host time
+    than its launches)."""
     if not prop.is_chain:
-        if prop.max_depth is None:
-            return VerifyOutput(*accept_static_tree(prop.tokens, prop.parents, logits, prop.lengths))
+        if prop.max_depth is None or prop.tokens.numel() <= HOST_TREE_NODES:
+            return VerifyOutput(*accept_tree_host(prop.tokens, prop.parents, logits, prop.lengths))
         return VerifyOutput(*accept_tree_device(prop.tokens, prop.parents, logits, prop.lengths, prop.max_depth))
     if accept is accept_greedy:
         return _accept_chain_host(prop, logits)
@@ -387,8 +390,8 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
     (:func:`specpilot.models.layers.tree_ancestors`). ``max_depth``: a bound of the depth (a tree
     that changes every step, e.g. a lattice tree): built with no host synchronization, always in
-    the path form. Above 64 nodes the bits are not built (a zero placeholder; the path form never
-    reads them).
+    the path form. In the path form the bits are not built (a zero placeholder: the path form
+    never reads them).
 
     Raises:
         SpecpilotError: T > :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`, or a tree deeper
@@ -409,10 +412,8 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
                              f"{PATH_DEPTH} levels below the root (engine config tree_depth / block_size)")
     depth = depth.to(torch.int32).contiguous()
     paths_t = tree_paths(anc)
-    if paths or T > TREE_BIT_NODES or max_depth is not None:
-        bits = tree_bits(anc) if T <= TREE_BIT_NODES else torch.zeros(parents.shape, dtype=torch.int64,
-                                                                        device=parents.device)
-        return bits, depth, paths_t
+    if paths or T > TREE_BIT_NODES or max_depth is not None:  # the path form reads no bits: a placeholder
+        return torch.zeros(parents.shape, dtype=torch.int64, device=parents.device), depth, paths_t
     bits = tree_bits(anc)
     # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
     # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
