@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..drafters.proposal import Proposal
-from ..engine.verify import accept_tree_device, decide
+from ..engine.verify import decide
 from ..tuning import timing
 from . import _engine as E
 from ._common import Run, fmt, kernel_profile
@@ -211,8 +211,8 @@ class Trees:
     def side_work(self) -> None:
         """What a lattice tree's step adds outside the captured step, against its chain's (eager,
         per call): the tree's inputs built from its parents (:func:`tree_inputs` with a depth bound,
-        as for a tree that changes every step) and the acceptance decision (the tree's on the
-        device, :func:`accept_tree_device`; the chain's under the greedy rule, :func:`decide`)."""
+        as for a tree that changes every step) and the engine's acceptance decision of each
+        (:func:`decide`: the tree's on the host up to 256 nodes, else on the device)."""
         V = self.m.config.vocab_size
         for name, (chain, _) in VS_CHAIN.items():
             info = self.R["trees"].get(name)
@@ -224,10 +224,10 @@ class Trees:
             lc = torch.randn(1, T, V, device=self.dev, dtype=self.run.dtype)
             tok, ctok = self.tokens(N), self.tokens(T)
             depth = info["block"] - 1
-            prop = Proposal(ctok)
+            prop, tprop = Proposal(ctok), Proposal(tok, par, max_depth=depth)
             self.R["host_side_ms"][name] = {k: self.run.median_s(f, 50) * 1e3 for k, f in (
                 ("tree_inputs", lambda: E.tree_inputs(par.clone(), depth)),  # a new tree: built anew
-                ("accept_tree", lambda: accept_tree_device(tok, par, lt, None, depth)),
+                ("accept_tree", lambda: decide(tprop, lt)),
                 ("accept_chain", lambda: decide(prop, lc)))}
 
     def kernels(self) -> None:
