@@ -4,7 +4,11 @@ The Qwen3-8B shape cut to LAYERS layers (default 2), bf16 on the GPU; every tree
 verify_trees.SHAPES built as the benchmark builds it (eager call, CUDA graph), each graph replayed
 and synchronised right after its capture, then all replayed again in build order, then eager
 calls at each check start. Prints one line per step; the first failure names the step and phase.
-Run under `compute-sanitizer --tool memcheck` for the faulting kernel."""
+Run under `compute-sanitizer --tool memcheck` for the faulting kernel.
+
+Cause found (issue 54): the benchmark kept each graph but not the tree's inputs, which only the
+captured closure referenced. KEEP_TREE=0 drops them after the capture as the benchmark did (the
+crash expected at the replays after all builds), KEEP_TREE=1 (default) keeps them as it does now."""
 import os
 import sys
 
@@ -16,6 +20,7 @@ from specpilot.tuning import timing
 
 layers = int(os.environ.get("LAYERS", "2"))
 use_graphs = os.environ.get("GRAPHS", "1") == "1"
+keep_tree = os.environ.get("KEEP_TREE", "1") == "1"
 dev = torch.device("cuda")
 model = E.dry_target("qwen3-8b", layers=layers, dtype=torch.bfloat16).to(dev)
 fast = E.fastpath()[0].FastTarget(model, checked_cublas=os.environ.get("CHECKED", "1") == "1")
@@ -66,14 +71,14 @@ for name, B, br, d in [("ar", 1, 0, 0)] + list(VT.SHAPES):
         sync(f"{name} capture")
         gr.replay()
         sync(f"{name} replay right after capture")
-    steps[name] = (gr, fn, tok)
+    steps[name] = (gr, None if gr else fn, tok, tree if keep_tree else None)  # a graph holds no reference to fn
 
-for name, (gr, fn, tok) in steps.items():
+for name, (gr, fn, tok, _) in steps.items():
     (gr.replay if gr else fn)()
     sync(f"{name} replay after all builds")
 for st in starts:
     start.fill_(st)
-    for name, (gr, fn, tok) in steps.items():
+    for name, (gr, fn, tok, _) in steps.items():
         (gr.replay if gr else fn)()
         sync(f"{name} replay at start {st}")
 print("all steps ran")

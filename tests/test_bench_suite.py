@@ -97,6 +97,22 @@ def test_verify_dry_run(tmp_path):
     assert lat["nodes"] == 21 and lat["lattice"] and lat["parents"][lat["spine"][0]] == 0
     c = t["checks"]["lattice20"]
     assert c["tree_logits_finite"] and c["leaves_checked"] == 1 and c["leaf_max_abs_diff"] < 1e-4  # --max-leaves 1
+    assert t["x_chain"]["lattice20"] == t["step_ms"]["lattice20"]["ms"] / t["step_ms"]["chain4"]["ms"]  # issue 54's ratio
+    assert set(t["host_side_ms"]["lattice20"]) == {"tree_inputs", "accept_tree", "accept_chain"}
+
+
+def test_host_dry_run(tmp_path):
+    r = bench(tmp_path, "host")
+    assert r["errors"] == [] and r["clock"] == "cpu"
+    c = r["cells"]
+    assert list(c) == ["ar_c1", "ar_c16", "chain_c1", "tree63_c1", "chain_c16", "tree63_dynamic_c1"]  # AR first
+    for name, cell in c.items():  # the stand-in's logits drive the replay acceptance: outputs = the references
+        assert cell["outputs_equal_reference"] and cell["host_ms_per_step"] > 0, (name, cell)
+        assert set(cell["parts_ms_per_step"]) == {"propose", "verify_inputs", "accept", "commit", "bookkeeping"}
+    assert c["ar_c1"]["tau"] == 1.0 and c["ar_c1"]["steps"] == 23 and c["ar_c1"]["parts_ms_per_step"]["propose"] == 0
+    assert 1.5 < c["chain_c1"]["tau"] <= 16 and 1.5 < c["tree63_c1"]["tau"] <= 12  # block 16 / the lattice's 12
+    assert c["tree63_c1"]["nodes"] == 63 and c["chain_c16"]["batch"] == 16 and c["chain_c1"]["bar_ms"] == 0.10
+    assert c["chain_c16"]["x_ar"] == c["chain_c16"]["host_ms_per_step"] / c["ar_c16"]["host_ms_per_step"]
 
 
 @needs_triton

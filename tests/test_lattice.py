@@ -341,14 +341,35 @@ def test_tree_budget_ranks_budgets_by_tokens_per_ms(quick_deployment, quick_prom
     rows = generate(TargetRunner(target, 4, S, prop.capture), prop, prompts, 40)
     steps = [c for r in rows for c in r.committed_per_step[:-1]]
     assert lat.expected_tau(40) == pytest.approx(sum(steps) / len(steps), rel=0.08)
-    ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2)
-    assert set(ms) == {7, 40} and all(v > 0 for v in ms.values())
+    ms = verify_ms(dep, lat, [7, 40], batch=1, context=30, repeats=2, chain=8)
+    assert set(ms) == {0, 7, 40} and all(v > 0 for v in ms.values())  # 0: the chain of the block ("no tree")
+
+
+def test_tree_budget_ranks_no_tree():
+    """"No tree" (budget 0, the base's chain) is ranked with the budgets: a plan says trees do not
+    pay when the chain is predicted fastest (the GPU's measured case of issue 54: 63 nodes verify in
+    7.94 ms against the chain's 6.69 at a 1.2x tau), and the chain's tau is the base run's only
+    when the base verifies a chain."""
+    from specpilot.agent.tree_budget import chain_tau, rank_budgets
+
+    other = 1.35 + 0.4
+    pays = rank_budgets({0: 5.0, 63: 6.5, 127: 6.8}, {0: 6.69, 63: 7.94, 127: 9.46}, other)
+    assert [(r["nodes"], r["tree"]) for r in pays] == [(63, True), (127, True), (0, False)]
+    flat = rank_budgets({0: 5.0, 63: 5.3, 127: 5.5}, {0: 6.69, 63: 7.94, 127: 9.46}, other)
+    assert flat[0] == {"nodes": 0, "tree": False, "tau": 5.0, "step_ms": round(other + 6.69, 4),
+                       "tokens_per_ms": round(5.0 / (other + 6.69), 5)}
+    tie = rank_budgets({0: 2.0, 15: 2.0}, {0: 1.0, 15: 1.0}, 1.0)
+    assert [r["nodes"] for r in tie] == [0, 15]  # a tree must beat the chain, not tie it
+    assert chain_tau({"block_size": 12}, {"tau": 4.2}) == 4.2
+    assert chain_tau({"block_size": 12, "tree_lattice": 0, "tree_nodes": 0}, {"tau": 4.2}) == 4.2
+    for tree in ({"tree_lattice": 63}, {"tree_nodes": 31}, {"tree_branch": 2, "tree_depth": 3}):
+        assert chain_tau({"block_size": 12, **tree}, {"tau": 4.2}) is None
 
 
 def test_tree_acceptance_on_the_device_equals_the_host_walk():
     """accept_tree_device (the engine's tree decision, one host read) against accept_tree (the host
     walk) on random trees and logits rigged so that long paths are accepted, with padding rows."""
-    from specpilot.engine.verify import accept_tree, accept_tree_device
+    from specpilot.engine.verify import accept_tree_host, accept_tree, accept_tree_device
 
     g = torch.Generator().manual_seed(0)
     longest = 0
@@ -378,5 +399,37 @@ def test_tree_acceptance_on_the_device_equals_the_host_walk():
         assert proposed == [[int(tokens[b, i]) for i in p[1:]] + [bonus[b]] for b, p in enumerate(paths)]
         assert slots.shape[1] == max(map(len, paths))
         assert all(slots[b, :len(p)].tolist() == p for b, p in enumerate(paths))
+        assert accept_tree_host(tokens, parents, logits, lengths) == (paths, bonus, proposed)  # the host's
         longest = max(longest, max(map(len, paths)))
     assert longest >= 6  # deep paths were accepted
+
+
+def test_host_decisions_equal_the_device_ones_with_ties():
+    """The engine's host-side decisions (issue 54: fewer launches per step) against the device
+    ones: a static tree (accept_tree_host) where siblings carry equal tokens (the deepest accepted
+    node wins, the lowest index among equally deep ones: not what a first-match walk finds), and a
+    chain under the greedy rule (decide) against accept_greedy, with padded rows."""
+    from specpilot.drafters.proposal import Proposal
+    from specpilot.engine.verify import (accept_greedy, accept_tree_host, accept_tree, accept_tree_device,
+                                        chain_drafts, decide)
+
+    g = torch.Generator().manual_seed(1)
+    differs = 0
+    for trial in range(60):
+        B, N, V = 2, int(torch.randint(3, 30, (1,), generator=g)), 3  # 3 tokens: many equal siblings
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        for b in range(B):
+            for i in range(1, N):
+                parents[b, i] = int(torch.randint(max(0, i - 3), i, (1,), generator=g))
+        tokens = torch.randint(0, V, (B, N), generator=g)
+        logits = torch.randn(B, N, V, generator=g)
+        lengths = torch.randint(1, N + 1, (B,), generator=g) if trial % 2 else None
+        want = accept_tree_device(tokens, parents, logits, lengths)[:3]
+        assert accept_tree_host(tokens, parents, logits, lengths) == want
+        differs += want[0] != accept_tree(tokens, parents, logits, lengths)[0]
+        chain = Proposal(tokens, None, lengths)
+        acc, bonus = accept_greedy(chain_drafts(chain), logits)
+        out = decide(chain, logits)
+        assert out.accepted == acc.tolist() and out.bonus == bonus.tolist()
+        assert out.proposed == [tokens[b, 1:a + 1].tolist() + [bonus[b].item()] for b, a in enumerate(out.accepted)]
+    assert differs > 0  # ties occurred where the first-match walk picks another path

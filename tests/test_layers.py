@@ -48,3 +48,32 @@ def test_cpu_matmul_layout_keeps_values_and_unties_only_the_head():
         and torch.equal(head.weight, before[2])
     torch.testing.assert_close(head(x), before[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(proj(x), before[1], rtol=0, atol=1e-5)
+
+
+def test_tree_ancestors_by_pointer_doubling_match_a_walk():
+    """tree_ancestors (repeated squaring, issue 54: log2 of the depth in products) against a walk
+    up each node's parents, on random trees, chains as deep as their width, with and without a
+    depth bound (a bound at the tree's depth or beyond it gives the same mask)."""
+    import torch
+
+    from specpilot.models.layers import tree_ancestors
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(120):
+        B, T = 2, int(torch.randint(1, 70, (1,), generator=g))
+        span = 1 if trial % 4 == 0 else int(torch.randint(1, 6, (1,), generator=g))  # span 1: a chain
+        parents = torch.full((B, T), -1, dtype=torch.long)
+        for b in range(B):
+            for i in range(1, T):
+                parents[b, i] = int(torch.randint(max(0, i - span), i, (1,), generator=g))
+        want = torch.zeros(B, T, T, dtype=torch.bool)
+        for b in range(B):
+            for i in range(T):
+                n = i
+                while n >= 0:
+                    want[b, i, n] = True
+                    n = int(parents[b, n])
+        depth = want.sum(-1) - 1
+        for bound in (None, int(depth.max()), int(depth.max()) + 5):
+            anc, d = tree_ancestors(parents, bound)
+            assert torch.equal(anc, want) and torch.equal(d, depth) and d.dtype == torch.long, (trial, bound)

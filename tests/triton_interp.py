@@ -52,9 +52,9 @@ torch.set_num_threads(1)
 """
 
 
-def run_interpreted(script, body: str, repo, timeout: int = 900) -> dict:
+def run_interpreted(script, body: str, repo, timeout: int = 900, args: tuple = ()) -> dict:
     """Write PREAMBLE + ``body`` to ``script`` (a Path), run it under Triton's CPU interpreter in a
-    subprocess with ``repo`` as argv[1], and return its ``RESULT {json}`` line as a dict (the test
+    subprocess with ``repo`` as argv[1] (``args`` after it), and return its ``RESULT {json}`` line as a dict (the test
     fails with the script's stderr when it exits non-zero)."""
     import json
     import os
@@ -63,7 +63,7 @@ def run_interpreted(script, body: str, repo, timeout: int = 900) -> dict:
 
     script.write_text(PREAMBLE + body)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script), str(repo)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(repo), *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])

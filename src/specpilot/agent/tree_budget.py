@@ -13,7 +13,11 @@ the budget, from a tau curve and a verify-cost curve both measured for the deplo
 
 A budget's predicted rate is tau(N) / (draft + host + verify(N)) tokens per second; the plan step
 ranks the direction ``tree_lattice``'s budgets by it (:func:`plan_order`) and its agent tries them
-in that order (the DSpark planner's and SmartSpec's idea, goodput = expected tokens x profiled
+in that order. "No tree" (budget 0: a chain of the base's block, whose tau the base's own run
+measured, its verify timed the same way as the trees') is ranked with them, so a plan can say
+that trees do not pay at this deployment (``trees_pay`` False: no budget is predicted faster than
+the chain; measured GPU steps, issue 54: a 63-node tree's verify 1.19x the chain's at the same
+drafter) (the DSpark planner's and SmartSpec's idea, goodput = expected tokens x profiled
 steps per second, applied to the tree size; DSpark arXiv 2607.05147 Alg. 1, SmartSpec arXiv 2406.14066).
 """
 
@@ -48,14 +52,16 @@ def tau_curve(dep, prompts: list[list[int]], references: list[list[int]], block:
     return pooled_profile([rec], k, {str(nodes): rec.mean_shape(k)})
 
 
-def verify_ms(dep, lattice, budgets: list[int], batch: int, context: int, repeats: int = 5) -> dict[int, float]:
+def verify_ms(dep, lattice, budgets: list[int], batch: int, context: int, repeats: int = 5,
+              chain: int = 0) -> dict[int, float]:
     """Median milliseconds of the target's verify of a lattice-shaped tree of each budget (its
     geometry from ``lattice``: :meth:`~specpilot.drafters.lattice_profile.LatticeProfile.counts`)
-    at ``context`` committed tokens, ``batch`` rows; nothing is committed."""
+    at ``context`` committed tokens, ``batch`` rows; nothing is committed. ``chain`` > 0: also a
+    chain verify of that many tokens, under key 0 ("no tree")."""
     dev = dep.target.lm_head.weight.device
     V = dep.target.config.vocab_size
-    runner = TargetRunner(dep.target, batch, context + max(budgets) + 2, backend=dep.backend,
-                          verify_width=max(budgets) + 1)
+    width = max(max(budgets) + 1, chain)
+    runner = TargetRunner(dep.target, batch, context + width + 1, backend=dep.backend, verify_width=width)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         runner.prefill([torch.randint(0, V, (context,), generator=g).tolist()] * batch)
@@ -66,6 +72,10 @@ def verify_ms(dep, lattice, budgets: list[int], batch: int, context: int, repeat
         tok = torch.randint(0, V, (batch, n + 1), generator=g).to(dev)
         fn = lambda: runner.verify(tok, par, lattice.depth)  # noqa: E731
         out[n] = median_ms(fn, repeats) if dev.type == "cuda" else _wall_ms(fn, repeats)
+    if chain:  # "no tree": a chain of ``chain`` tokens (the base's block), timed the same way
+        tok = torch.randint(0, V, (batch, chain), generator=g).to(dev)
+        fn = lambda: runner.verify(tok)  # noqa: E731
+        out[0] = median_ms(fn, repeats) if dev.type == "cuda" else _wall_ms(fn, repeats)
     return out
 
 
@@ -81,24 +91,39 @@ def _wall_ms(fn, repeats: int) -> float:
 
 def rank_budgets(taus: dict[int, float], verify: dict[int, float], other_ms: float) -> list[dict]:
     """Budgets by predicted tokens per millisecond, best first: tau(N) / (``other_ms`` + verify(N)).
-    Ties keep the smaller budget first."""
-    rows = [{"nodes": n, "tau": round(taus[n], 4), "step_ms": round(other_ms + verify[n], 4),
+    Budget 0 is "no tree" (a chain: ``"tree": False``). Ties keep the smaller budget first (no
+    tree before any tree)."""
+    rows = [{"nodes": n, "tree": n > 0, "tau": round(taus[n], 4), "step_ms": round(other_ms + verify[n], 4),
              "tokens_per_ms": round(taus[n] / (other_ms + verify[n]), 5)} for n in sorted(taus)]
     return sorted(rows, key=lambda r: (-r["tokens_per_ms"], r["nodes"]))
 
 
+def chain_tau(base: dict, analysis: dict) -> float | None:
+    """The tau of "no tree" at this deployment: the base run's measured tau when the base config
+    verifies a chain (no ``tree_lattice`` / ``tree_nodes`` / ``tree_branch``), else None (a tree
+    base measured no chain's acceptance)."""
+    tree = any(int(base.get(k) or 0) > 0 for k in ("tree_lattice", "tree_nodes", "tree_branch"))
+    return None if tree else float(analysis["tau"])
+
+
 def plan_order(ev, base: dict, analysis: dict, budgets: list[int]) -> dict:
-    """The lattice budgets of ``budgets`` (0 left out) ranked for the deployment of evaluator
-    ``ev`` (its calibration prompts, AR references, concurrency) from the base config's measured
-    step (``analysis``: :func:`~specpilot.agent.costmodel.analyze`). Returns ``{"order": [params],
-    "ranked": [rows of rank_budgets], "tau_samples": int}``."""
+    """The lattice budgets of ``budgets`` ranked for the deployment of evaluator ``ev`` (its
+    calibration prompts, AR references, concurrency) from the base config's measured step
+    (``analysis``: :func:`~specpilot.agent.costmodel.analyze`), with "no tree" (budget 0, a chain of
+    the base's block; :func:`chain_tau`) among them when the base verifies a chain. Returns
+    ``{"order": [params of the trees, best first], "ranked": [rows of rank_budgets], "trees_pay":
+    bool | None (None: no chain to rank against), "tau_samples": int}``; ``trees_pay`` False: no
+    budget is predicted faster than the chain (the agent still measures the order given)."""
     nodes = [n for n in budgets if n > 0]
     block = int(base.get("block_size") or ev.drafter.config.block_size)
     prompts = [p["prompt_ids"] for p in ev.prompts]
     refs = [r.output_ids for r in ev.ar]
     lat = tau_curve(ev.dep, prompts, refs, block, max(nodes))
     ctx = int(statistics.median(len(p) for p in prompts)) + ev.max_new // 2
-    verify = verify_ms(ev.dep, lat, nodes, max(1, int(ev.concurrency)), ctx)
+    tau0 = chain_tau(base, analysis)
+    verify = verify_ms(ev.dep, lat, nodes, max(1, int(ev.concurrency)), ctx, chain=block if tau0 else 0)
     ms = analysis["measured_step_s"]
-    ranked = rank_budgets({n: lat.expected_tau(n) for n in nodes}, verify, (ms["draft"] + ms["host"]) * 1e3)
-    return {"order": [{"tree_lattice": r["nodes"]} for r in ranked], "ranked": ranked, "tau_samples": lat.samples}
+    taus = {n: lat.expected_tau(n) for n in nodes} | ({0: tau0} if tau0 else {})
+    ranked = rank_budgets(taus, verify, (ms["draft"] + ms["host"]) * 1e3)
+    return {"order": [{"tree_lattice": r["nodes"]} for r in ranked if r["tree"]], "ranked": ranked,
+            "trees_pay": (ranked[0]["tree"] if tau0 else None), "tau_samples": lat.samples}

@@ -48,6 +48,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve-vs-run": ("serve_vs_run", "specpilot serve against specpilot run on the same prompts and engine, "
                                      "alternating: c1 throughput ratio, c4 over c1, the found engine served "
                                      "against stock served (per-request ratio, bootstrap interval)"),
+    "host": ("host", "the engine's host work per step with a stand-in target (no model): AR, chain and lattice "
+                     "tree cells at c1 / c16, acceptance driven by replay profiles, split into its parts (CPU)"),
     "cpu-step": ("cpu_step", "the CPU step paths of a built deployment: plain, fused (aten / oneDNN matmuls) and "
                              "optionally torch.compile, verify, decode, draft and context injection, interleaved"),
 }

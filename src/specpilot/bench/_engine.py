@@ -135,13 +135,14 @@ DRY_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, n
 
 
 def dry_target(shape: str = "tiny", layers: int | None = None, dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> Transformer:
+               seed: int = 0, sizes: dict | None = None) -> Transformer:
     """The random target of a dry run, on the CPU: ``shape`` cut to its first ``layers`` layers
     (default: :data:`DRY_LAYERS` for ``tiny``, shrunk to :data:`DRY_SIZES`; one group of 4 layers
-    for the hybrid and Muse shapes)."""
+    for the hybrid and Muse shapes). ``sizes``: config fields to replace (e.g. a small hidden size
+    and vocabulary under a real shape's head geometry)."""
     cfg = target_config(shape)
     layers = layers or (DRY_LAYERS if cfg.is_dense else 4)
-    sizes = DRY_SIZES if shape == "tiny" else {}
+    sizes = sizes if sizes is not None else DRY_SIZES if shape == "tiny" else {}
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=list(cfg.layer_types[:layers]), **sizes)
     with torch.device("meta"):
         model = Transformer(cfg)

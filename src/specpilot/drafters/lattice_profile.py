@@ -280,6 +280,13 @@ class LatticeReplayProposer(ReplayProposer):
         self.lattice, self.nodes = lat, int(nodes)
         self.parents_row, self.spine = shape_parents(lat.counts(self.nodes))
         self._parents: dict[tuple, torch.Tensor] = {}
+        depth_of = [0] * len(self.parents_row)
+        for i, p in enumerate(self.parents_row[1:], 1):
+            depth_of[i] = depth_of[p] + 1
+        spine = set(self.spine)
+        # per node after the root: (its depth, on the spine?, the offset of its wrong token off the spine)
+        self._nodes = [(depth_of[j], j in spine, 1 + (1 + j) % (vocab_size - 1)) for j in range(1, len(depth_of))]
+        self._recall = [lat.recall(d, self.nodes) for d in range(1, lat.depth + 1)]  # R_d(N), d = 1..k
 
     @property
     def verify_width(self) -> int:
@@ -297,21 +304,14 @@ class LatticeReplayProposer(ReplayProposer):
         """The tree after ``last`` [B]: per row the reference along the spine up to the drawn A."""
         k, V = self.block_size - 1, self.vocab
         rows = []
-        depth_of = [0] * len(self.parents_row)
-        for i, p in enumerate(self.parents_row[1:], 1):
-            depth_of[i] = depth_of[p] + 1
-        spine = set(self.spine)
         for ref, i, rng in zip(self.refs, self.pos, self.rngs):
             d = ref[i:i + k]
             d = d + [ref[-1] if ref else 0] * (k - len(d))
-            a = self.lattice.sample(self.nodes, rng)
+            u, a = rng.random(), 0  # LatticeProfile.sample with R_d(N) read once
+            while a < k and u < self._recall[a]:
+                a += 1
             self.planted.append(a)
-            row = []
-            for j in range(1, len(self.parents_row)):
-                t = d[depth_of[j] - 1]
-                off = (0 if depth_of[j] <= a else 1) if j in spine else 1 + (1 + j) % (V - 1)
-                row.append((t + off) % V)
-            rows.append(row)
+            rows.append([(d[dj - 1] + ((0 if dj <= a else 1) if sp else off)) % V for dj, sp, off in self._nodes])
         dev = self.device
         key = (len(rows), str(dev))
         if key not in self._parents:  # one parents tensor per batch: the runner keeps its mask

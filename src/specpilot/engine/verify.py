@@ -90,13 +90,13 @@ _TREE_CACHE: list = [None, None]  # [the parents tensor of a static tree, its (a
 
 
 def _ancestors(parents: torch.Tensor, max_depth: int | None):
-    """(ancestors bool [B, N, N], depth int64 [B, N]) of a tree: built each step for a tree that
-    changes every step (``max_depth`` given: no host read), else once per parents tensor (a static
-    tree reuses its tensor every step; keyed by the tensor itself, as the runner keys its mask)."""
-    if max_depth is not None:
-        return tree_ancestors(parents, max_depth)
+    """(ancestors bool [B, N, N], depth int64 [B, N]) of a tree, once per parents tensor (keyed by
+    the tensor itself, as the runner keys its tree inputs): a static tree reuses its tensor every
+    step; a tree that changes every step (``max_depth`` given: no host read) gets a new one, whose
+    ancestors :func:`tree_inputs` builds for the verify and the acceptance reads here again
+    (issue 54: built once per step, not twice). Not to be modified."""
     if _TREE_CACHE[0] is not parents:
-        _TREE_CACHE[0], _TREE_CACHE[1] = parents, tree_ancestors(parents)
+        _TREE_CACHE[0], _TREE_CACHE[1] = parents, tree_ancestors(parents, max_depth)
     return _TREE_CACHE[1]
 
 
@@ -178,12 +178,86 @@ class VerifyOutput:
         return torch.tensor([p + [0] * (width - len(p)) for p in self.paths], dtype=torch.long, device=device)
 
 
+HOST_TREE_NODES = 256  # a tree that changes every step is decided on the host up to this many nodes (batch x width)
+_CHILDREN: list = [None, None]  # [the parents tensor of a static tree, its children per row and node]
+
+
+def _children(parents: torch.Tensor) -> list[list[list[int]]]:
+    """Per row and node the children's block indices (ascending) of a static tree, once per
+    parents tensor (keyed by the tensor itself, as the runner keys its tree inputs)."""
+    if _CHILDREN[0] is not parents:
+        kids = []
+        for row in parents.tolist():
+            k: list[list[int]] = [[] for _ in row]
+            for i, p in enumerate(row):
+                if p >= 0:
+                    k[p].append(i)
+            kids.append(k)
+        _CHILDREN[0], _CHILDREN[1] = parents, kids
+    return _CHILDREN[1]
+
+
+def accept_tree_host(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                       lengths: torch.Tensor | None = None) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """:func:`accept_tree_device`'s decision on the host from the argmax and the tokens (two small
+    reads) and the tree's children lists (built once per parents tensor: once for a static tree,
+    every step for one that changes): a search through the accepted nodes only (a node is accepted when its parent is and its
+    token is the target's argmax at the parent), ending at the deepest, the lowest index among
+    equally deep ones, as the device version does. Returns (paths, bonus, proposed)."""
+    post, toks = logits.argmax(-1).tolist(), tokens.tolist()
+    kids = _children(parents)
+    N = tokens.shape[1]
+    lens = lengths.tolist() if lengths is not None else [N] * len(toks)
+    paths, bonus, proposed = [], [], []
+    for b, (pb, tb, kb) in enumerate(zip(post, toks, kids)):
+        best, stack = (0, 0, [0]), [(0, [0])]
+        while stack:
+            node, path = stack.pop()
+            for c in kb[node]:
+                if c < lens[b] and tb[c] == pb[node]:
+                    cp = path + [c]
+                    if len(cp) - 1 > best[0] or (len(cp) - 1 == best[0] and c < best[1]):
+                        best = (len(cp) - 1, c, cp)
+                    stack.append((c, cp))
+        path = best[2]
+        paths.append(path)
+        bonus.append(pb[path[-1]])
+        proposed.append([tb[i] for i in path[1:]] + [bonus[-1]])
+    return paths, bonus, proposed
+
+
+def _accept_chain_host(prop: Proposal, logits: torch.Tensor) -> VerifyOutput:
+    """:func:`accept_greedy`'s decision on the host from the argmax and the tokens (two small reads,
+    no device work beyond the argmax): draft i is accepted while every draft up to it equals the
+    argmax at its slot - 1 and lies inside the row's valid nodes."""
+    post, toks = logits.argmax(-1).tolist(), prop.tokens.tolist()
+    N = len(toks[0])
+    lens = prop.lengths.tolist() if prop.lengths is not None else [N] * len(toks)
+    paths, bonus, proposed = [], [], []
+    for pb, tb, n in zip(post, toks, lens):
+        a = 0
+        while a + 1 < n and tb[a + 1] == pb[a]:
+            a += 1
+        paths.append(list(range(a + 1)))
+        bonus.append(pb[a])
+        proposed.append(tb[1:a + 1] + [pb[a]])
+    return VerifyOutput(paths, bonus, proposed)
+
+
 def decide(prop: Proposal, logits: torch.Tensor, accept: Callable = accept_greedy) -> VerifyOutput:
     """The acceptance of ``prop`` given the verified block's logits [B, N, vocab]: a chain under the
     rule ``accept`` (drafts [B, k], logits [B, k+1, V]) -> (accepted [B], bonus [B]), one host
-    synchronization; a tree by :func:`accept_tree_device` (one host read too)."""
+    synchronization (the greedy rule on the host from the argmax: the same decision with fewer
+    launches); a static tree, or one that changes every step of at most :data:`HOST_TREE_NODES`
+    nodes over the batch, by :func:`accept_tree_host`, a larger changing tree by
+    :func:`accept_tree_device` (one host read too; its children lists would cost more host time
+    than its launches)."""
     if not prop.is_chain:
+        if prop.max_depth is None or prop.tokens.numel() <= HOST_TREE_NODES:
+            return VerifyOutput(*accept_tree_host(prop.tokens, prop.parents, logits, prop.lengths))
         return VerifyOutput(*accept_tree_device(prop.tokens, prop.parents, logits, prop.lengths, prop.max_depth))
+    if accept is accept_greedy:
+        return _accept_chain_host(prop, logits)
     acc, bonus = accept(chain_drafts(prop), logits)
     host = torch.cat([acc[:, None], bonus[:, None]], 1).tolist()  # the one host synchronization of a step
     paths, bonus_l = [list(range(a + 1)) for a, _ in host], [b for _, b in host]
@@ -250,19 +324,25 @@ def advance(runner, drafter, st: Step, counts: list[int], committed: list[list[i
     """Commit ``counts[b]`` entries of row b's accepted path (0 = row does not advance) and tell
     the drafter; tree paths are compacted in the cache. Returns the next anchors int64 [B]
     (the bonus tokens; a row that did not advance gets its bonus too, which its owner ignores)."""
-    dev = runner.device
-    counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+    dev, B, out = runner.device, len(counts), st.output
+    flat = counts + out.bonus
+    W = 0
+    if not st.proposal.is_chain and out.slots is None:  # a tree decided on the host: its paths in the same copy
+        W = max(len(p) for p in out.paths)
+        flat += [i for p in out.paths for i in p + [0] * (W - len(p))]
+    both = torch.tensor(flat, dtype=torch.long, device=dev)  # one copy to the device
+    counts_t = both[:B]
     feats = st.feats
     path_slots = path_feats = None
     if not st.proposal.is_chain:
-        path_slots = st.output.path_slots(dev)
+        path_slots = both[2 * B:].view(B, W) if W else out.path_slots(dev)
         if feats is not None:
             path_feats = feats.gather(1, path_slots[:, :, None].expand(-1, -1, feats.shape[-1]))
     else:
         path_feats = feats
     drafter.observe(path_feats, runner.length, counts_t, committed)
     runner.commit(counts_t, path_slots=path_slots)
-    return torch.tensor(st.bonus, dtype=torch.long, device=dev)
+    return both[B:2 * B]
 
 
 PATH_DEPTH = 64  # ancestors per node the path table holds: trees at most this deep
@@ -310,8 +390,8 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     ``parents`` int64 [B, T]: block index of each node's parent (< its own index), -1 for the root
     (:func:`specpilot.models.layers.tree_ancestors`). ``max_depth``: a bound of the depth (a tree
     that changes every step, e.g. a lattice tree): built with no host synchronization, always in
-    the path form. Above 64 nodes the bits are not built (a zero placeholder; the path form never
-    reads them).
+    the path form. In the path form the bits are not built (a zero placeholder: the path form
+    never reads them).
 
     Raises:
         SpecpilotError: T > :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`, or a tree deeper
@@ -326,16 +406,14 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     if max_depth is not None and max_depth > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth up to {max_depth}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config block_size)")
-    anc, depth = tree_ancestors(parents, max_depth)
+    anc, depth = _ancestors(parents, max_depth)
     if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config tree_depth / block_size)")
     depth = depth.to(torch.int32).contiguous()
     paths_t = tree_paths(anc)
-    if paths or T > TREE_BIT_NODES or max_depth is not None:
-        bits = tree_bits(anc) if T <= TREE_BIT_NODES else torch.zeros(parents.shape, dtype=torch.int64,
-                                                                        device=parents.device)
-        return bits, depth, paths_t
+    if paths or T > TREE_BIT_NODES or max_depth is not None:  # the path form reads no bits: a placeholder
+        return torch.zeros(parents.shape, dtype=torch.int64, device=parents.device), depth, paths_t
     bits = tree_bits(anc)
     # a tree whose every node has its ancestor of depth d at block slot d (a chain, the spine +
     # side-leaf trees) sums its keys in the decode's tiles already: the ancestor bits serve it
@@ -359,14 +437,14 @@ def compact_path_(cache, length: torch.Tensor, counts: torch.Tensor, path_slots:
     dev = cache.k.device
     j = torch.arange(P, device=dev)[None, :]
     base = length.to(dev)[:, None]
-    src = base + path_slots.to(dev)
+    # rows past counts copy their own slot onto itself
+    src = base + torch.where(j < counts.to(dev)[:, None], path_slots.to(dev), j)
     dst = base + j
-    keep = j < counts.to(dev)[:, None]
-    src = torch.where(keep, src, dst)  # rows past counts copy their own slot onto itself
-    rows = torch.arange(B, device=dev)[:, None].expand(B, P)
-    for buf in (cache.k, cache.v):  # (B, L, H, S, D): gather [B, P, L, H, D], then scatter
-        vals = buf[rows, :, :, src]
-        buf[rows, :, :, dst] = vals
+    Bc, L, H, _, D = cache.k.shape  # (B, L, H, S, D): one gather and one scatter along S per buffer
+    shape = (Bc, L, H, P, D)
+    si, di = (x[:, None, None, :, None].expand(shape) for x in (src, dst))
+    for buf in (cache.k, cache.v):
+        buf.scatter_(3, di, buf.gather(3, si))
 
 
 @torch.no_grad()
