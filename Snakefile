@@ -35,6 +35,7 @@ wildcard_constraints:
 
 
 include: "rules/deployments.smk"
+include: "rules/build.smk"
 include: "rules/prompts.smk"
 include: "rules/kernels.smk"
 include: "rules/engines.smk"

@@ -274,6 +274,11 @@ _check_deployments()
 
 
 def build_marker(wildcards):
+    """The file a deployment's jobs wait for: build.json, or for a tiny deployment its own drafter's
+    stage (rules/build.smk): retraining one drafter reruns only its deployments' jobs."""
+    dep = DEPLOYMENTS.get(wildcards.deployment)
+    if dep is not None and dep["target"] == TINY_TARGET:
+        return f"{deployment_dir(wildcards.deployment)}/stages/drafter-{dep['drafter']}.json"
     return f"{deployment_dir(wildcards.deployment)}/build.json"
 
 
@@ -536,6 +541,7 @@ def final_outputs(wildcards):
     out = []
     for gpu in target_gpus():
         out += [f"results/{gpu}/table.csv"] + figure_paths(gpu)
+    out += [f"resources/deployments/{b}/build.json" for b in TINY_BUILDS]  # each tiny build's marker
     return out + (["results/memory.jsonl"] if RUN_ROUNDS else [])
 
 
