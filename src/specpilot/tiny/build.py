@@ -28,7 +28,7 @@ from ..io import write_json
 from ..models.dflash import DrafterConfig, build_target_layer_ids
 from ..models.loading import load_target, network_class, save_checkpoint, save_drafter
 from ..models.qwen3 import Transformer
-from .recipe import DRAFTERS, FULL, QUICK, TinyRecipe
+from .recipe import DRAFTERS, FULL, QUICK, TinyRecipe, drafter_recipe_hash
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
 from .train import TRAIN_PRECISIONS, TeacherCache, greedy_continuations, heldout_loss, resolve_precision, train_drafter, train_target
@@ -244,15 +244,53 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     layer_ids = tuple(build_target_layer_ids(recipe.layers, recipe.draft_layers))
     teacher = TeacherCache(state["target"], seqs, layer_ids, logits="dspark" in drafters)
     seconds["teacher_features"] = time.time() - t0
+    # the workflow's stage files too (rules/build.smk), so a copy of this build is a finished one there
+    write_target_stage(out, seed, recipe, target_kind, state)
+    threads = torch.get_num_threads()
+    write_teacher_stage(out, teacher, seqs, state["distill_mix"], {k: seconds[k] for k in ("distill_data", "teacher_features")},
+                        {"cores": threads, "threads": {k: threads for k in drafters}, "note": "one-process build: not measured"})
     per = {}
     for kind in drafters:
         per[kind] = build_drafter_stage(kind, state, seqs, out, recipe, seed, log, teacher)
         seconds[f"drafter_{kind}"] = per[kind]["seconds"]
+        write_drafter_stage(out, kind, per[kind], recipe)
     seconds["total"] = time.time() - t_start
     summary = build_summary(seed, recipe, target_kind, state["summary"], state["distill_mix"], per, seconds)
     write_json(out / "build.json", summary)
     log(f"tiny deployment built in {seconds['total']:.0f}s -> {out}")
     return summary
+
+
+def stages_dir(out: Path) -> Path:
+    """``{out}/stages``: each stage's summary, the teacher outputs and the drafters' thread counts."""
+    d = Path(out) / "stages"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_target_stage(out: Path, seed: int, recipe: TinyRecipe, target_kind: str, state: dict) -> dict:
+    """``stages/target.json``: what :func:`build_target_stage` returned of the target (summary, seconds)."""
+    doc = {"seed": seed, "recipe": dataclasses.asdict(recipe), "target_kind": target_kind,
+           "summary": state["summary"], "seconds": state["seconds"], "threads": torch.get_num_threads()}
+    write_json(stages_dir(out) / "target.json", doc)
+    return doc
+
+
+def write_teacher_stage(out: Path, teacher: TeacherCache, seqs, distill_mix: dict, seconds: dict,
+                        threads: dict) -> None:
+    """``stages/teacher.pt`` (the teacher outputs), ``teacher.json`` (mix, seconds) and ``threads.json``."""
+    d = stages_dir(out)
+    teacher.save(d / "teacher.pt", seqs)
+    write_json(d / "teacher.json", {"distill_mix": distill_mix, "seconds": seconds, "sequences": len(seqs),
+                                    "logits": teacher.has_logits})
+    write_json(d / "threads.json", threads)
+
+
+def write_drafter_stage(out: Path, kind: str, per: dict, recipe: TinyRecipe) -> dict:
+    """``stages/drafter-{kind}.json``: the drafter's summary, threads and recipe hash."""
+    doc = {**per, "threads": torch.get_num_threads(), "recipe_hash": drafter_recipe_hash(kind, recipe)}
+    write_json(stages_dir(out) / f"drafter-{kind}.json", doc)
+    return doc
 
 
 def build_summary(seed: int, recipe: TinyRecipe, target_kind: str, target_summary: dict, distill_mix: dict,

@@ -24,7 +24,6 @@ models but for the float reduction order of other thread counts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 import time
@@ -37,7 +36,7 @@ from ..io import read_json, write_json
 from ..models.dflash import build_target_layer_ids
 from ..prompts import check_data_id
 from .build import (build_drafter_stage, build_summary, build_target_stage, distill_stage, drafter_config, new_drafter,
-                    reuse_target_stage)
+                    reuse_target_stage, write_drafter_stage, write_target_stage, write_teacher_stage)
 from .recipe import DRAFTERS, TinyRecipe, drafter_recipe_hash, recipe_of, target_recipe_hash
 from .tokenizer import MASK_TOKEN
 from .train import TeacherCache, train_drafter
@@ -98,6 +97,7 @@ def time_steps(kind: str, state: dict, seqs, teacher: TeacherCache, recipe: Tiny
     """Seconds of one training step of a fresh ``kind`` drafter at ``threads`` threads (one step of
     warm-up, then the mean of ``steps``)."""
     tok, target = state["tok"], state["target"]
+    target.requires_grad_(False)  # frozen, as in the drafter's own job
     cfg = drafter_config(kind, recipe, len(tok), tok.convert_tokens_to_ids(MASK_TOKEN))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -117,20 +117,11 @@ def time_steps(kind: str, state: dict, seqs, teacher: TeacherCache, recipe: Tiny
 # ---- the stages ----------------------------------------------------------------------------
 
 
-def _stages(out: Path) -> Path:
-    d = out / "stages"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def stage_target(out: Path, data_dir, seed: int, recipe: TinyRecipe, target_kind: str) -> dict:
     """Train the tokenizer and target; write ``stages/target.json``; return it."""
     (out / "build.json").unlink(missing_ok=True)
     state = build_target_stage(out, data_dir, seed, recipe, target_kind=target_kind)
-    doc = {"seed": seed, "recipe": dataclasses.asdict(recipe), "target_kind": target_kind,
-           "summary": state["summary"], "seconds": state["seconds"], "threads": torch.get_num_threads()}
-    write_json(_stages(out) / "target.json", doc)
-    return doc
+    return write_target_stage(out, seed, recipe, target_kind, state)
 
 
 def _target_state(out: Path, data_dir, seed: int, recipe: TinyRecipe) -> dict:
@@ -148,10 +139,6 @@ def stage_teacher(out: Path, data_dir, seed: int, recipe: TinyRecipe, drafters: 
     layer_ids = tuple(build_target_layer_ids(recipe.layers, recipe.draft_layers))
     teacher = TeacherCache(state["target"], seqs, layer_ids, logits="dspark" in drafters)
     seconds["teacher_features"] = time.time() - t0
-    stages = _stages(out)
-    teacher.save(stages / "teacher.pt", seqs)
-    write_json(stages / "teacher.json", {"distill_mix": state["distill_mix"], "seconds": seconds,
-                                         "sequences": len(seqs), "logits": teacher.has_logits})
     cands = thread_candidates(cores)
     step_s = {k: {t: time_steps(k, state, seqs, teacher, recipe, seed, t) for t in cands} for k in drafters}
     steps = {k: recipe.dflash_steps if k == "dflash" else recipe.drafter_steps for k in drafters}
@@ -161,7 +148,7 @@ def stage_teacher(out: Path, data_dir, seed: int, recipe: TinyRecipe, drafters: 
            "steps": steps, "threads": chosen,
            "makespan_s": makespan({k: step_s[k][chosen[k]] * steps[k] for k in drafters}, chosen, cores)
            if drafters else 0.0}
-    write_json(stages / "threads.json", doc)
+    write_teacher_stage(out, teacher, seqs, state["distill_mix"], seconds, doc)
     return doc
 
 
@@ -170,9 +157,7 @@ def stage_drafter(out: Path, data_dir, seed: int, recipe: TinyRecipe, kind: str)
     state = _target_state(out, data_dir, seed, recipe)
     teacher, seqs = TeacherCache.load(out / "stages" / "teacher.pt")
     per = build_drafter_stage(kind, state, seqs, out, recipe, seed, teacher=teacher)
-    doc = {**per, "threads": torch.get_num_threads(), "recipe_hash": drafter_recipe_hash(kind, recipe)}
-    write_json(_stages(out) / f"drafter-{kind}.json", doc)
-    return doc
+    return write_drafter_stage(out, kind, per, recipe)
 
 
 def stage_assemble(out: Path, seed: int, recipe: TinyRecipe, drafters: tuple[str, ...]) -> dict:
