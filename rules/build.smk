@@ -12,32 +12,7 @@
 # runs beside the build while two drafters train (they come first: priority), and in the default
 # every timed job waits for build.json anyway. A deployment's jobs wait for its own drafter only
 # (build_marker: stages/drafter-{kind}.json); build.json is asked for by the default target.
-from specpilot.tiny.recipe import drafter_recipe_hash, recipe_of, target_recipe_hash
-
-
-def tiny_quick(wildcards):
-    return TINY_BUILDS[wildcards.deployment]["quick"]
-
-
-def tiny_stage_opts(wildcards):
-    """The options every stage of one build shares: data, seed, recipe (--quick)."""
-    quick = "--quick" if tiny_quick(wildcards) else ""
-    return f"{data_dir_opt()} --out resources/deployments/{wildcards.deployment} --seed {config.get('seed', 0)} {quick}"
-
-
-def tiny_drafters(wildcards):
-    return ",".join(sorted(TINY_BUILDS[wildcards.deployment]["drafters"]))
-
-
-def drafter_threads(wildcards):
-    """threads: of a drafter job, as the teacher job measured (stages/threads.json); every core
-    until it has (a dry run before the teacher: the checkpoint replans the jobs after it)."""
-    path = Path(f"resources/deployments/{wildcards.deployment}/stages/threads.json")
-    if path.is_file():
-        chosen = json.loads(path.read_text()).get("threads", {})
-        if wildcards.kind in chosen:
-            return max(1, min(int(chosen[wildcards.kind]), TIMING_THREADS))
-    return TIMING_THREADS
+# (Its functions: rules/common.smk, "tiny build stages".)
 
 
 rule tiny_target:
@@ -50,7 +25,7 @@ rule tiny_target:
     params:
         opts=tiny_stage_opts,
         kind=lambda wildcards: TINY_BUILDS[wildcards.deployment]["kind"],
-        recipe=lambda wildcards: target_recipe_hash(recipe_of(tiny_quick(wildcards))),
+        recipe=tiny_target_recipe,
     threads: TIMING_THREADS
     resources:
         timing_slots=CPU_TIMING_SLOTS,
@@ -76,7 +51,7 @@ checkpoint tiny_teacher:
     params:
         opts=tiny_stage_opts,
         drafters=tiny_drafters,
-        recipe=lambda wildcards: target_recipe_hash(recipe_of(tiny_quick(wildcards))),
+        recipe=tiny_target_recipe,
     threads: TIMING_THREADS
     resources:
         timing_slots=CPU_TIMING_SLOTS,
@@ -100,7 +75,7 @@ rule tiny_drafter:
         kind=names_regex(TINY_DRAFTERS),
     params:
         opts=tiny_stage_opts,
-        recipe=lambda wildcards: drafter_recipe_hash(wildcards.kind, recipe_of(tiny_quick(wildcards))),
+        recipe=tiny_drafter_recipe,
     threads: drafter_threads
     resources:
         timing_slots=lambda wildcards: 1 if CPU_TIMING_SLOTS > 1 else CPU_TIMING_SLOTS,
