@@ -91,3 +91,21 @@ def test_a_changed_drafter_recipe_replans_only_that_drafter(tmp_path, quick_depl
     assert inputs and all(("stages/drafter-dflash.json" in " ".join(i)) == ("deployment=tiny," in w + ",")
                           and "build.json" not in " ".join(i) for w, i in inputs.items()), inputs
     assert json.loads((work / "resources/deployments/tiny/stages/threads.json").read_text())["threads"]
+
+
+def test_persisted_teacher_outputs_are_the_targets(quick_deployment):
+    """The teacher outputs every drafter job loads (stages/teacher.pt) are the target's own
+    features and logits of the distillation sequences: recomputed here for a few of them."""
+    import torch
+
+    from specpilot.models.loading import load_target
+    from specpilot.tiny.train import TeacherCache
+
+    teacher, seqs = TeacherCache.load(quick_deployment / "stages" / "teacher.pt")
+    info = json.loads((quick_deployment / "stages" / "teacher.json").read_text())
+    assert len(seqs) == len(teacher.feats) == info["sequences"] == QUICK.distill_prompts
+    assert teacher.has_logits and all(len(s) - p == QUICK.distill_tokens for p, s in seqs)
+    again = TeacherCache(load_target(quick_deployment / "target"), seqs[:3], teacher.layer_ids, logits=True)
+    for i in range(3):
+        assert torch.allclose(again.feats[i], teacher.feats[i], atol=1e-4), i
+        assert torch.allclose(again.logits[i], teacher.logits[i], atol=1e-4), i
