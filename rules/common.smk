@@ -181,8 +181,7 @@ def _side_by_side():
     when going from one thread to every core scales the copy bandwidth or the matmul rate by less
     than config timing.side_by_side_scaling x the cores (2 vCPUs sharing one physical core, or one
     memory channel), two jobs side by side slow each other, so each timed job takes every slot
-    (one at a time). Without that file (a first run) side by side, as the ceilings job itself runs
-    alone before any timed job."""
+    (one at a time). Without that file (a first run): side by side, as before."""
     path = Path("results/cpu/ceilings.json")
     try:
         per = json.loads(path.read_text()).get("per_threads", {})
