@@ -344,12 +344,15 @@ _check_deployments()
 
 
 def build_marker(wildcards):
-    """The file a deployment's jobs wait for: build.json, or for a tiny deployment its own drafter's
-    stage (rules/build.smk): retraining one drafter reruns only its deployments' jobs."""
+    """The files a deployment's jobs wait for: build.json, or for a tiny deployment every drafter
+    stage of its build (rules/build.smk: nothing of the deployment runs beside the build's training),
+    the other drafters' as ancient(): retraining one drafter reruns only its deployments' jobs."""
     dep = DEPLOYMENTS.get(wildcards.deployment)
-    if dep is not None and dep["target"] == TINY_TARGET:
-        return f"{deployment_dir(wildcards.deployment)}/stages/drafter-{dep['drafter']}.json"
-    return f"{deployment_dir(wildcards.deployment)}/build.json"
+    if dep is None or dep["target"] != TINY_TARGET:
+        return f"{deployment_dir(wildcards.deployment)}/build.json"
+    stage = f"{deployment_dir(wildcards.deployment)}/stages/drafter-{{}}.json"
+    others = sorted(TINY_BUILDS[tiny_build(dep)]["drafters"] - {dep["drafter"]})
+    return [stage.format(dep["drafter"])] + [ancient(stage.format(k)) for k in others]
 
 
 def target_dir(wildcards):

@@ -85,11 +85,20 @@ def test_a_changed_drafter_recipe_replans_only_that_drafter(tmp_path, quick_depl
     jobs = jobs_of(_smk(work, "-n", *build, patch=patch))  # the recorded parameters: every job's
     assert sorted(jobs) == [("build_tiny", "deployment=tiny"), ("tiny_drafter", "deployment=tiny, kind=dflash")], jobs
     assert not jobs_of(_smk(work, "-n", *build)), "an unchanged recipe replans build jobs"
-    # and downstream: a deployment's jobs wait for its own drafter, not for the others' or build.json
-    inputs = {w: field(body, "input") for r, body in job_blocks(_smk(work, "-n", patch=patch))
-              for w in [", ".join(field(body, "wildcards"))] if r == "run_engine"}
-    assert inputs and all(("stages/drafter-dflash.json" in " ".join(i)) == ("deployment=tiny," in w + ",")
-                          and "build.json" not in " ".join(i) for w, i in inputs.items()), inputs
+    # and downstream: every output of the run made (empty files, then --touch in the DAG's order,
+    # recording each job), the changed recipe replans the dflash deployment's jobs and the shared
+    # table and figures, nothing of the other drafters' deployments
+    for _, body in job_blocks(_smk(work, "-n")):
+        for out in field(body, "output"):
+            (work / out).parent.mkdir(parents=True, exist_ok=True)
+            (work / out).touch(exist_ok=True)
+    _smk(work, "--touch")
+    assert not jobs_of(_smk(work, "-n")), "a touched run replans jobs"
+    jobs = jobs_of(_smk(work, "-n", patch=patch))
+    assert ("run_engine", "gpu=cpu, deployment=tiny, benchmark=gsm8k, concurrency=1") in jobs \
+        or any(r == "run_engine" and "deployment=tiny," in w + "," for r, w in jobs), jobs
+    assert not [(r, w) for r, w in jobs if "tiny-dflash2" in w or "tiny-dspark" in w], jobs
+    assert not {r for r, _ in jobs} & {"tiny_target", "tiny_teacher", "ceilings", "kernels"}, jobs
     assert json.loads((work / "resources/deployments/tiny/stages/threads.json").read_text())["threads"]
 
 
