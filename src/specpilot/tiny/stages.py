@@ -162,7 +162,8 @@ def stage_drafter(out: Path, data_dir, seed: int, recipe: TinyRecipe, kind: str)
 
 def stage_assemble(out: Path, seed: int, recipe: TinyRecipe, drafters: tuple[str, ...]) -> dict:
     """``build.json`` from the stage summaries (the one-process build's fields, plus each stage's
-    thread count); returns it."""
+    thread count; ``seconds.total`` is the sum of the stages' seconds, job time: the drafters
+    overlap); returns it."""
     stages = out / "stages"
     target = read_json(stages / "target.json")
     teacher_info = read_json(stages / "teacher.json")
