@@ -35,6 +35,7 @@ wildcard_constraints:
 
 
 include: "rules/deployments.smk"
+include: "rules/build.smk"
 include: "rules/prompts.smk"
 include: "rules/kernels.smk"
 include: "rules/engines.smk"
@@ -48,6 +49,15 @@ onstart:
 
 
 onsuccess:
+    # each rule's time on this run (specpilot.joblog.rule_times), also in logs/times.txt
+    from specpilot.joblog import rule_times, times_lines
+
+    times = times_lines(rule_times(log))
+    if len(times) > 1:
+        os.makedirs("logs", exist_ok=True)
+        with open("logs/times.txt", "w") as f:
+            f.write("\n".join(times) + "\n")
+        logger.info("specpilot: time per rule on this run (logs/times.txt):\n  " + "\n  ".join(times))
     logger.info("specpilot: done; tables are results/<gpu>/table.csv")
 
 

@@ -175,10 +175,38 @@ def timing_threads(wildcards):
     return CPU_TIMED_THREADS if wildcards.gpu == "cpu" else max(1, TIMING_THREADS // max(1, DEVICE_SLOTS))
 
 
+def _side_by_side():
+    """Whether two timed CPU jobs may run side by side (issue 56): decided when the workflow is
+    planned, from the CPU ceilings of an earlier run (results/cpu/ceilings.json, `per_threads`):
+    when going from one thread to every core scales the copy bandwidth or the matmul rate by less
+    than config timing.side_by_side_scaling x the cores (2 vCPUs sharing one physical core, or one
+    memory channel), two jobs side by side slow each other, so each timed job takes every slot
+    (one at a time). Without that file (a first run): side by side, as before."""
+    path = Path("results/cpu/ceilings.json")
+    try:
+        per = json.loads(path.read_text()).get("per_threads", {})
+        one, most = per["1"], per[max(per, key=int)]
+        n = int(max(per, key=int))
+        scaling = min(most[k] / one[k] for k in ("memory_bandwidth_bytes_per_s", "matmul_flop_per_s")) / n
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        return True
+    ok = n < 2 or scaling >= config["timing"].get("side_by_side_scaling", 0.8)
+    if not ok:
+        logger.info(f"specpilot: timed CPU jobs one at a time: {path} scales {scaling:.0%} of ideal from 1 to {n} "
+                    f"threads (< timing.side_by_side_scaling)")
+    return ok
+
+
+CPU_SIDE_BY_SIDE = _side_by_side()
+
+
 def timing_slot(wildcards):
-    """resources: timing_slots -- 1 on cpu (the profile allows CPU_TIMING_SLOTS at a time); 0 on a
-    GPU, where the job's own device isolates its timing."""
-    return 1 if wildcards.gpu == "cpu" else 0
+    """resources: timing_slots -- 1 on cpu (the profile allows CPU_TIMING_SLOTS at a time; every
+    slot when timed jobs may not run side by side, see _side_by_side); 0 on a GPU, where the job's
+    own device isolates its timing."""
+    if wildcards.gpu != "cpu":
+        return 0
+    return 1 if CPU_SIDE_BY_SIDE else CPU_TIMING_SLOTS
 
 
 def measure_threads(wildcards):
@@ -248,6 +276,48 @@ def _tiny_builds():
 TINY_BUILDS = _tiny_builds()
 
 
+# ---- tiny build stages (rules/build.smk) ----
+
+
+def tiny_quick(wildcards):
+    return TINY_BUILDS[wildcards.deployment]["quick"]
+
+
+def tiny_target_recipe(wildcards):
+    """params: the hash of the recipe fields the target and the teacher outputs depend on."""
+    from specpilot.tiny.recipe import recipe_of, target_recipe_hash
+
+    return target_recipe_hash(recipe_of(tiny_quick(wildcards)))
+
+
+def tiny_drafter_recipe(wildcards):
+    """params: the hash of the recipe fields drafter {kind} is trained from (a change reruns it only)."""
+    from specpilot.tiny.recipe import drafter_recipe_hash, recipe_of
+
+    return drafter_recipe_hash(wildcards.kind, recipe_of(tiny_quick(wildcards)))
+
+
+def tiny_stage_opts(wildcards):
+    """The options every stage of one build shares: data, seed, recipe (--quick)."""
+    quick = "--quick" if tiny_quick(wildcards) else ""
+    return f"{data_dir_opt()} --out resources/deployments/{wildcards.deployment} --seed {config.get('seed', 0)} {quick}"
+
+
+def tiny_drafters(wildcards):
+    return ",".join(sorted(TINY_BUILDS[wildcards.deployment]["drafters"]))
+
+
+def drafter_threads(wildcards):
+    """threads: of a drafter job, as the teacher job measured (stages/threads.json); every core
+    until it has (a dry run before the teacher: the checkpoint replans the jobs after it)."""
+    path = Path(f"resources/deployments/{wildcards.deployment}/stages/threads.json")
+    if path.is_file():
+        chosen = json.loads(path.read_text()).get("threads", {})
+        if wildcards.kind in chosen:
+            return max(1, min(int(chosen[wildcards.kind]), TIMING_THREADS))
+    return TIMING_THREADS
+
+
 def deployment_dir(name):
     if name in DEPLOYMENTS and DEPLOYMENTS[name]["target"] == TINY_TARGET:
         return f"resources/deployments/{tiny_build(DEPLOYMENTS[name])}"
@@ -274,7 +344,15 @@ _check_deployments()
 
 
 def build_marker(wildcards):
-    return f"{deployment_dir(wildcards.deployment)}/build.json"
+    """The files a deployment's jobs wait for: build.json, or for a tiny deployment every drafter
+    stage of its build (rules/build.smk: nothing of the deployment runs beside the build's training),
+    the other drafters' as ancient(): retraining one drafter reruns only its deployments' jobs."""
+    dep = DEPLOYMENTS.get(wildcards.deployment)
+    if dep is None or dep["target"] != TINY_TARGET:
+        return f"{deployment_dir(wildcards.deployment)}/build.json"
+    stage = f"{deployment_dir(wildcards.deployment)}/stages/drafter-{{}}.json"
+    others = sorted(TINY_BUILDS[tiny_build(dep)]["drafters"] - {dep["drafter"]})
+    return [stage.format(dep["drafter"])] + [ancient(stage.format(k)) for k in others]
 
 
 def target_dir(wildcards):
@@ -536,6 +614,7 @@ def final_outputs(wildcards):
     out = []
     for gpu in target_gpus():
         out += [f"results/{gpu}/table.csv"] + figure_paths(gpu)
+    out += [f"resources/deployments/{b}/build.json" for b in TINY_BUILDS]  # each tiny build's marker
     return out + (["results/memory.jsonl"] if RUN_ROUNDS else [])
 
 

@@ -4,27 +4,8 @@
 
 
 # A tiny build (one per tiny target family, shared by the deployments pairing drafters with it):
-# tokenizer, one target and the drafters its deployments use, trained locally on CPU.
-rule build_tiny:
-    output:
-        "resources/deployments/{deployment}/build.json",
-    log:
-        "logs/deployments/{deployment}.log",
-    wildcard_constraints:
-        deployment=names_regex(list(TINY_BUILDS)),
-    params:
-        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
-        data=data_dir_opt(),
-        seed=config.get("seed", 0),
-        quick=lambda wildcards: "--quick" if TINY_BUILDS[wildcards.deployment]["quick"] else "",
-        kind=lambda wildcards: TINY_BUILDS[wildcards.deployment]["kind"],
-        drafters=lambda wildcards: ",".join(sorted(TINY_BUILDS[wildcards.deployment]["drafters"])),
-    threads: TIMING_THREADS
-    conda:
-        "../envs/engine.yaml"
-    shell:
-        "python -m specpilot build-tiny {params.data} --out {params.out_dir} --seed {params.seed}"
-        " {params.quick} --target-kind {params.kind} --drafters {params.drafters} --threads {threads} 2>&1 | tee {log}"
+# tokenizer, one target and the drafters its deployments use, trained locally on CPU, as the jobs
+# of rules/build.smk.
 
 
 # Real deployments: link a local folder or a Hugging Face Hub download (run on the submitting

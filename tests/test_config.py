@@ -1,6 +1,7 @@
 """Config schema, the shipped configs, and the workflow DAG (dry runs and lint; nothing executed)."""
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -268,3 +269,20 @@ def test_report_steps_run_without_torch(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0, r.stderr
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("scaling,slots", [(1.95, "1"), (1.1, "2")])
+def test_timed_jobs_one_at_a_time_where_the_ceilings_do_not_scale(tmp_path, scaling, slots):
+    """Issue 56: an earlier run's CPU ceilings decide, when the workflow is planned, whether two
+    timed CPU jobs run side by side (one timing slot each) or one at a time (every slot): copy
+    bandwidth and matmul rate from 1 to 2 threads scaling 1.95x pass, 1.1x (two vCPUs of one
+    physical core) does not."""
+    one = {"memory_bandwidth_bytes_per_s": 1e10, "matmul_flop_per_s": 1e11}
+    (tmp_path / "results" / "cpu").mkdir(parents=True)
+    (tmp_path / "results" / "cpu" / "ceilings.json").write_text(json.dumps(
+        {"per_threads": {"1": one, "2": {k: v * scaling for k, v in one.items()}}}))
+    r = snakemake("results/cpu/tiny/gsm8k/ar-c1.jsonl", "-n", "--directory", str(tmp_path), "--snakefile",
+                  str(ROOT / "Snakefile"), "--configfile", str(ROOT / "config" / "config.yaml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    cell = r.stdout[r.stdout.index("rule run_engine:"):]
+    assert re.search(rf"^    resources: .*timing_slots={slots}\b", cell[:cell.index("\n\n")], re.M), cell[:1500]

@@ -20,8 +20,8 @@ from test_workflow_rerun import RUN_TIMEOUT, kill_group, make_workdir, run_to_en
 pytestmark = pytest.mark.slow
 
 
-def rounds_workdir(path: Path) -> Path:
-    work = make_workdir(path)
+def rounds_workdir(path: Path, build: Path) -> Path:
+    work = make_workdir(path, build)
     cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
     cfg["engines"] = ["ar", "stock", "specpilot"]
     cfg["rounds"].update(count=2, agents_per_round=2, budget=2, calibration_prompts=1, max_new_tokens=32)
@@ -29,8 +29,8 @@ def rounds_workdir(path: Path) -> Path:
     return work
 
 
-def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
-    work = rounds_workdir(tmp_path / "wf")
+def test_rounds_resume_and_feed_the_specpilot_column(tmp_path, quick_deployment):
+    work = rounds_workdir(tmp_path / "wf", quick_deployment)  # the quick build copied in: no build job
     log = tmp_path / "run.log"
     r1 = work / "results" / "cpu" / "tiny" / "rounds" / "round-1"
     with open(log, "w") as f:

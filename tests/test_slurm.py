@@ -44,7 +44,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # What the test cluster (2 cores, ~24 GB) can hold: the profile's per-rule memory (sized for 30B
 # targets) and 8 threads do not fit, so they are overridden here as a small site would.
 SMALL_NODE = [
-    "--set-threads", "run_engine=2", "force=2", "ceilings=1", "build_tiny=2",
+    "--set-threads", "run_engine=2", "force=2", "ceilings=1", "tiny_target=2", "tiny_teacher=2",
     "--set-resources", "run_engine:mem_mb=4000", "force:mem_mb=4000",
     # first status check after 5 s instead of 40 s (MinJobAge on the test cluster is far above 15 s)
     "--slurm-init-seconds-before-status-checks", "5",
@@ -199,9 +199,10 @@ def test_reduced_default_runs_through_slurm(tmp_path_factory, local_run, capsys)
     # every job went through SLURM: one SLURM job per finished Snakemake job
     jobs = submitted_jobs(text)
     done = finished_rules(text)
-    assert "build_tiny" not in done, "SLURM rebuilt the tiny deployment instead of reusing it"
+    build_rules = {"build_tiny", "tiny_target", "tiny_teacher", "tiny_drafter"}
+    assert not build_rules & set(done), "SLURM rebuilt the tiny deployment instead of reusing it"
     expected = sorted(r for r in finished_rules((local.parent / "local.log").read_text())
-                      if r != "build_tiny")
+                      if r not in build_rules)
     assert sorted(done) == expected, f"SLURM run finished {sorted(done)}, local run {expected}"
     assert len(jobs) == len(done), f"{len(jobs)} SLURM jobs for {len(done)} finished jobs"
     rules = []
@@ -301,7 +302,8 @@ def sbatch_gpu_args(resources: dict[str, str]) -> str:
 
 GPU_RULES = {"run_engine", "force", "ceilings", "kernels", "kernel_agent", "round_references", "round_plan",
              "round_agent", "round_integrate"}
-CPU_RULES = {"prompts", "table", "figures", "link_deployment", "build_tiny", "all", "calibration_prompts",
+CPU_RULES = {"prompts", "table", "figures", "link_deployment", "build_tiny", "tiny_target", "tiny_teacher",
+             "tiny_drafter", "all", "calibration_prompts",
              "calibration_gather", "round_memory_start", "specpilot_config", "memory", "rounds_figure"}
 
 

@@ -166,9 +166,10 @@ def test_run_cli_times_repeats(quick_deployment, quick_prompts, tmp_path):
         assert len(r.decode_s_repeats) == 3 and r.decode_s == min(r.decode_s_repeats)
 
 
-@pytest.mark.slow
 def test_tiny_build_progress_reaches_its_log_as_it_goes(tmp_path, data_dir):
-    """`specpilot build-tiny > log` (what the workflow runs): lines appear while it runs, not at its end."""
+    """`specpilot tiny-stage target > log` (what the workflow runs, rules/build.smk): lines appear
+    while it runs, not at its end. Stopped once the first line is there (the build runs to its end
+    in CI's quick build step and the workflow tests)."""
     import os
     import subprocess
     import sys
@@ -177,13 +178,18 @@ def test_tiny_build_progress_reaches_its_log_as_it_goes(tmp_path, data_dir):
     log = tmp_path / "build.log"
     out = tmp_path / "dep"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "specpilot", "build-tiny", "--quick", "--out", str(out),
+        proc = subprocess.Popen([sys.executable, "-m", "specpilot", "tiny-stage", "target", "--quick", "--out", str(out),
                                  "--data-dir", str(data_dir)], stdout=f, stderr=subprocess.STDOUT,
                                 env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
     seen_early = False
-    while proc.poll() is None:
-        if not (out / "build.json").exists() and "tokenizer: vocab" in log.read_text():
-            seen_early = True
-        time.sleep(0.05)
-    assert proc.returncode == 0, log.read_text()[-2000:]
-    assert seen_early, "nothing reached the log before the build ended"
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            if "tokenizer: vocab" in log.read_text():
+                seen_early = proc.poll() is None and not (out / "stages" / "target.json").exists()
+                break
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert seen_early, "nothing reached the log while the build ran: " + log.read_text()[-2000:]

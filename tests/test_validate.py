@@ -230,6 +230,52 @@ def test_failed_jobs_reach_the_console_as_their_one_line(tmp_path):
     assert failed_job_lines(tmp_path / "absent.log", tmp_path) == []
 
 
+RUN_LOG = """Select jobs to execute...
+Execute 2 jobs...
+[Sun Dec  6 03:59:57 2026]
+localrule ceilings:
+    output: results/cpu/ceilings.json
+    jobid: 7
+    reason: Missing output files: results/cpu/ceilings.json
+    resources: tmpdir=/tmp, timing_slots=2
+
+[Sun Dec  6 03:59:58 2026]
+rule tiny_drafter:
+    output: resources/deployments/tiny/stages/drafter-dflash.json
+    jobid: 3
+    wildcards: deployment=tiny, kind=dflash
+    threads: 1
+
+[Sun Dec  6 04:00:03 2026]
+Finished jobid: 7 (Rule: ceilings)
+1 of 3 steps (33%) done
+[Sun Dec  6 04:00:03 2026]
+checkpoint tiny_teacher:
+    jobid: 5
+[Sun Dec  6 04:02:01 2026]
+Finished jobid: 3 (Rule: tiny_drafter)
+[Sun Dec  6 04:02:03 2026]
+rule tiny_drafter:
+    jobid: 4
+[Sun Dec  6 04:03:03 2026]
+Finished jobid: 4 (Rule: tiny_drafter)
+"""
+
+
+def test_each_rules_time_on_the_run(tmp_path):
+    """The run summary's times (issue 56): each job from its start stamp to its finish stamp, by
+    rule; a job that never finished (the checkpoint here) is left out."""
+    from specpilot.joblog import rule_times, times_lines
+
+    (tmp_path / "run.log").write_text(RUN_LOG)
+    times = rule_times([tmp_path / "run.log"])
+    assert times == {"ceilings": [6.0], "tiny_drafter": [123.0, 60.0]}
+    lines = times_lines(times)
+    assert lines[0].split()[:2] == ["tiny_drafter", "183"] and "2 jobs, longest 123 s" in lines[0]
+    assert lines[1].split()[:2] == ["ceilings", "6"] and lines[-1].split()[:4] == ["all", "jobs", "189", "s"]
+    assert rule_times(tmp_path / "absent.log") == {}
+
+
 def test_a_real_run_stops_before_writing_anything(tmp_path, ckpts):
     """Not only the dry run: `snakemake --cores 1` with a missing target folder stops while planning."""
     _, drafter = ckpts

@@ -1,9 +1,9 @@
 """Rerun safety (issue item 9): an interrupted run, resumed, recomputes nothing it had finished and
 ends with the same table as an uninterrupted run.
 
-Slow: it runs the real workflow twice on a reduced config (tiny deployment built with --quick,
-2 benchmarks x 2 prompts x 32 new tokens, engines ar + stock), in copies of the workflow under
-tmp_path. Needs the benchmark data: $SPECPILOT_DATA_DIR or ../shared/data/benchmarks.
+Slow: it runs the real workflow twice on a reduced config (tiny deployment built with --quick by
+the first run and copied into the second, 2 benchmarks x 2 prompts x 32 new tokens, engines ar +
+stock), in copies of the workflow under tmp_path. Needs the benchmark data: $SPECPILOT_DATA_DIR or ../shared/data/benchmarks.
 """
 
 import os
@@ -34,9 +34,12 @@ def data_dir() -> Path:
     return Path(d).resolve()
 
 
-def make_workdir(path: Path) -> Path:
-    """A copy of the workflow with the reduced config as its config/config.yaml."""
+def make_workdir(path: Path, build: Path | None = None) -> Path:
+    """A copy of the workflow with the reduced config as its config/config.yaml; ``build``: a
+    finished quick tiny build copied in as its resources/deployments/tiny (no build job runs)."""
     path.mkdir(parents=True)
+    if build is not None:
+        shutil.copytree(build, path / "resources" / "deployments" / "tiny")
     for name in WORKFLOW_FILES:
         src, dst = ROOT / name, path / name
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -112,12 +115,14 @@ def comparable(table: Path) -> pd.DataFrame:
 
 
 def test_interrupted_run_resumes_without_recomputing(tmp_path):
-    # the reference: one uninterrupted run
+    # the reference: one uninterrupted run, the quick tiny build included (the build's jobs)
     ref = make_workdir(tmp_path / "uninterrupted")
     run_to_end(ref, tmp_path / "uninterrupted.log")
+    assert "rule tiny_drafter:" in (tmp_path / "uninterrupted.log").read_text()
 
-    # the interrupted run: stopped once some records are finished and before the table
-    work = make_workdir(tmp_path / "interrupted")
+    # the interrupted run, on a copy of that build (the same models, so the same table): stopped
+    # once some records are finished and before the table
+    work = make_workdir(tmp_path / "interrupted", build=ref / "resources" / "deployments" / "tiny")
     log = tmp_path / "interrupted.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(snakemake_cmd(), cwd=work, stdout=f, stderr=subprocess.STDOUT,

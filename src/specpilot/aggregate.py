@@ -20,11 +20,15 @@ One row per cell (deployment, benchmark, concurrency) plus summary rows. For eac
   verdict over exactly the cell's requests and tokens). A cell whose forcing failed leaves that
   engine's speedup and tau empty: a lossy engine's speed is no result.
 
-``timing_spread`` is the largest relative spread ``max/min - 1`` of one request's repeated
-decode times (``decode_s_repeats``, from ``specpilot run --timing-repeats``) over the cell's
-engines and requests (empty when the cell was timed once); ``timing_warning`` is true when it
-exceeds ``max_spread`` (default 0.25): the machine was busy while the cell was timed, so its
-speedups are not to be trusted. Such cells are also named in the ``note`` and in a warning on
+``timing_spread`` says how far the cell's reported speedups can move with the other timing repeats:
+every speedup uses each request's fastest repeat (``decode_s``), and an engine's slowest repeats
+(``decode_s_repeats``, from ``specpilot run --timing-repeats``) in their place move a speedup by
+the geometric mean over the cell's requests of that engine's ``max/min``; ``timing_spread`` is the
+largest such move over the cell's engines, minus one (empty when the cell was timed once). One
+request disturbed once moves a figure of n requests by only the n-th root of its spread, and so
+marks its cell only if that moves the figure. ``timing_warning`` is true when it exceeds
+``max_spread`` (config ``timing.max_spread``, default 0.25): the figure depends on which repeat
+was kept, so it is not to be trusted. Such cells are also named in the ``note`` and in a warning on
 stderr, and the figures mark them. Values are written at full precision (shortest repr that reads
 back as the same float), so they can be recomputed from the records exactly.
 
@@ -74,7 +78,7 @@ COLUMNS = [
     "stock_speedup", "specpilot_speedup", "stock_tau", "specpilot_tau", "forcing", "note",
     "synthetic", "timing_spread", "timing_warning",
 ]
-MAX_SPREAD = 0.25  # default: repeated timings of one request differing by more => a loaded machine
+MAX_SPREAD = 0.25  # default: a speedup moving by more with the other repeats => unreliable (timing_spread)
 log = logging.getLogger("specpilot.table")
 _PER_ENGINE = ["speedup_lo", "speedup_hi", "speedup_arith", "tau_req", "tok_s", "throughput", "forcing"]
 _VALUES = ["speedup", "speedup_lo", "speedup_hi", "speedup_arith", "tau", "tau_req", "tok_s",
@@ -98,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--specpilot-note", default="specpilot not run",
                         help="note for cells without specpilot records (why it was not run)")
     parser.add_argument("--max-spread", type=float, default=MAX_SPREAD,
-                        help="relative spread of a request's repeated decode times above which a cell is flagged "
-                             f"as timed on a loaded machine (default {MAX_SPREAD})")
+                        help="how far a cell's speedups may move with the other timing repeats (timing_spread) "
+                             f"before the cell is marked unreliable (default {MAX_SPREAD})")
     parser.add_argument("--devices", help="results/{gpu}/devices.json: warn when a comparison mixes device speeds")
 
 
@@ -168,13 +172,25 @@ def tau_per_request(records: list[Record]) -> float:
 
 
 def timing_spread(records: list[Record]) -> float:
-    """Largest ``max/min - 1`` over the records' repeated decode times; NaN when none was repeated."""
-    spreads = []
+    """How far a speedup over ``records`` moves with the other repeats: the largest over their
+    engines of the geometric mean over requests of ``max/min`` of a request's repeated decode
+    times, minus one (a request timed once counts as 1); NaN when none was repeated.
+
+    A speedup uses each request's fastest repeat on both sides; with one side's slowest repeats
+    instead it moves by exactly that geometric mean, so this bounds how far the reported figure
+    depends on which repeat was kept."""
+    per_engine: dict[str, list[float]] = defaultdict(list)
+    repeated = False
     for r in records:
         reps = [t for t in (r.decode_s_repeats or []) if isinstance(t, (int, float))]
         if len(reps) >= 2 and min(reps) > 0:
-            spreads.append(max(reps) / min(reps) - 1.0)
-    return max(spreads) if spreads else math.nan
+            repeated = True
+            per_engine[r.engine].append(max(reps) / min(reps))
+        else:
+            per_engine[r.engine].append(1.0)
+    if not repeated:
+        return math.nan
+    return max(geomean(v) for v in per_engine.values()) - 1.0
 
 
 def tok_s(records: list[Record]) -> float:
@@ -374,8 +390,8 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
     row["timing_spread"] = spread
     row["timing_warning"] = bool(spread > max_spread)  # NaN (timed once) compares False
     if row["timing_warning"]:
-        notes.append(f"loaded machine: repeated timings differ by up to {spread:.0%} "
-                     f"(> {max_spread:.0%}); speedups unreliable")
+        notes.append(f"unstable timing: the speedups move by up to {spread:.0%} with the other repeats "
+                     f"(> {max_spread:.0%}); unreliable")
     row["note"] = "; ".join(notes)
     return row
 
@@ -413,7 +429,7 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
         out[col] = combine_forcing(r[col] for r in rows)
     out["forcing"] = combine_forcing(r["forcing"] for r in rows)
     if out["timing_warning"]:
-        notes.append("loaded machine in " + ", ".join(
+        notes.append("unstable timing in " + ", ".join(
             f"{r['deployment']}/{r['benchmark']}" for r in rows if r.get("timing_warning")))
     if out["forcing"] == "FAIL":
         notes.append("forcing FAIL in " + ", ".join(
@@ -453,8 +469,8 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
                     for cell, engines in cells.items()}
     for cell, row in rows_by_cell.items():
         if row["timing_warning"]:
-            log.warning("cell %s/%s/c%d: repeated timings differ by up to %.0f%% (> %.0f%%): the machine was "
-                        "loaded while it was timed; its speedups are unreliable (rerun it on an idle machine)",
+            log.warning("cell %s/%s/c%d: its speedups move by up to %.0f%% with the other timing repeats "
+                        "(> %.0f%%): unreliable (rerun it on an idle machine)",
                         *cell, 100 * row["timing_spread"], 100 * max_spread)
     candidates = sorted({c[: -len("_forcing")] for r in rows_by_cell.values() for c in r
                          if c.endswith("_forcing")},

@@ -16,6 +16,7 @@ from .errors import SpecpilotError
 # one row a subcommand: its name, the module under ``specpilot`` that owns it, its one-line help
 _TABLE = """
 build-tiny         tiny.build                build the embedded tiny deployment (tokenizer, target, drafter) on CPU
+tiny-stage         tiny.stages               one stage of the tiny build as a workflow job: target, teacher, drafter, assemble
 prompts            prompts.cli               write one benchmark's formatted, tokenized prompts
 run                engine.cli                run one engine over a prompt file into a records file
 serve              server.cli                serve a deployment's engine behind an OpenAI-compatible HTTP API

@@ -5,7 +5,7 @@ Writes ``speedup.png`` (speedup over AR per benchmark, stock vs specpilot), ``ta
 system throughput vs concurrency) into the output
 folder. Readable in grayscale: engines differ by gray level and hatching (bars) or line style and
 marker (lines). A value the table leaves empty (engine not run, or token forcing failed) is drawn as
-absent, labelled ``n/a`` or ``FAIL``, never as zero. A value from a cell timed on a loaded machine
+absent, labelled ``n/a`` or ``FAIL``, never as zero. A value that moves with the other timing repeats
 (table column ``timing_warning``) is marked ``!`` above its bar or point and explained in the notes.
 ``rounds.png`` in the same folder belongs to the agent rounds.
 """
@@ -61,12 +61,12 @@ def _absent_label(row, engine: str) -> str:
 
 
 def _warned(row) -> bool:
-    """The row's cell was timed on a loaded machine (table column ``timing_warning``)."""
+    """The row's speedups depend on which timing repeat was kept (table column ``timing_warning``)."""
     v = row.get("timing_warning", False)
     return str(v).strip().lower() == "true" if not isinstance(v, bool) else v
 
 
-LOADED_NOTE = "!: timed on a loaded machine (repeated timings differ, see timing_spread): value unreliable"
+LOADED_NOTE = "!: the value moves by more than the tolerance with the other timing repeats (timing_spread): unreliable"
 
 
 def _notes(df: pd.DataFrame) -> list[str]:

@@ -17,7 +17,6 @@ import dataclasses
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,54 +28,10 @@ from ..io import write_json
 from ..models.dflash import DrafterConfig, build_target_layer_ids
 from ..models.loading import load_target, network_class, save_checkpoint, save_drafter
 from ..models.qwen3 import Transformer
+from .recipe import DRAFTERS, FULL, QUICK, TinyRecipe, drafter_recipe_hash
 from .targets import TARGET_KINDS, init_family_params, tiny_target_config
 from .tokenizer import MASK_TOKEN, build_tokenizer
 from .train import TRAIN_PRECISIONS, TeacherCache, greedy_continuations, heldout_loss, resolve_precision, train_drafter, train_target
-
-
-@dataclass
-class TinyRecipe:
-    """Sizes and step counts; ``FULL`` is the embedded default, ``QUICK`` is for tests (seconds)."""
-
-    vocab: int = 2048
-    hidden: int = 192
-    layers: int = 6
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 576
-    # Step counts and lengths sized for a first run in minutes on 2 cores (issue 39): against the
-    # earlier 360 target steps at 768 tokens, 540 / 360 drafter steps and 512 distillation prompts,
-    # this recipe trains in about 0.6x the time, and its drafters still read stock tau 6.27 / 7.58 /
-    # 6.68 (DFlash / DFlash2 / DSpark) on gsm8k and >= 4.6 on every benchmark at their trained block
-    # (4 prompts each, 128 new tokens, 2026-12-04); the target's held-out gsm8k loss is 3.67 (3.22).
-    target_steps: int = 240
-    batch: int = 5
-    seq_len: int = 512  # training window; distillation prompts keep their last 2 x seq_len tokens
-    draft_layers: int = 2
-    draft_intermediate: int = 512
-    draft_block: int = 12
-    distill_prompts: int = 384
-    distill_tokens: int = 128
-    drafter_steps: int = 240
-    dflash_steps: int = 360  # DFlash learns slowest (one shared block pass, no selector): 1.5x the others' steps
-    drafter_batch: int = 16
-    anchors: int = 12
-    selector_rank: int = 32
-    selector_top_k: int = 8
-    markov_rank: int = 64
-    # the target's training precision: fp32, bf16 (CPU autocast) or auto (bf16 where the CPU has native
-    # bf16). fp32 by default: on a 2-core EPYC bf16 trained the target in 292 s against 383 s with the
-    # same held-out loss (3.217 / 3.221), but the drafters distilled from that target read a stock tau
-    # geomean of 4.90 against 5.44 on the embedded default (one build each, 2026-12-02). The drafters
-    # always train in fp32 (autocast did not make them faster).
-    train_precision: str = "fp32"
-
-
-FULL = TinyRecipe()
-QUICK = TinyRecipe(vocab=512, hidden=64, layers=5, heads=2, kv_heads=1, intermediate=128, target_steps=150,
-                   batch=8, seq_len=128, draft_intermediate=128, draft_block=8, distill_prompts=16,
-                   distill_tokens=48, drafter_steps=20, dflash_steps=20, drafter_batch=8, anchors=4, selector_rank=8,
-                   selector_top_k=4, markov_rank=8)
 
 
 def _is_quick(recipe: TinyRecipe) -> bool:
@@ -105,8 +60,6 @@ def _stream(tok, docs: list[str]) -> torch.Tensor:
         ids += tok.encode(d, add_special_tokens=False)
     return torch.tensor(ids, dtype=torch.long)
 
-
-DRAFTERS = ("dflash", "dflash2", "dspark")
 
 
 def drafter_config(kind: str, recipe: TinyRecipe, vocab: int, mask_id: int) -> DrafterConfig:
@@ -291,20 +244,65 @@ def build_tiny(out_dir: str | Path, data_dir: str | Path | None = None, seed: in
     layer_ids = tuple(build_target_layer_ids(recipe.layers, recipe.draft_layers))
     teacher = TeacherCache(state["target"], seqs, layer_ids, logits="dspark" in drafters)
     seconds["teacher_features"] = time.time() - t0
+    # the workflow's stage files too (rules/build.smk), so a copy of this build is a finished one there
+    write_target_stage(out, seed, recipe, target_kind, state)
+    threads = torch.get_num_threads()
+    write_teacher_stage(out, teacher, seqs, state["distill_mix"], {k: seconds[k] for k in ("distill_data", "teacher_features")},
+                        {"cores": threads, "threads": {k: threads for k in drafters}, "note": "one-process build: not measured"})
     per = {}
     for kind in drafters:
         per[kind] = build_drafter_stage(kind, state, seqs, out, recipe, seed, log, teacher)
         seconds[f"drafter_{kind}"] = per[kind]["seconds"]
+        write_drafter_stage(out, kind, per[kind], recipe)
     seconds["total"] = time.time() - t_start
+    summary = build_summary(seed, recipe, target_kind, state["summary"], state["distill_mix"], per, seconds)
+    write_json(out / "build.json", summary)
+    log(f"tiny deployment built in {seconds['total']:.0f}s -> {out}")
+    return summary
+
+
+def stages_dir(out: Path) -> Path:
+    """``{out}/stages``: each stage's summary, the teacher outputs and the drafters' thread counts."""
+    d = Path(out) / "stages"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_target_stage(out: Path, seed: int, recipe: TinyRecipe, target_kind: str, state: dict) -> dict:
+    """``stages/target.json``: what :func:`build_target_stage` returned of the target (summary, seconds)."""
+    doc = {"seed": seed, "recipe": dataclasses.asdict(recipe), "target_kind": target_kind,
+           "summary": state["summary"], "seconds": state["seconds"], "threads": torch.get_num_threads()}
+    write_json(stages_dir(out) / "target.json", doc)
+    return doc
+
+
+def write_teacher_stage(out: Path, teacher: TeacherCache, seqs, distill_mix: dict, seconds: dict,
+                        threads: dict) -> None:
+    """``stages/teacher.pt`` (the teacher outputs), ``teacher.json`` (mix, seconds) and ``threads.json``."""
+    d = stages_dir(out)
+    teacher.save(d / "teacher.pt", seqs)
+    write_json(d / "teacher.json", {"distill_mix": distill_mix, "seconds": seconds, "sequences": len(seqs),
+                                    "logits": teacher.has_logits})
+    write_json(d / "threads.json", threads)
+
+
+def write_drafter_stage(out: Path, kind: str, per: dict, recipe: TinyRecipe) -> dict:
+    """``stages/drafter-{kind}.json``: the drafter's summary, threads and recipe hash."""
+    doc = {**per, "threads": torch.get_num_threads(), "recipe_hash": drafter_recipe_hash(kind, recipe)}
+    write_json(stages_dir(out) / f"drafter-{kind}.json", doc)
+    return doc
+
+
+def build_summary(seed: int, recipe: TinyRecipe, target_kind: str, target_summary: dict, distill_mix: dict,
+                  per: dict, seconds: dict) -> dict:
+    """The content of ``build.json``: seed, recipe, the target's and each drafter's summary, the
+    distillation mix and each stage's seconds (one-process build and workflow stages alike)."""
     summary = {"seed": seed, "recipe": dataclasses.asdict(recipe), "target_kind": target_kind, "torch": torch.__version__,
                "target_train_precision": resolve_precision(recipe.train_precision),
-               **state["summary"], "distill_mix": state["distill_mix"],
-               "drafters": per, "seconds": seconds}
+               **target_summary, "distill_mix": distill_mix, "drafters": per, "seconds": seconds}
     if "dflash" in per:  # the fields earlier builds wrote
         summary["drafter_params"] = per["dflash"]["params"]
         summary["drafter_final_loss"] = per["dflash"]["final_loss"]
-    write_json(out / "build.json", summary)
-    log(f"tiny deployment built in {seconds['total']:.0f}s -> {out}")
     return summary
 
 

@@ -20,8 +20,10 @@ published objective (facts in shared/notes/drafters.md):
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -205,6 +207,25 @@ class TeacherCache:
                     self.feats[i] = feats[row, :len(seq)].clone()
                     if logits:
                         self.logits[i] = lg[row, p:len(seq)].clone()
+
+    def save(self, path: str | Path, sequences: list[tuple[int, list[int]]]) -> None:
+        """Write the cache and its ``sequences`` to ``path`` (torch.save, atomically: a temporary
+        file renamed into place), for drafter jobs that load it (:meth:`load`)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({"layer_ids": list(self.layer_ids), "has_logits": self.has_logits, "feats": self.feats,
+                    "logits": self.logits if self.has_logits else None, "sequences": sequences}, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> tuple["TeacherCache", list[tuple[int, list[int]]]]:
+        """(cache, sequences) as :meth:`save` wrote them; the same tensors, bit for bit."""
+        doc = torch.load(path, weights_only=True)
+        cache = cls.__new__(cls)
+        cache.layer_ids, cache.has_logits = tuple(doc["layer_ids"]), doc["has_logits"]
+        cache.feats = doc["feats"]
+        cache.logits = doc["logits"] if doc["has_logits"] else [None] * len(doc["feats"])
+        return cache, [(int(p), list(s)) for p, s in doc["sequences"]]
 
     def batch(self, chosen: list[int], sequences, L: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Right-padded features [B, L, F] (and logits [B, L, vocab], zero outside the
