@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from .errors import SpecpilotError
+from .errors import SpecpilotError, module_main
 from .io import write_json
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -137,14 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specpilot.deployment_link", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except SpecpilotError as e:
-        print(f"specpilot: error: {e}", file=sys.stderr)
-        return 2
+    """``python -m specpilot.deployment_link``: see the module docstring."""
+    return module_main("python -m specpilot.deployment_link", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

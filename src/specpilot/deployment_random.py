@@ -27,7 +27,7 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
-from .errors import SpecpilotError
+from .errors import SpecpilotError, module_main
 from .io import write_json
 from .models.shapes import SHAPES
 from .tiny.tokenizer import build_tokenizer
@@ -93,14 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specpilot.deployment_random", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except SpecpilotError as e:
-        print(f"specpilot: error: {e}", file=sys.stderr)
-        return 2
+    """``python -m specpilot.deployment_random``: see the module docstring."""
+    return module_main("python -m specpilot.deployment_random", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
