@@ -206,12 +206,16 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
 
     The engines of the workflow: stock at the deployment's block; specpilot (when it runs and
     ``rounds.count`` > 0) up to the rounds' widest candidate (:func:`rounds_widest`). Budgets:
-    the larger of ``max_new_tokens`` and ``rounds.max_new_tokens``; rows: the largest concurrency
-    (cells and rounds); a one-token prompt; weights in bf16 on a GPU, fp32 on the CPU.
+    the larger of ``max_new_tokens`` and ``rounds.max_new_tokens``; rows: per serving regime
+    (config ``regimes``, :mod:`specpilot.regimes`) the largest of its tuned and cell
+    concurrencies, the line naming the regime; a one-token prompt; weights in bf16 on a GPU,
+    fp32 on the CPU.
     """
+    from .regimes import resolve
+
     rounds = config.get("rounds") or {}
     new = max(int(config["max_new_tokens"]), int(rounds.get("max_new_tokens") or 0))
-    rows = max([int(c) for c in config["concurrency"]] + [int(rounds.get("concurrency") or 1)])
+    regimes = resolve(config)
     specpilot = "specpilot" in config.get("engines", []) and int(rounds.get("count", 2)) > 0
     out = []
     for name, dep in deployments.items():
@@ -221,11 +225,17 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
             continue
         engines = [(block + 1, f"stock block_size {block}")] + ([rounds_widest(block)] if specpilot else [])
         width, what = max(engines)
-        slots = 1 + new - 2 + width + (1 if rows > 1 else 0)
-        for gpu in gpus:
-            dtype_bytes = 4 if gpu == "cpu" else 2
-            problem = width_problem(cfg, width, what, slots, rows, dtype_bytes, gpu_memory_bytes(gpu), gpu)
+        problem = None
+        for regime, r in regimes.items():
+            rows = max(r["cells"] + [r["tune"]])
+            slots = 1 + new - 2 + width + (1 if rows > 1 else 0)
+            for gpu in gpus:
+                dtype_bytes = 4 if gpu == "cpu" else 2
+                problem = width_problem(cfg, width, what, slots, rows, dtype_bytes, gpu_memory_bytes(gpu), gpu)
+                if problem:
+                    out.append(f"deployment {name}: {problem} (max_new_tokens {new}, regimes.{regime}: tune "
+                               f"{r['tune']}, cells {r['cells']})")
+                    break
             if problem:
-                out.append(f"deployment {name}: {problem} (max_new_tokens {new}, concurrency {rows})")
                 break
     return out
