@@ -639,7 +639,7 @@ def previous_opt(wildcards, input):
 
 def last_round_costmodel(wildcards):
     """The cost model of the last round's integrated config (specpilot.json carries it)."""
-    return ROUND_DIR.format(k=ROUNDS["count"], **wildcards) + "/costmodel-integrated.txt"
+    return os.path.join(ROUND_DIR.format(k=ROUNDS["count"], **wildcards), "costmodel-integrated.txt")
 
 
 def llm_opt(wildcards):
@@ -658,11 +658,11 @@ def agent_files(wildcards):
 
 
 def last_round(wildcards):
-    return ROUND_DIR.format(k=ROUNDS["count"], **wildcards) + "/integrated.json"
+    return os.path.join(ROUND_DIR.format(k=ROUNDS["count"], **wildcards), "integrated.json")
 
 
 def rounds_figure_inputs(wildcards):
-    return [ROUND_DIR.format(gpu=wildcards.gpu, deployment=d, regime=r, k=k) + "/integrated.json"
+    return [os.path.join(ROUND_DIR.format(gpu=wildcards.gpu, deployment=d, regime=r, k=k), "integrated.json")
             for d in DEPLOYMENTS for r in REGIMES for k in range(1, ROUNDS["count"] + 1)]
 
 

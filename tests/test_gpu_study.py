@@ -273,7 +273,8 @@ def test_the_tiny_overlay_is_the_gpu_study_with_tiny_shapes():
     for key in ("benchmarks", "concurrency", "engines"):
         assert tiny[key] == gpu[key], key
     assert sorted(tiny["cell_requests"]) == sorted(gpu["cell_requests"])
-    for key in ("count", "agents_per_round", "concurrency", "transfer"):
+    for key in ("count", "agents_per_round", "transfer"):
         assert tiny["rounds"][key] == gpu["rounds"][key], key
+    assert tiny["regimes"] == gpu["regimes"]  # the same serving regimes (issue 53): tune, cells, directions
     assert set(gpu["rounds"]["directions"]) < set(tiny["rounds"]["directions"])
     assert tiny["kernel_agent"] == gpu["kernel_agent"]

@@ -153,7 +153,7 @@ def plan(args) -> int:
         base_recs, _ = ev.measure(base, base)
         block = int(base.get("block_size", args.block_size))
         analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
-                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block)
+                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block, ar=ev.ar)
         report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
         ar = {r.request_id: r for r in ev.ar}
         base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
@@ -404,7 +404,7 @@ def _integrated_costmodel(args, ev, ctx: dict, chosen: dict, result: dict, evide
     recs = [record_from_dict(r, "trial record") for r in evidence.rows if r["trial"] == tag]
     analysis = analyze(recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
                        read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4,
-                       int(chosen.get("block_size", args.block_size)))
+                       int(chosen.get("block_size", args.block_size)), ar=ev.ar)
     text = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, after round {args.round} "
                                  f"(config {json.dumps(chosen, sort_keys=True)})")
     atomic_write_text(Path(args.costmodel_text), text)
