@@ -172,7 +172,15 @@ def rounds_widest(block: int) -> tuple[int, str]:
 
 def _target_config(dep: dict, base: Path, tiny_target: str, tiny_dir: Path | None) -> TargetConfig | None:
     """The deployment's target config when its config.json is at hand (else None: the plan's
-    other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``)."""
+    other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``).
+    A random target (``target: random``) has its named shape's config."""
+    if dep["target"] == "random":
+        from .models.random_checkpoint import target_config  # torch: only where a random target is planned
+
+        try:
+            return target_config(dep.get("shape"))
+        except Exception:  # noqa: BLE001 - an unknown shape is the deployment check's to report
+            return None
     if dep["target"] == tiny_target:
         path = tiny_dir / "target" / "config.json" if tiny_dir is not None else None
     else:
