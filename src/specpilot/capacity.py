@@ -31,7 +31,9 @@ from pathlib import Path
 
 from .agent.directions import REGISTRY
 from .models.config import TargetConfig
+from .models.random_checkpoint import target_config as shape_target_config
 from .models.target import ring_reserve
+from .regimes import resolve
 from .validate import locate
 
 GIB = 1024 ** 3
@@ -175,10 +177,8 @@ def _target_config(dep: dict, base: Path, tiny_target: str, tiny_dir: Path | Non
     other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``).
     A random target (``target: random``) has its named shape's config."""
     if dep["target"] == "random":
-        from .models.random_checkpoint import target_config  # torch: only where a random target is planned
-
         try:
-            return target_config(dep.get("shape"))
+            return shape_target_config(dep.get("shape"))
         except Exception:  # noqa: BLE001 - an unknown shape is the deployment check's to report
             return None
     if dep["target"] == tiny_target:
@@ -219,8 +219,6 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
     concurrencies, the line naming the regime; a one-token prompt; weights in bf16 on a GPU,
     fp32 on the CPU.
     """
-    from .regimes import resolve
-
     rounds = config.get("rounds") or {}
     new = max(int(config["max_new_tokens"]), int(rounds.get("max_new_tokens") or 0))
     regimes = resolve(config)
