@@ -32,7 +32,7 @@ def rounds_workdir(path: Path) -> Path:
 def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     work = rounds_workdir(tmp_path / "wf")
     log = tmp_path / "run.log"
-    r1 = work / "results" / "cpu" / "tiny" / "rounds" / "round-1"
+    r1 = work / "results" / "cpu" / "tiny" / "single" / "rounds" / "round-1"
     with open(log, "w") as f:
         proc = subprocess.Popen(snakemake_cmd(), cwd=work, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -55,14 +55,14 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     resumed = log.read_text().split("===== resumed =====")[1]
     for p, mtime in done.items():
         assert p.stat().st_mtime_ns == mtime, f"{p.name} was rerun after the resume"
-        assert f"output: results/cpu/tiny/rounds/round-1/{p.name}" not in resumed
+        assert f"output: results/cpu/tiny/single/rounds/round-1/{p.name}" not in resumed
 
     # round 2 planned from round 1's integrated config
-    plan2 = json.loads((work / "results/cpu/tiny/rounds/round-2/plan.json").read_text())
+    plan2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/plan.json").read_text())
     integ1 = json.loads((r1 / "integrated.json").read_text())
     assert plan2["base_config"] == integ1["config"]
     final = json.loads((work / "results/cpu/tiny/specpilot.json").read_text())
-    integ2 = json.loads((work / "results/cpu/tiny/rounds/round-2/integrated.json").read_text())
+    integ2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/integrated.json").read_text())
     assert final["engine_config"] == integ2["config"] and final["validated_by_token_forcing"]
 
     table = pd.read_csv(work / "results" / "cpu" / "table.csv", keep_default_na=False)
