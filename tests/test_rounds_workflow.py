@@ -61,7 +61,7 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     plan2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/plan.json").read_text())
     integ1 = json.loads((r1 / "integrated.json").read_text())
     assert plan2["base_config"] == integ1["config"]
-    final = json.loads((work / "results/cpu/tiny/specpilot.json").read_text())
+    final = json.loads((work / "results/cpu/tiny/single/specpilot.json").read_text())
     integ2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/integrated.json").read_text())
     assert final["engine_config"] == integ2["config"] and final["validated_by_token_forcing"]
 
@@ -74,7 +74,7 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
         assert v["passed"] and v["tokens_checked"] > 0
     # memory: round k's snapshot = round k-1's plus exactly the winners integrated in round k, each
     # with its gain and evidence; results/memory.jsonl is the merge of the last snapshot
-    rounds = work / "results/cpu/tiny/rounds"
+    rounds = work / "results/cpu/tiny/single/rounds"
     snaps = [[json.loads(line) for line in (rounds / f"round-{k}/memory.jsonl").read_text().splitlines()]
              for k in range(3)]
     assert snaps[0] == []  # the only deployment starts from no memory
@@ -87,6 +87,6 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path):
     shared = [json.loads(line) for line in (work / "results" / "memory.jsonl").read_text().splitlines()]
     assert shared == sorted(snaps[2], key=lambda e: e["id"])
     assert (work / "results" / "cpu" / "figures" / "rounds.png").stat().st_size > 0
-    assert json.loads((work / "results/cpu/kernels/tiny/kernel-agent.json").read_text())["applies"] is False
+    assert json.loads((work / "results/cpu/kernels/tiny/single/kernel-agent.json").read_text())["applies"] is False
     for f in work.glob("results/cpu/tiny/*/*-c1.jsonl"):  # every cell recorded the kernels it used
         assert json.loads(f.read_text().splitlines()[0])["engine_config"]["kernels"]["applies"] is False
