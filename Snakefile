@@ -30,7 +30,8 @@ wildcard_constraints:
     deployment=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
     benchmark=names_regex(BENCHMARK_NAMES),
     engine=names_regex(ENGINE_NAMES),
-    concurrency=r"\d+",
+    concurrency=names_regex([str(c) for c in REGIME_OF]),
+    regime=names_regex(REGIMES),
     k=r"[1-9]\d*",
 
 

@@ -67,10 +67,18 @@ RANDOM_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] == RANDOM
 LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] not in (TINY_TARGET, RANDOM_TARGET)]
 
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
-ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "concurrency": 1,
+ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
           "chain": [], "seed_memory": None, "llm": {}, "directions": None, **config.get("rounds", {})}
 ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
+
+# Serving regimes (specpilot.regimes; resolved by rules/config.smk): name -> {tune, cells}, in memory
+# order (single first). Each (deployment, regime) has its own calibration prompts, kernel sub-agent,
+# rounds, engine config and cells; a cell concurrency belongs to one regime (REGIME_OF).
+from specpilot.regimes import calibration_count, regime_of, table_option
+
+REGIMES = config["regimes"]
+REGIME_OF = regime_of(REGIMES)
 
 
 def _chain():
@@ -490,22 +498,30 @@ def forcing_path(gpu, deployment_name, benchmark, engine, concurrency):
     return f"results/{gpu}/{deployment_name}/{benchmark}/{engine}-c{concurrency}.forcing.json"
 
 
-def engine_config_path(gpu, deployment_name):
-    """The engine config the last agent round validated (produced by rules/rounds.smk)."""
-    return f"results/{gpu}/{deployment_name}/specpilot.json"
+def engine_config_path(gpu, deployment_name, regime):
+    """The engine config the regime's last agent round validated (produced by rules/rounds.smk)."""
+    return f"results/{gpu}/{deployment_name}/{regime}/specpilot.json"
 
 
 def kernels_manifest(wildcards):
     return f"results/{wildcards.gpu}/kernels/manifest.json"
 
 
-def kernel_agent_path(gpu, deployment_name):
-    return f"results/{gpu}/kernels/{deployment_name}/kernel-agent.json"
+def kernel_agent_path(gpu, deployment_name, regime):
+    return f"results/{gpu}/kernels/{deployment_name}/{regime}/kernel-agent.json"
+
+
+def regime_wildcard(wildcards):
+    """The regime of a job: its {regime} wildcard, else the regime of its cell's {concurrency}."""
+    if "regime" in wildcards.keys():
+        return wildcards.regime
+    return REGIME_OF[int(wildcards.concurrency)]
 
 
 def kernel_agent(wildcards):
-    """The kernel sub-agent's output for this (gpu, deployment): the tuned kernels every engine uses."""
-    return kernel_agent_path(wildcards.gpu, wildcards.deployment)
+    """The kernel sub-agent's output for this (gpu, deployment, regime): the tuned kernels every
+    engine of the regime uses (its rounds and its cells)."""
+    return kernel_agent_path(wildcards.gpu, wildcards.deployment, regime_wildcard(wildcards))
 
 
 def run_inputs(wildcards):
@@ -515,7 +531,7 @@ def run_inputs(wildcards):
               "build": build_marker(wildcards), "kernels_manifest": kernels_manifest(wildcards),
               "kernel_agent": kernel_agent(wildcards)}
     if "specpilot" in RUN_ENGINES:
-        inputs["engine_config"] = engine_config_path(wildcards.gpu, wildcards.deployment)
+        inputs["engine_config"] = engine_config_path(wildcards.gpu, wildcards.deployment, regime_wildcard(wildcards))
     return inputs
 
 
@@ -532,10 +548,25 @@ def replay_opt(wildcards):
     return f"--replay-profile {shlex.quote(profile)}" if profile else ""
 
 
-def directions_opt():
-    """``--directions a,b`` when config rounds.directions restricts what the plan may choose."""
-    chosen = ROUNDS.get("directions")
+def directions_opt(wildcards):
+    """``--directions a,b`` when config regimes.<regime>.directions (else rounds.directions) restricts
+    what the regime's plan may choose."""
+    chosen = REGIMES[wildcards.regime].get("directions") or ROUNDS.get("directions")
     return f"--directions {','.join(chosen)}" if chosen else ""
+
+
+def tune_concurrency(wildcards):
+    """The concurrency the regime's rounds tune at (config regimes.<regime>.tune)."""
+    return REGIMES[wildcards.regime]["tune"]
+
+
+def calibration_prompts(wildcards):
+    """Calibration prompts per benchmark of the regime (at least 2 x its tune in all: specpilot.regimes)."""
+    return calibration_count(REGIMES[wildcards.regime], ROUNDS["calibration_prompts"], len(config["benchmarks"]))
+
+
+def calibration_file(wildcards):
+    return f"results/prompts/{wildcards.deployment}/{wildcards.regime}/calibration.jsonl"
 
 
 # The kernel sub-agent's effort (config kernel_agent; specpilot.agent.kernel_agent.tune's defaults)
@@ -543,10 +574,13 @@ KERNEL_AGENT = {"sections": ["w12", "engine", "w12_fast"], "top": 3, "max_config
                 **config.get("kernel_agent", {})}
 
 
-def kernel_agent_opts():
+def kernel_agent_opts(wildcards):
+    """The kernel sub-agent's effort; its engine matmul rows the regime's (regimes.<regime>.engine_rows,
+    else kernel_agent.engine_rows)."""
     k = KERNEL_AGENT
+    rows = REGIMES[wildcards.regime].get("engine_rows") or k["engine_rows"]
     return (f"--sections {','.join(k['sections']) or shlex.quote('')} --top {k['top']} --max-configs {k['max_configs']}"
-            f" --engine-rows {','.join(str(r) for r in k['engine_rows'])}")
+            f" --engine-rows {','.join(str(r) for r in rows)}")
 
 
 def compute_dtype(wildcards):
@@ -577,9 +611,10 @@ def engine_config_opt(wildcards, input):
 
 
 def cells():
-    """(deployment, benchmark, concurrency) of every cell of the study."""
+    """(deployment, benchmark, concurrency) of every cell of the study: every regime's cell
+    concurrencies."""
     return [(d, b, c) for d in DEPLOYMENTS for b in config["benchmarks"]
-            for c in config["concurrency"]]
+            for r in REGIMES.values() for c in r["cells"]]
 
 
 def table_inputs(wildcards):
@@ -620,44 +655,51 @@ def final_outputs(wildcards):
 
 # ---- agent rounds (rules/rounds.smk) ----
 
-ROUNDS_DIR = "results/{gpu}/{deployment}/rounds"
-ROUND_DIR = "results/{gpu}/{deployment}/rounds/round-{k}"
+ROUNDS_DIR = "results/{gpu}/{deployment}/{regime}/rounds"
+ROUND_DIR = "results/{gpu}/{deployment}/{regime}/rounds/round-{k}"
 
 
 def calibration_parts(wildcards):
-    """Per-benchmark calibration prompt files of one deployment, gathered into one file."""
-    return [f"results/prompts/{wildcards.deployment}/calibration/{b}.jsonl" for b in config["benchmarks"]]
+    """Per-benchmark calibration prompt files of one (deployment, regime), gathered into one file."""
+    return [f"results/prompts/{wildcards.deployment}/{wildcards.regime}/calibration/{b}.jsonl"
+            for b in config["benchmarks"]]
 
 
-def memory_snapshot(gpu, deployment_name, k):
-    """The memory after round k of (gpu, deployment); round 0 = the memory it starts from."""
-    return f"results/{gpu}/{deployment_name}/rounds/round-{k}/memory.jsonl"
+def memory_snapshot(gpu, deployment_name, regime, k):
+    """The memory after round k of (gpu, deployment, regime); round 0 = the memory it starts from."""
+    return f"results/{gpu}/{deployment_name}/{regime}/rounds/round-{k}/memory.jsonl"
 
 
 def memory_sources(wildcards):
-    """What a deployment's rounds start from (round-0 memory): config rounds.seed_memory if set,
-    and with rounds.transfer = chain the last memory of the deployment before it in the chain
-    (CHAIN; so each deployment learns from all before it, on the same GPU); with transfer = none
-    only the seed."""
+    """What a (deployment, regime)'s rounds start from (round-0 memory): config rounds.seed_memory if
+    set; with rounds.transfer = chain the last memory of the deployment before it in the chain in the
+    same regime (CHAIN: each deployment learns from all before it, on the same GPU); and the last
+    memory of the same deployment in the regime before this one (REGIMES' order: a later regime
+    starts from the earlier regimes' validated entries; an earlier one never reads a later one).
+    With transfer = none only the seed and the earlier regime."""
     src = [ROUNDS["seed_memory"]] if ROUNDS["seed_memory"] else []
     i = CHAIN.index(wildcards.deployment)
     if ROUNDS["transfer"] == "chain" and i > 0:
-        src.append(memory_snapshot(wildcards.gpu, CHAIN[i - 1], ROUNDS["count"]))
+        src.append(memory_snapshot(wildcards.gpu, CHAIN[i - 1], wildcards.regime, ROUNDS["count"]))
+    order = list(REGIMES)
+    j = order.index(wildcards.regime)
+    if j > 0:
+        src.append(memory_snapshot(wildcards.gpu, wildcards.deployment, order[j - 1], ROUNDS["count"]))
     return src
 
 
 def memory_in(wildcards):
     """The snapshot round k starts from: round k-1's."""
-    return memory_snapshot(wildcards.gpu, wildcards.deployment, int(wildcards.k) - 1)
+    return memory_snapshot(wildcards.gpu, wildcards.deployment, wildcards.regime, int(wildcards.k) - 1)
 
 
 def final_memories(wildcards):
-    """Every deployment's last snapshot on every target GPU (merged into results/memory.jsonl)."""
-    return [memory_snapshot(g, d, ROUNDS["count"]) for g in target_gpus() for d in DEPLOYMENTS]
+    """Every (deployment, regime)'s last snapshot on every target GPU (merged into results/memory.jsonl)."""
+    return [memory_snapshot(g, d, r, ROUNDS["count"]) for g in target_gpus() for d in DEPLOYMENTS for r in REGIMES]
 
 
 def references_of(wildcards):
-    base = ROUNDS_DIR.format(gpu=wildcards.gpu, deployment=wildcards.deployment)
+    base = ROUNDS_DIR.format(gpu=wildcards.gpu, deployment=wildcards.deployment, regime=wildcards.regime)
     return {"ar": f"{base}/references/ar.jsonl", "stock": f"{base}/references/stock.jsonl"}
 
 
@@ -666,7 +708,7 @@ def previous_round(wildcards):
     k = int(wildcards.k)
     if k <= 1:
         return []
-    prev = f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/round-{k - 1}"
+    prev = ROUND_DIR.format(gpu=wildcards.gpu, deployment=wildcards.deployment, regime=wildcards.regime, k=k - 1)
     return [f"{prev}/integrated.json", f"{prev}/costmodel-integrated.txt"]
 
 
@@ -676,8 +718,7 @@ def previous_opt(wildcards, input):
 
 def last_round_costmodel(wildcards):
     """The cost model of the last round's integrated config (specpilot.json carries it)."""
-    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
-            f"round-{ROUNDS['count']}/costmodel-integrated.txt")
+    return os.path.join(ROUND_DIR.format(k=ROUNDS["count"], **wildcards), "costmodel-integrated.txt")
 
 
 def llm_opt(wildcards):
@@ -696,10 +737,14 @@ def agent_files(wildcards):
 
 
 def last_round(wildcards):
-    return (f"results/{wildcards.gpu}/{wildcards.deployment}/rounds/"
-            f"round-{ROUNDS['count']}/integrated.json")
+    return os.path.join(ROUND_DIR.format(k=ROUNDS["count"], **wildcards), "integrated.json")
 
 
 def rounds_figure_inputs(wildcards):
-    return [f"results/{wildcards.gpu}/{d}/rounds/round-{k}/integrated.json"
-            for d in DEPLOYMENTS for k in range(1, ROUNDS["count"] + 1)]
+    return [os.path.join(ROUND_DIR.format(gpu=wildcards.gpu, deployment=d, regime=r, k=k), "integrated.json")
+            for d in DEPLOYMENTS for r in REGIMES for k in range(1, ROUNDS["count"] + 1)]
+
+
+def regimes_opt():
+    """``--regimes single=1,batched=16+20`` for the table (the regime column: concurrency -> regime)."""
+    return f"--regimes {table_option(REGIMES)}"

@@ -17,7 +17,8 @@ if FORCED_ENGINES:  # nothing to force when only ar runs
             prompts="results/prompts/{deployment}/{benchmark}.jsonl",
             build=build_marker,
             kernel_agent=kernel_agent,
-            engine_config=lambda wildcards: (engine_config_path(wildcards.gpu, wildcards.deployment)
+            engine_config=lambda wildcards: (engine_config_path(wildcards.gpu, wildcards.deployment,
+                                                                REGIME_OF[int(wildcards.concurrency)])
                                              if "specpilot" in FORCED_ENGINES else []),
         output:
             **{e: f"results/{{gpu}}/{{deployment}}/{{benchmark}}/{e}-c{{concurrency}}.forcing.json" for e in FORCED_ENGINES},

@@ -36,15 +36,15 @@ rule kernel_agent:
         build=build_marker,
         ceilings="results/{gpu}/ceilings.json",
         manifest="results/{gpu}/kernels/manifest.json",
-        prompts="results/prompts/{deployment}/calibration.jsonl",
+        prompts=calibration_file,
     output:
-        "results/{gpu}/kernels/{deployment}/kernel-agent.json",
+        "results/{gpu}/kernels/{deployment}/{regime}/kernel-agent.json",
     log:
-        "logs/{gpu}/{deployment}/kernel-agent.log",
+        "logs/{gpu}/{deployment}/{regime}/kernel-agent.log",
     params:
         on_device=on_device,
         target=target_dir,
-        effort=kernel_agent_opts(),
+        effort=kernel_agent_opts,
         drafter=drafter_dir,
         block_size=block_size,
         tolerance=forcing_tolerance,

@@ -16,11 +16,13 @@ rule table:
         specpilot_note=SPECPILOT_NOTE,
         max_spread=config["timing"]["max_spread"],
         devices=devices_opt,
+        regimes=regimes_opt(),
     conda:
         "../envs/report.yaml"
     shell:
         "python -m specpilot table --records {input.records} --forcing {input.forcing}"
         " --specpilot-note {params.specpilot_note:q} --max-spread {params.max_spread} {params.devices}"
+        " {params.regimes}"
         " --out {output} > {log} 2>&1"
 
 

@@ -1,13 +1,16 @@
-# Stage: agent rounds, per (gpu, deployment).
+# Stage: agent rounds, per (gpu, deployment, serving regime) (config regimes; specpilot.regimes).
 #
-#   calibration prompts (per benchmark, gathered)          results/prompts/{deployment}/calibration.jsonl
+#   calibration prompts (per benchmark, gathered; at least 2 x the regime's tuned concurrency)
+#                                                          results/prompts/{deployment}/{regime}/calibration.jsonl
 #   -> references: AR and stock on them (once)             rounds/references/{ar,stock}.jsonl
-#   -> round-0 memory: merge of what this deployment starts from (seed memory, and with
-#      rounds.transfer = chain the last memory of the deployment before it)   rounds/round-0/memory.jsonl
+#   -> round-0 memory: merge of what this (deployment, regime) starts from (seed memory, with
+#      rounds.transfer = chain the last memory of the deployment before it in the same regime, and
+#      the same deployment's last memory of the regime before this one)   rounds/round-0/memory.jsonl
 #   round k = plan (cost model + directions; a checkpoint: the directions decide the agent jobs)
 #             -> one agent per direction -> integrate (round k's config, its cost model
 #                costmodel-integrated.txt, and memory snapshot)
-#   -> specpilot.json (the last round's config, the specpilot engine's) and results/memory.jsonl
+#   -> {regime}/specpilot.json (the last round's config, the specpilot engine's in the regime's
+#      cells) and results/memory.jsonl
 #      (the merge of every deployment's last snapshot: the study's structured memory).
 #
 # Every step reads only declared inputs: round k reads round k-1's memory snapshot and integrated
@@ -21,12 +24,12 @@ rule calibration_prompts:
     input:
         build=build_marker,
     output:
-        **{b: f"results/prompts/{{deployment}}/calibration/{b}.jsonl" for b in config["benchmarks"]},
+        **{b: f"results/prompts/{{deployment}}/{{regime}}/calibration/{b}.jsonl" for b in config["benchmarks"]},
     log:
-        "logs/prompts/{deployment}/calibration/prompts.log",
+        "logs/prompts/{deployment}/{regime}/calibration/prompts.log",
     params:
         tokenizer=target_dir,
-        n_prompts=ROUNDS["calibration_prompts"],
+        n_prompts=calibration_prompts,
         seed=config.get("seed", 0),
         data=data_dir_opt(),
         benchmarks=",".join(config["benchmarks"]),
@@ -43,9 +46,9 @@ rule calibration_gather:
     input:
         calibration_parts,
     output:
-        "results/prompts/{deployment}/calibration.jsonl",
+        "results/prompts/{deployment}/{regime}/calibration.jsonl",
     log:
-        "logs/prompts/{deployment}/calibration.log",
+        "logs/prompts/{deployment}/{regime}/calibration.log",
     conda:
         "../envs/report.yaml"
     shell:
@@ -55,14 +58,14 @@ rule calibration_gather:
 rule round_references:
     input:
         build=build_marker,
-        prompts="results/prompts/{deployment}/calibration.jsonl",
+        prompts=calibration_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
     output:
         ar=f"{ROUNDS_DIR}/references/ar.jsonl",
         stock=f"{ROUNDS_DIR}/references/stock.jsonl",
     log:
-        "logs/{gpu}/{deployment}/rounds/references.log",
+        "logs/{gpu}/{deployment}/{regime}/rounds/references.log",
     params:
         on_device=on_device,
         target=target_dir,
@@ -73,7 +76,7 @@ rule round_references:
         dtype=compute_dtype,
         block_size=block_size,
         max_new_tokens=ROUNDS["max_new_tokens"],
-        concurrency=ROUNDS["concurrency"],
+        concurrency=tune_concurrency,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
     threads: timing_threads
@@ -87,7 +90,7 @@ rule round_references:
     shell:
         "{params.on_device} python -m specpilot round references --target {params.target} --target-name {params.target_name:q}"
         " --drafter {params.drafter} --drafter-name {params.drafter_name}"
-        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {params.concurrency} --repeats {params.repeats} {params.replay} --prompts {input.prompts}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -101,7 +104,7 @@ rule round_memory_start:
     output:
         f"{ROUNDS_DIR}/round-0/memory.jsonl",
     log:
-        "logs/{gpu}/{deployment}/rounds/round-0/memory.log",
+        "logs/{gpu}/{deployment}/{regime}/rounds/round-0/memory.log",
     conda:
         "../envs/report.yaml"
     shell:
@@ -112,7 +115,7 @@ checkpoint round_plan:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts="results/prompts/{deployment}/calibration.jsonl",
+        prompts=calibration_file,
         ceilings="results/{gpu}/ceilings.json",
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
@@ -124,7 +127,7 @@ checkpoint round_plan:
         costmodel_text=f"{ROUND_DIR}/costmodel.txt",
         evidence=f"{ROUND_DIR}/plan-trials.jsonl",
     log:
-        "logs/{gpu}/{deployment}/rounds/round-{k}/plan.log",
+        "logs/{gpu}/{deployment}/{regime}/rounds/round-{k}/plan.log",
     params:
         on_device=on_device,
         target=target_dir,
@@ -135,13 +138,13 @@ checkpoint round_plan:
         dtype=compute_dtype,
         block_size=block_size,
         max_new_tokens=ROUNDS["max_new_tokens"],
-        concurrency=ROUNDS["concurrency"],
+        concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         agents=ROUNDS["agents_per_round"],
-        directions=directions_opt(),
+        directions=directions_opt,
         previous=previous_opt,
     threads: timing_threads
     resources:
@@ -154,7 +157,7 @@ checkpoint round_plan:
     shell:
         "{params.on_device} python -m specpilot round plan --round {wildcards.k} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
-        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
         " --min-gain {params.min_gain} --agents {params.agents} {params.directions} --prompts {input.prompts}"
@@ -169,7 +172,7 @@ rule round_agent:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts="results/prompts/{deployment}/calibration.jsonl",
+        prompts=calibration_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -179,7 +182,7 @@ rule round_agent:
         agent=f"{ROUND_DIR}/agent-{{direction}}.json",
         evidence=f"{ROUND_DIR}/agent-{{direction}}.trials.jsonl",
     log:
-        "logs/{gpu}/{deployment}/rounds/round-{k}/agent-{direction}.log",
+        "logs/{gpu}/{deployment}/{regime}/rounds/round-{k}/agent-{direction}.log",
     wildcard_constraints:
         direction=r"[a-z0-9_]+",
     params:
@@ -192,7 +195,7 @@ rule round_agent:
         dtype=compute_dtype,
         block_size=block_size,
         max_new_tokens=ROUNDS["max_new_tokens"],
-        concurrency=ROUNDS["concurrency"],
+        concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
@@ -210,7 +213,7 @@ rule round_agent:
     shell:
         "{params.on_device} python -m specpilot round agent --round {wildcards.k} --direction {wildcards.direction}"
         " --target {params.target} --target-name {params.target_name:q} --drafter {params.drafter}"
-        " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --gpu {wildcards.gpu}"
+        " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu}"
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
         " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
         " --tolerance {params.tolerance} --repeats {params.repeats} {params.replay} --min-gain {params.min_gain}"
@@ -225,7 +228,7 @@ rule round_integrate:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts="results/prompts/{deployment}/calibration.jsonl",
+        prompts=calibration_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -239,7 +242,7 @@ rule round_integrate:
         memory=f"{ROUND_DIR}/memory.jsonl",
         costmodel_text=f"{ROUND_DIR}/costmodel-integrated.txt",
     log:
-        "logs/{gpu}/{deployment}/rounds/round-{k}/integrate.log",
+        "logs/{gpu}/{deployment}/{regime}/rounds/round-{k}/integrate.log",
     params:
         on_device=on_device,
         target=target_dir,
@@ -250,7 +253,7 @@ rule round_integrate:
         dtype=compute_dtype,
         block_size=block_size,
         max_new_tokens=ROUNDS["max_new_tokens"],
-        concurrency=ROUNDS["concurrency"],
+        concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
@@ -267,7 +270,7 @@ rule round_integrate:
     shell:
         "{params.on_device} python -m specpilot round integrate --round {wildcards.k} --target {params.target}"
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
-        " --deployment {wildcards.deployment} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
+        " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
         " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
@@ -284,14 +287,14 @@ rule specpilot_config:
         integrated=last_round,
         costmodel_text=last_round_costmodel,
     output:
-        "results/{gpu}/{deployment}/specpilot.json",
+        "results/{gpu}/{deployment}/{regime}/specpilot.json",
     log:
-        "logs/{gpu}/{deployment}/specpilot-config.log",
+        "logs/{gpu}/{deployment}/{regime}/specpilot-config.log",
     conda:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot final --integrated {input.integrated} --costmodel-text {input.costmodel_text}"
-        " --out {output} > {log} 2>&1"
+        " --regime {wildcards.regime} --out {output} > {log} 2>&1"
 
 
 rule memory:

@@ -15,6 +15,17 @@
 # --configfile overlays in EXTRA_CONFIGS), GPU_STUDY_LIMIT (seconds Snakemake may run, default
 # 520), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
 # CPU check of the same plumbing: GPU=cpu EXTRA_CONFIGS=.test/config/gpu-tiny.yaml bash scripts/gpu_study.sh
+#
+# Two calls (the study with both serving regimes does not fit one call of 10 minutes): every call
+# ends by writing $OUT/resume.tar.gz, the state a later call resumes from -- results/ (figures
+# excepted), resources/deployments/ (the random deployments' config files, kilobytes), logs/ and
+# Snakemake's .snakemake/metadata and .snakemake/incomplete (which jobs finished, with which
+# params and code; a job the time guard killed is rerun: --rerun-incomplete). The second call is
+#   RESUME=path/to/resume.tar.gz bash scripts/gpu_study.sh
+# (the device tool: carry the archive's folder); it unpacks the archive (mtimes kept) before
+# Snakemake starts, so every finished job of the first call is skipped. Rebuilt on the new
+# machine: nothing of the workflow's outputs (the kernels rule's w12 library is in results/); only
+# Triton's JIT cache (TRITON_CACHE_DIR, not carried) recompiles the kernels each job loads.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
@@ -55,6 +66,13 @@ GPU=${GPU:-$DETECTED}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 say "device $GPU, config $CONFIG ${EXTRA_CONFIGS:-}, data ${SPECPILOT_DATA_DIR:-(config data_dir / shared/)}"
 
+# ---- resume: the archive of an earlier call (its finished jobs are not rerun) ----
+if [ -n "${RESUME:-}" ]; then
+    [ -f "$RESUME" ] || { say "RESUME=$RESUME: no such archive"; exit 2; }
+    tar xzf "$RESUME" || { say "RESUME=$RESUME: could not unpack"; exit 2; }
+    say "resumed from $RESUME: $(find results -type f | wc -l) result files, $(ls .snakemake/metadata 2>/dev/null | wc -l) job records"
+fi
+
 # ---- the workflow, stopped at LIMIT seconds (then what finished is reported) ----
 CORES=$(nproc)
 THREADS=$(( CORES > 2 ? CORES / 2 : 1 ))  # a GPU job's threads: half the cores, the rest for the CPU jobs beside it
@@ -79,6 +97,10 @@ REPORT_RC=${PIPESTATUS[0]}
 
 tar czf "$OUTDIR/results.tar.gz" --exclude='*.png' "results/$GPU" results/memory.jsonl results/prompts logs \
     .snakemake/log 2>/dev/null
+# the state the next call resumes from (RESUME=...): under the 64 MB a carried path may hold
+tar czf "$OUTDIR/resume.tar.gz" --exclude='*.png' --exclude='resources/deployments/tiny*' results resources/deployments logs .snakemake/metadata \
+    .snakemake/incomplete 2>/dev/null
+say "resume archive $OUTDIR/resume.tar.gz: $(( $(stat -c %s "$OUTDIR/resume.tar.gz") / 1024 )) KiB"
 say "outputs in $OUTDIR: $(ls "$OUTDIR" | tr '\n' ' ')"
 say "total ${SECONDS} s"
 [ $RC -eq 0 ] && [ "$REPORT_RC" -eq 0 ] && exit 0

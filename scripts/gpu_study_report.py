@@ -1,7 +1,7 @@
 """What `scripts/gpu_study.sh` prints after the workflow: the table (or, when the run did not finish,
 a partial table of the cells that did), the forcing verdict of every cell, what the rounds of each
-deployment ranked, tried and kept (and what the memory chain carried), and one line per bar of
-issue 46. Reads results/$GPU/...; writes $OUTDIR/table.csv (or partial-table.csv). Exit 0 when the
+(deployment, serving regime) ranked, tried and kept (and what the memory chain carried), and one
+line per bar of issues 46 and 53. Reads results/$GPU/...; writes $OUTDIR/table.csv (or partial-table.csv). Exit 0 when the
 whole table exists, 1 otherwise.
 
 Environment: GPU, CONFIG_FILES (the config files of the run, merged left to right over
@@ -19,13 +19,14 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from specpilot.aggregate import build_table, read_forcing, write_table
+from specpilot.aggregate import build_table, read_forcing, with_regimes, write_table
 from specpilot.records import read_records
+from specpilot.regimes import regime_of, resolve
 
 GPU = os.environ["GPU"]
 OUT = Path(os.environ.get("OUTDIR", "results/gpu-study"))
 RES = Path("results") / GPU
-COLS = ["deployment", "benchmark", "concurrency", "n_requests", "stock_speedup", "specpilot_speedup",
+COLS = ["deployment", "benchmark", "regime", "concurrency", "n_requests", "stock_speedup", "specpilot_speedup",
         "specpilot_over_stock", "specpilot_over_stock_lo", "specpilot_over_stock_hi", "stock_tau", "specpilot_tau",
         "forcing", "synthetic", "note"]
 
@@ -42,6 +43,10 @@ def merged_config() -> dict:
     return cfg
 
 
+def cell_concurrencies(cfg: dict) -> list[int]:
+    return sorted(regime_of(resolve(cfg)))
+
+
 def deployments(cfg: dict) -> list[str]:
     return [d for d, v in cfg["deployments"].items() if v.get("available", True)]
 
@@ -55,7 +60,7 @@ def table(cfg: dict) -> tuple[pd.DataFrame | None, bool]:
     records, forcing = [], []
     for d in deployments(cfg):
         for b in cfg["benchmarks"]:
-            for c in cfg["concurrency"]:
+            for c in cell_concurrencies(cfg):
                 files = [RES / d / b / f"{e}-c{c}.jsonl" for e in cfg["engines"]]
                 if all(f.is_file() for f in files):
                     for f in files:
@@ -64,6 +69,7 @@ def table(cfg: dict) -> tuple[pd.DataFrame | None, bool]:
     if not records:
         return None, False
     df = build_table(records, read_forcing(forcing), "specpilot not run")
+    df = with_regimes(df, regime_of(resolve(cfg)))
     write_table(df, OUT / "partial-table.csv")
     return df, False
 
@@ -85,14 +91,14 @@ def show_forcing() -> None:
 
 
 def show_rounds(cfg: dict) -> None:
-    print("\nROUNDS (per deployment: directions ranked by the cost model, memory carried, agents, kept):")
+    print("\nROUNDS (per deployment and regime: directions ranked by the cost model, memory carried, agents, kept):")
     for d in deployments(cfg):
-        for plan in sorted((RES / d / "rounds").glob("round-*/plan.json")):
+        for plan in [p for r in resolve(cfg) for p in sorted((RES / d / r / "rounds").glob("round-*/plan.json"))]:
             p = json.loads(plan.read_text())
             rd = plan.parent
             ranked = ", ".join(f"{x['direction']} ({x['cost_term']} {1e3 * x['gap_s_per_token']:.3f} ms/token)"
                                for x in p.get("ranked_directions", []))
-            print(f"  {d} {rd.name}: ranked terms {', '.join(p['ranked_terms'])}; directions ranked {ranked or '-'}; "
+            print(f"  {d} {p.get('regime')} (tuned at c{p.get('concurrency')}) {rd.name}: ranked terms {', '.join(p['ranked_terms'])}; directions ranked {ranked or '-'}; "
                   f"chosen {p['directions'] or 'none'}")
             for t in p.get("memory_tried", []):
                 print(f"    memory tried: {t['direction']} {json.dumps(t['params'])} from {t['from']}: passed "
@@ -114,7 +120,7 @@ def show_rounds(cfg: dict) -> None:
 
 
 def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
-    print("\nBARS (issue 46):")
+    print("\nBARS (issues 46 and 53):")
     wall, rc = int(os.environ.get("WALL", "0")), os.environ.get("RC", "?")
     print(f"  snakemake exit {rc}, {wall} s (<= 540 s: {'yes' if wall <= 540 else 'NO'}); whole table: "
           f"{'yes' if complete else 'NO'}")
@@ -131,11 +137,31 @@ def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
             note = str(r.get("note") or "")
             ok.append(bool(ratio == ratio and ratio >= 1.0) or "stock's config" in note)
         print(f"  {d}: concurrencies {have}; forcing {forcing}; specpilot >= stock or stock's config kept: {ok}")
-        plan1 = RES / d / "rounds" / "round-1" / "plan.json"
-        if plan1.is_file():
-            p = json.loads(plan1.read_text())
-            print(f"    round-1 plan: memory tried {[t['from'] for t in p.get('memory_tried', [])]}, transferred "
-                  f"{[t['direction'] for t in p.get('memory_transferred', [])]}")
+        for r in resolve(cfg):
+            plan1 = RES / d / r / "rounds" / "round-1" / "plan.json"
+            if plan1.is_file():
+                p = json.loads(plan1.read_text())
+                print(f"    {r} round-1 plan: memory tried {[t['from'] for t in p.get('memory_tried', [])]}, "
+                      f"transferred {[t['direction'] for t in p.get('memory_transferred', [])]}")
+    regime_bars(df, cells)
+
+
+def regime_bars(df: pd.DataFrame, cells: pd.DataFrame) -> None:
+    """Issue 53's bars: specpilot/stock per deployment and regime (geomean rows), and the cells whose
+    interval lies below 0.98 with a config other than stock's."""
+    summary = df[(df["benchmark"] == "geomean") & (df["deployment"] != "all")]
+    want = {("qwen3-8b", "single"): 1.10, ("qwen3-8b", "batched"): 1.25, ("qwen3.8-27b", "batched"): 1.10,
+            ("muse-glimmer-30b", "batched"): 1.10}
+    for _, r in summary.iterrows():
+        bar = want.get((r["deployment"], r.get("regime")))
+        ratio, lo, hi = (float(r.get(k, float("nan"))) for k in
+                         ("specpilot_over_stock", "specpilot_over_stock_lo", "specpilot_over_stock_hi"))
+        print(f"  issue 53: {r['deployment']} {r.get('regime')} c{r['concurrency']}: specpilot/stock {ratio:.3f} "
+              f"[{lo:.3f}, {hi:.3f}]" + (f"; bar >= {bar}: {'MET' if ratio >= bar else 'MISSED'}" if bar else ""))
+    lo = pd.to_numeric(cells.get("specpilot_over_stock_lo"), errors="coerce")
+    low = cells[(lo < 0.98) & ~cells["note"].fillna("").astype(str).str.contains("stock's config")]
+    print("  issue 53: cells whose interval lies below 0.98 with a config other than stock's: "
+          f"{[(r['deployment'], r.get('regime'), r['concurrency'], r['benchmark']) for _, r in low.iterrows()] or 'none'}")
 
 
 def main() -> int:

@@ -71,7 +71,7 @@ def pytest_configure(config):
 # once on the two workers and the short files fill in around them, instead of a long file starting
 # last and running alone at the end.
 LONG_FILES = ["test_forcing_family.py", "test_family_fast.py", "test_workflow_rerun.py", "test_gpu_path.py",
-              "test_rounds_workflow.py", "test_memory_workflow.py", "test_paper_shaped.py", "test_w12_triton.py",
+              "test_rounds_workflow.py", "test_memory_workflow.py", "test_regimes_workflow.py", "test_paper_shaped.py", "test_w12_triton.py",
               "test_traps_engine.py"]
 
 

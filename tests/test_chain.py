@@ -26,9 +26,9 @@ def chain_sources(out: str) -> dict[str, list[str]]:
     found = {}
     for m in re.finditer(r"^rule round_memory_start:\n((?:    .*\n)+)", out, re.M):
         body = m[1]
-        dep = re.search(r"^    output: results/cpu/([^/]+)/rounds/round-0/memory.jsonl$", body, re.M)[1]
+        dep = re.search(r"^    output: results/cpu/([^/]+)/single/rounds/round-0/memory.jsonl$", body, re.M)[1]
         inputs = re.search(r"^    input: (.*)$", body, re.M)[1].split(", ")
-        found[dep] = [re.match(r"results/cpu/([^/]+)/rounds/", i)[1] for i in inputs if i.startswith("results/")]
+        found[dep] = [re.match(r"results/cpu/([^/]+)/single/rounds/", i)[1] for i in inputs if i.startswith("results/")]
     return found
 
 

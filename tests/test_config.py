@@ -11,6 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
+from specpilot.regimes import regime_of, resolve
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())
 DEFAULT = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
@@ -127,8 +129,11 @@ def test_test_configs_lint_and_dry_run(tmp_path, cfg):
     r = fresh_dry_run(tmp_path, "--configfile", str(cfg))
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = job_counts(r.stdout + r.stderr)
-    n_cells = len(full["deployments"]) * len(full["benchmarks"]) * len(full["concurrency"])
+    regimes = resolve(full)  # the cells of every serving regime (issue 53)
+    n_cells = len(full["deployments"]) * len(full["benchmarks"]) * len(regime_of(regimes))
     assert jobs["run_engine"] == n_cells
+    if "specpilot" in full["engines"] and full["rounds"]["count"] > 0:  # rounds per (deployment, regime)
+        assert jobs["round_plan"] == len(full["deployments"]) * len(regimes) * full["rounds"]["count"]
     # one tiny build per tiny target family, shared by the drafters paired with it
     assert jobs.get("build_tiny", 0) == len({d.get("tiny_kind", "dense") for d in full["deployments"].values()
                                              if d["target"] == "tiny"})
@@ -143,6 +148,7 @@ def test_test_configs_cover_rounds_and_concurrency():
     specs = [merged(DEFAULT, yaml.safe_load(p.read_text())) for p in TEST_CONFIGS]
     assert any("specpilot" in s["engines"] and s["rounds"]["count"] > 0 and len(s["deployments"]) > 1 for s in specs)
     assert any(max(s["concurrency"]) > 1 for s in specs)
+    assert any(len(resolve(s)) > 1 and s["rounds"]["count"] > 0 for s in specs)  # two serving regimes (issue 53)
     def available(s):
         return {k: v for k, v in s["deployments"].items() if v.get("available", True)}
 
@@ -179,9 +185,9 @@ def test_dry_run_paper_shell_commands():
     cell = "results/h100/qwen3-8b_dspark/gsm8k/"
     assert f"--out {cell}ar-c16.jsonl,{cell}stock-c16.jsonl,{cell}specpilot-c16.jsonl" in out
     assert "--gpu h100 --max-new-tokens 2048 --concurrency 16 --block-size 7" in out
-    assert "--engine-config results/h100/qwen3-8b_dspark/specpilot.json --device cuda --dtype bf16" in out
+    assert "--engine-config results/h100/qwen3-8b_dspark/batched/specpilot.json --device cuda --dtype bf16" in out
     assert "--dtype bf16  --kernels-manifest results/h100/kernels/manifest.json" in out
-    assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/kernel-agent.json --threads" in out
+    assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/batched/kernel-agent.json --threads" in out
     assert "gpu=1, gpu_model=h100" in out
     assert (f"force --candidate {cell}stock-c16.jsonl,{cell}specpilot-c16.jsonl --reference {cell}ar-c16.jsonl"
             " --target resources/deployments/qwen3-8b_dspark/target --prompts results/prompts/qwen3-8b_dspark/gsm8k.jsonl"

@@ -243,7 +243,7 @@ def test_force_rule_passes_the_kernel_agent():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     force = next(ln for ln in out.splitlines() if "python -m specpilot force" in ln)
-    assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/kernel-agent.json --threads" in force
+    assert "--kernel-agent results/h100/kernels/qwen3-8b_dspark/batched/kernel-agent.json --threads" in force
 
 
 @needs_triton

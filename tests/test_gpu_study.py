@@ -239,17 +239,22 @@ def _plan(*args: str) -> str:
 
 def test_the_gpu_config_plans_every_cell_for_a_gpu(data_dir):
     """`snakemake -n --configfile config/gpu.yaml --config gpu=h200`: every deployment's cells (c1 and
-    c16, every engine in one job), forcing jobs, the kernels rule, the rounds."""
+    c16, every engine in one job), forcing jobs, the kernels rule, the rounds of both regimes."""
     counts = dict(re.findall(r"(?m)^(\w+)\s+(\d+)$", _plan("--configfile", "config/gpu.yaml", "--config", "gpu=h200")))
     import yaml
 
     cfg = yaml.safe_load((ROOT / "config" / "gpu.yaml").read_text())
     deps = [d for d, v in cfg["deployments"].items() if v.get("available", True)]
     assert len(deps) == 3 and all(cfg["deployments"][d]["shape"] in SHAPES for d in deps)
-    cells = len(deps) * len(cfg["benchmarks"]) * len(cfg["concurrency"])
+    from specpilot.regimes import regime_of, resolve
+
+    regimes = resolve(cfg)  # single (c1) and batched (c16): rounds and kernel sub-agent per regime
+    assert [(n, r["tune"], r["cells"]) for n, r in regimes.items()] == [("single", 1, [1]), ("batched", 16, [16])]
+    cells = len(deps) * len(cfg["benchmarks"]) * len(regime_of(regimes))
     assert counts["run_engine"] == str(cells) and counts["force"] == str(cells)
     assert counts["kernels"] == "1" and counts["random_deployment"] == str(len(deps))
-    assert counts["round_plan"] == str(len(deps)) and counts["kernel_agent"] == str(len(deps))
+    per = str(len(deps) * len(regimes))
+    assert counts["round_plan"] == per and counts["kernel_agent"] == per and counts["calibration_prompts"] == per
     assert "link_deployment" not in counts and "build_tiny" not in counts
 
 
@@ -273,7 +278,13 @@ def test_the_tiny_overlay_is_the_gpu_study_with_tiny_shapes():
     for key in ("benchmarks", "concurrency", "engines"):
         assert tiny[key] == gpu[key], key
     assert sorted(tiny["cell_requests"]) == sorted(gpu["cell_requests"])
-    for key in ("count", "agents_per_round", "concurrency", "transfer"):
+    for key in ("count", "agents_per_round", "transfer"):
         assert tiny["rounds"][key] == gpu["rounds"][key], key
+    # the same serving regimes (issue 53) and directions; the batched one at a smaller concurrency on the CPU
+    assert list(tiny["regimes"]) == list(gpu["regimes"])
+    for name, regime in gpu["regimes"].items():
+        small = tiny["regimes"][name]
+        assert small["directions"] == regime["directions"] and 1 < small["tune"] <= regime["tune"]
+        assert small["cells"] == [small["tune"]] and regime["cells"] == [regime["tune"]]
     assert set(gpu["rounds"]["directions"]) < set(tiny["rounds"]["directions"])
     assert tiny["kernel_agent"] == gpu["kernel_agent"]

@@ -75,8 +75,8 @@ def test_no_undeclared_file_under_results(finished):
     on_disk = {str(p.relative_to(finished)) for p in (finished / "results").rglob("*") if p.is_file()}
     undeclared = {f for f in on_disk - declared if not any(f.startswith(d + "/") for d in dirs)}
     assert not undeclared, sorted(undeclared)
-    assert {"results/memory.jsonl", "results/cpu/tiny/rounds/round-1/memory.jsonl",
-            "results/cpu/tiny-b/rounds/round-0/memory.jsonl"} <= declared
+    assert {"results/memory.jsonl", "results/cpu/tiny/single/rounds/round-1/memory.jsonl",
+            "results/cpu/tiny-b/single/rounds/round-0/memory.jsonl"} <= declared
 
     # every declared output under results/ is an input of a job of the run (its log lists them all,
     # the agents the plan checkpoints chose included), but for the end products and the trial
@@ -89,8 +89,8 @@ def test_no_undeclared_file_under_results(finished):
     evidence = re.compile(r".*/round-\d+/(plan-trials\.jsonl|agent-[a-z0-9_]+\.trials\.jsonl|integrated\.jsonl)$")
     unread = {o for o in outputs - inputs if not end.match(o) and not evidence.match(o)}
     assert not unread, sorted(unread)
-    assert {"results/cpu/tiny/rounds/round-1/costmodel.json", "results/cpu/tiny/rounds/round-1/costmodel.txt",
-            "results/cpu/tiny/rounds/references/ar.jsonl", "results/cpu/kernels/tiny-b/kernel-agent.json",
+    assert {"results/cpu/tiny/single/rounds/round-1/costmodel.json", "results/cpu/tiny/single/rounds/round-1/costmodel.txt",
+            "results/cpu/tiny/single/rounds/references/ar.jsonl", "results/cpu/kernels/tiny-b/single/kernel-agent.json",
             "results/cpu/kernels/manifest.json"} <= inputs
 
 
@@ -100,7 +100,7 @@ def test_list_untracked_names_nothing_under_results(finished):
     out = smk(finished, "--list-untracked", timeout=600)
     assert not [ln for ln in out.splitlines() if ln.startswith("results/")], out[-3000:]
     # the agents the plan chose (which ones depends on the measured cost terms): each one's trial records
-    round1 = finished / "results/cpu/tiny-b/rounds/round-1"
+    round1 = finished / "results/cpu/tiny-b/single/rounds/round-1"
     chosen = json.loads((round1 / "plan.json").read_text())["directions"]
     assert chosen and all((round1 / f"agent-{d}.trials.jsonl").is_file() for d in chosen), chosen
 
@@ -120,7 +120,7 @@ def test_an_added_deployment_plans_only_its_own_jobs(finished):
 
 
 def test_changed_memory_reruns_only_what_depends_on_it(finished):
-    snap = finished / "results/cpu/tiny/rounds/round-1/memory.jsonl"
+    snap = finished / "results/cpu/tiny/single/rounds/round-1/memory.jsonl"
     entries = [json.loads(line) for line in snap.read_text().splitlines()]
     planted = {"direction": "block_size", "params": {"block_size": 3}, "deployment": "tiny", "gpu": "cpu",
                "target": "tiny", "drafter": "dflash", "gain": 1.5, "round": 1, "evidence": ["planted by the test"],
@@ -146,9 +146,9 @@ def test_changed_memory_reruns_only_what_depends_on_it(finished):
     rel = sorted(str(p.relative_to(finished)) for p in rerun)
     assert all("/tiny-b/" in p or p.startswith(("results/cpu/table.csv", "results/cpu/figures/", "results/memory"))
                for p in rel), rel
-    start = [json.loads(line) for line in (finished / "results/cpu/tiny-b/rounds/round-0/memory.jsonl").read_text().splitlines()]
+    start = [json.loads(line) for line in (finished / "results/cpu/tiny-b/single/rounds/round-0/memory.jsonl").read_text().splitlines()]
     assert new_id in {e["id"] for e in start}  # tiny-b learned it from tiny
-    plan = json.loads((finished / "results/cpu/tiny-b/rounds/round-1/plan.json").read_text())
+    plan = json.loads((finished / "results/cpu/tiny-b/single/rounds/round-1/plan.json").read_text())
     assert new_id in {t["entry"] for t in plan["memory_tried"]}, plan["memory_tried"]
     shared = {e["id"] for e in (json.loads(line) for line in (finished / "results/memory.jsonl").read_text().splitlines())}
     assert new_id in shared

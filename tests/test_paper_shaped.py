@@ -96,12 +96,12 @@ def test_paper_shaped_config_builds_its_table(tmp_path, quick_deployment, data_d
     summary = table[(table.benchmark == "geomean") & (table.deployment == "all")]
     assert sorted(summary.concurrency) == [1, 2] and summary.stock_speedup.notna().all()
 
-    prompts = work / "results" / "prompts" / "qwen3-8b_dflash"
+    prompts = work / "results" / "prompts" / "qwen3-8b_dflash" / "single"
     calib = [json.loads(line) for line in (prompts / "calibration.jsonl").read_text().splitlines()]
     evals = {json.loads(line)["request_id"] for b in ("gsm8k", "humaneval")
-             for line in (prompts / f"{b}.jsonl").read_text().splitlines()}
+             for line in (prompts.parent / f"{b}.jsonl").read_text().splitlines()}
     assert [c["request_id"].split("/")[0] for c in calib] == ["gsm8k", "humaneval"]
     assert calib[0]["request_id"].startswith("gsm8k/train-")  # gsm8k calibrates on its train split
     assert not {c["request_id"] for c in calib} & evals and len(evals) == 4
-    spec = json.loads((work / "results" / "cpu" / "qwen3-8b_dflash" / "specpilot.json").read_text())
+    spec = json.loads((work / "results" / "cpu" / "qwen3-8b_dflash" / "single" / "specpilot.json").read_text())
     assert spec["validated_by_token_forcing"] is True

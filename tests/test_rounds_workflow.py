@@ -32,7 +32,7 @@ def rounds_workdir(path: Path, build: Path) -> Path:
 def test_rounds_resume_and_feed_the_specpilot_column(tmp_path, quick_deployment):
     work = rounds_workdir(tmp_path / "wf", quick_deployment)  # the quick build copied in: no build job
     log = tmp_path / "run.log"
-    r1 = work / "results" / "cpu" / "tiny" / "rounds" / "round-1"
+    r1 = work / "results" / "cpu" / "tiny" / "single" / "rounds" / "round-1"
     with open(log, "w") as f:
         proc = subprocess.Popen(snakemake_cmd(), cwd=work, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -55,14 +55,14 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path, quick_deployment)
     resumed = log.read_text().split("===== resumed =====")[1]
     for p, mtime in done.items():
         assert p.stat().st_mtime_ns == mtime, f"{p.name} was rerun after the resume"
-        assert f"output: results/cpu/tiny/rounds/round-1/{p.name}" not in resumed
+        assert f"output: results/cpu/tiny/single/rounds/round-1/{p.name}" not in resumed
 
     # round 2 planned from round 1's integrated config
-    plan2 = json.loads((work / "results/cpu/tiny/rounds/round-2/plan.json").read_text())
+    plan2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/plan.json").read_text())
     integ1 = json.loads((r1 / "integrated.json").read_text())
     assert plan2["base_config"] == integ1["config"]
-    final = json.loads((work / "results/cpu/tiny/specpilot.json").read_text())
-    integ2 = json.loads((work / "results/cpu/tiny/rounds/round-2/integrated.json").read_text())
+    final = json.loads((work / "results/cpu/tiny/single/specpilot.json").read_text())
+    integ2 = json.loads((work / "results/cpu/tiny/single/rounds/round-2/integrated.json").read_text())
     assert final["engine_config"] == integ2["config"] and final["validated_by_token_forcing"]
 
     table = pd.read_csv(work / "results" / "cpu" / "table.csv", keep_default_na=False)
@@ -74,7 +74,7 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path, quick_deployment)
         assert v["passed"] and v["tokens_checked"] > 0
     # memory: round k's snapshot = round k-1's plus exactly the winners integrated in round k, each
     # with its gain and evidence; results/memory.jsonl is the merge of the last snapshot
-    rounds = work / "results/cpu/tiny/rounds"
+    rounds = work / "results/cpu/tiny/single/rounds"
     snaps = [[json.loads(line) for line in (rounds / f"round-{k}/memory.jsonl").read_text().splitlines()]
              for k in range(3)]
     assert snaps[0] == []  # the only deployment starts from no memory
@@ -87,6 +87,6 @@ def test_rounds_resume_and_feed_the_specpilot_column(tmp_path, quick_deployment)
     shared = [json.loads(line) for line in (work / "results" / "memory.jsonl").read_text().splitlines()]
     assert shared == sorted(snaps[2], key=lambda e: e["id"])
     assert (work / "results" / "cpu" / "figures" / "rounds.png").stat().st_size > 0
-    assert json.loads((work / "results/cpu/kernels/tiny/kernel-agent.json").read_text())["applies"] is False
+    assert json.loads((work / "results/cpu/kernels/tiny/single/kernel-agent.json").read_text())["applies"] is False
     for f in work.glob("results/cpu/tiny/*/*-c1.jsonl"):  # every cell recorded the kernels it used
         assert json.loads(f.read_text().splitlines()[0])["engine_config"]["kernels"]["applies"] is False

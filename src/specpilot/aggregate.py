@@ -67,6 +67,7 @@ from .devices import table_warnings
 from .errors import SpecpilotError
 from .io import atomic_write_text, read_json
 from .records import Record, read_records
+from .regimes import parse_table_option
 
 BENCHMARK_ORDER = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 CANDIDATES = ["stock", "specpilot"]
@@ -105,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how far a cell's speedups may move with the other timing repeats (timing_spread) "
                              f"before the cell is marked unreliable (default {MAX_SPREAD})")
     parser.add_argument("--devices", help="results/{gpu}/devices.json: warn when a comparison mixes device speeds")
+    parser.add_argument("--regimes", help="the serving regimes' cell concurrencies, name=c+c,... (e.g. "
+                                          "single=1,batched=16+20): a regime column (specpilot.regimes)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,6 +506,20 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
     return pd.DataFrame(table, columns=cols)
 
 
+def with_regimes(df: pd.DataFrame, regime_of: dict[int, str]) -> pd.DataFrame:
+    """``df`` with a ``regime`` column before ``concurrency``: the serving regime whose engine
+    served each row's concurrency (a cell concurrency belongs to one regime; :mod:`specpilot.regimes`).
+
+    Raises:
+        SpecpilotError: a row's concurrency is in no regime."""
+    missing = sorted({int(c) for c in df["concurrency"]} - set(regime_of))
+    if missing:
+        raise SpecpilotError(f"--regimes: concurrency {missing} of the records is in no regime ({regime_of})")
+    out = df.copy()
+    out.insert(out.columns.get_loc("concurrency"), "regime", [regime_of[int(c)] for c in out["concurrency"]])
+    return out
+
+
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
     """Write the table as CSV atomically; empty cells (NaN) are written as empty fields, floats at
     full precision (Python's shortest round-trip repr: read back, a value is the same float)."""
@@ -517,6 +534,8 @@ def run(args: argparse.Namespace) -> int:
         records.extend(read_records(path))
     df = build_table(records, read_forcing(args.forcing), args.specpilot_note,
                      getattr(args, "max_spread", MAX_SPREAD))
+    if getattr(args, "regimes", None):
+        df = with_regimes(df, parse_table_option(args.regimes))
     write_table(df, args.out)
     for w in table_warnings(args.records, getattr(args, "devices", None)): log.warning(w)  # noqa: E701 (issue 40)
     n_cells = int((df["benchmark"] != SUMMARY).sum())

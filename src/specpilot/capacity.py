@@ -31,7 +31,9 @@ from pathlib import Path
 
 from .agent.directions import REGISTRY
 from .models.config import TargetConfig
+from .models.random_checkpoint import target_config as shape_target_config
 from .models.target import ring_reserve
+from .regimes import resolve
 from .validate import locate
 
 GIB = 1024 ** 3
@@ -172,7 +174,13 @@ def rounds_widest(block: int) -> tuple[int, str]:
 
 def _target_config(dep: dict, base: Path, tiny_target: str, tiny_dir: Path | None) -> TargetConfig | None:
     """The deployment's target config when its config.json is at hand (else None: the plan's
-    other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``)."""
+    other checks report a missing one; an unbuilt tiny target is checked by ``specpilot run``).
+    A random target (``target: random``) has its named shape's config."""
+    if dep["target"] == "random":
+        try:
+            return shape_target_config(dep.get("shape"))
+        except Exception:  # noqa: BLE001 - an unknown shape is the deployment check's to report
+            return None
     if dep["target"] == tiny_target:
         path = tiny_dir / "target" / "config.json" if tiny_dir is not None else None
     else:
@@ -206,12 +214,14 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
 
     The engines of the workflow: stock at the deployment's block; specpilot (when it runs and
     ``rounds.count`` > 0) up to the rounds' widest candidate (:func:`rounds_widest`). Budgets:
-    the larger of ``max_new_tokens`` and ``rounds.max_new_tokens``; rows: the largest concurrency
-    (cells and rounds); a one-token prompt; weights in bf16 on a GPU, fp32 on the CPU.
+    the larger of ``max_new_tokens`` and ``rounds.max_new_tokens``; rows: per serving regime
+    (config ``regimes``, :mod:`specpilot.regimes`) the largest of its tuned and cell
+    concurrencies, the line naming the regime; a one-token prompt; weights in bf16 on a GPU,
+    fp32 on the CPU.
     """
     rounds = config.get("rounds") or {}
     new = max(int(config["max_new_tokens"]), int(rounds.get("max_new_tokens") or 0))
-    rows = max([int(c) for c in config["concurrency"]] + [int(rounds.get("concurrency") or 1)])
+    regimes = resolve(config)
     specpilot = "specpilot" in config.get("engines", []) and int(rounds.get("count", 2)) > 0
     out = []
     for name, dep in deployments.items():
@@ -221,11 +231,17 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
             continue
         engines = [(block + 1, f"stock block_size {block}")] + ([rounds_widest(block)] if specpilot else [])
         width, what = max(engines)
-        slots = 1 + new - 2 + width + (1 if rows > 1 else 0)
-        for gpu in gpus:
-            dtype_bytes = 4 if gpu == "cpu" else 2
-            problem = width_problem(cfg, width, what, slots, rows, dtype_bytes, gpu_memory_bytes(gpu), gpu)
+        problem = None
+        for regime, r in regimes.items():
+            rows = max(r["cells"] + [r["tune"]])
+            slots = 1 + new - 2 + width + (1 if rows > 1 else 0)
+            for gpu in gpus:
+                dtype_bytes = 4 if gpu == "cpu" else 2
+                problem = width_problem(cfg, width, what, slots, rows, dtype_bytes, gpu_memory_bytes(gpu), gpu)
+                if problem:
+                    out.append(f"deployment {name}: {problem} (max_new_tokens {new}, regimes.{regime}: tune "
+                               f"{r['tune']}, cells {r['cells']})")
+                    break
             if problem:
-                out.append(f"deployment {name}: {problem} (max_new_tokens {new}, concurrency {rows})")
                 break
     return out

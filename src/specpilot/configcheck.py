@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from .errors import SpecpilotError
+from .regimes import resolve as resolve_regimes
 
 
 def load_schema(path: str | Path) -> dict:
@@ -162,7 +163,8 @@ def check_config(config: dict, schema_path: str | Path) -> dict:
     Steps: :func:`coerce` every value to the schema's types; validate against the schema (first
     error, one line); fill derived defaults: ``rounds.max_new_tokens`` null/absent = the top-level
     ``max_new_tokens`` (at least 2, a calibration request needs a verify step), ``stop_at_eos``
-    false.
+    false, ``regimes`` resolved (:func:`specpilot.regimes.resolve`: the derived ``single`` regime
+    first, each regime checked).
 
     Raises:
         SpecpilotError: the config does not match the schema (the key path and the problem named).
@@ -184,4 +186,5 @@ def check_config(config: dict, schema_path: str | Path) -> dict:
     if rounds.get("max_new_tokens") is None:
         rounds["max_new_tokens"] = max(2, int(config["max_new_tokens"]))
     config.setdefault("stop_at_eos", False)
+    config["regimes"] = resolve_regimes(config)  # single (derived or given) first, then the others
     return config

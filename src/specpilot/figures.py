@@ -85,23 +85,34 @@ def _notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
+def _panels(df: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, str | None, int]]]:
+    """The rows drawn (no ``all`` deployment; per regime its lowest cell concurrency, without a
+    ``regime`` column the lowest concurrency) and the panels (deployment, regime or None, concurrency)."""
+    d = df[df["deployment"] != "all"]
+    if "regime" not in d.columns:
+        conc = int(d["concurrency"].min())
+        d = d[d["concurrency"] == conc]
+        return d, [(dep, None, conc) for dep in dict.fromkeys(d["deployment"])]
+    lowest = {r: int(g["concurrency"].min()) for r, g in d.groupby("regime", sort=False)}
+    d = d[[int(c) == lowest[r] for r, c in zip(d["regime"], d["concurrency"])]]
+    return d, list(dict.fromkeys((dep, r, lowest[r]) for dep, r in zip(d["deployment"], d["regime"])))
+
+
 def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: Path,
                   baseline: float | None) -> list[tuple[str, str, str]]:
-    """Grouped bars per benchmark (+ geomean), one panel per deployment, at the lowest concurrency.
+    """Grouped bars per benchmark (+ geomean), one panel per deployment and serving regime (the
+    table's ``regime`` column; without it one regime), each at its regime's lowest cell concurrency.
 
     Returns the (deployment, benchmark, engine) bars marked ``!`` (loaded machine); only timed
     metrics (:data:`TIMED`) carry the mark: tau does not depend on the clock.
     """
     marked = []
     plt = _plt()
-    conc = int(df["concurrency"].min())
-    d = df[(df["concurrency"] == conc) & (df["deployment"] != "all")]
-    deployments = list(dict.fromkeys(d["deployment"]))
-    fig, axes = plt.subplots(len(deployments), 1, figsize=(7.5, 2.6 * len(deployments)),
-                             squeeze=False)
+    d, panels = _panels(df)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 2.6 * len(panels)), squeeze=False)
     width = 0.38
-    for ax, dep in zip(axes[:, 0], deployments):
-        rows = d[d["deployment"] == dep].reset_index(drop=True)
+    for ax, (dep, regime, conc) in zip(axes[:, 0], panels):
+        rows = d[(d["deployment"] == dep) & (d["concurrency"] == conc)].reset_index(drop=True)
         labels = list(rows["benchmark"])
         top = 0.0
         for k, (engine, (gray, hatch, _, _)) in enumerate(ENGINE_STYLE.items()):
@@ -128,7 +139,8 @@ def per_benchmark(df: pd.DataFrame, metric: str, ylabel: str, title: str, path: 
         ax.set_xlim(-0.6, len(labels) - 0.4)
         ax.set_ylim(0, max(top, baseline or 0, 1.0) * 1.12)
         target, drafter = rows.loc[0, "target"], rows.loc[0, "drafter"]
-        ax.set_title(f"{dep}  (target {target}, drafter {drafter}, concurrency {conc})", fontsize=9)
+        where = f"regime {regime}, concurrency {conc}" if regime else f"concurrency {conc}"
+        ax.set_title(f"{dep}  (target {target}, drafter {drafter}, {where})", fontsize=9)
         ax.set_ylabel(ylabel)
         ax.set_xlabel("benchmark")
         handles, names = ax.get_legend_handles_labels()
@@ -234,13 +246,14 @@ def draw_all(table: str | Path, out_dir: str | Path) -> list[Path]:
 def rounds_figure(integrated: list[str | Path], path: str | Path) -> Path:
     """Speedup over AR per agent round per deployment (stock = round 0), on calibration prompts.
 
-    ``integrated``: paths ``results/{gpu}/{deployment}/rounds/round-{k}/integrated.json``.
+    ``integrated``: paths ``results/{gpu}/{deployment}/{regime}/rounds/round-{k}/integrated.json``
+    (one line per deployment and regime; a path without the regime level: the deployment's).
     """
     series: dict[str, dict[int, float]] = {}
     for f in integrated:
         f = Path(f)
         d = json.loads(f.read_text())
-        dep = f.parents[2].name
+        dep = f"{f.parents[3].name} ({d['regime']})" if d.get("regime") else f.parents[2].name
         pts = series.setdefault(dep, {})
         if int(d["round"]) == 1:  # stock, as measured by round 1's plan, is round 0
             pts[0] = d["stock_speedup_vs_ar"]

@@ -17,7 +17,10 @@ M = batch x block rows):
   (``prefill_stall_s``; taken out of ``host``), floor 0;
 - ``idle_slots``: the share f of slot-time without a running request (1 - sum of the requests'
   time in flight / (c x wall time of the cell)); gap = f x the step's per-token cost, the
-  throughput the empty slots forgo.
+  throughput the empty slots forgo;
+- ``speculation`` (given AR records at the same concurrency): the speculative step's measured
+  seconds per committed token above AR's seconds per token, floor AR's: what AR steps would save
+  where speculating loses under load (SmartSpec's goodput test, per step: drafters.goodput_gate).
 Ceilings: a step is held to the ceilings measured with the threads it ran with (the records'
 ``threads``; :func:`specpilot.ceilings.for_threads`: CPU ceilings are measured per thread count, so a
 one-thread timed CPU job is not held to every core's bandwidth and matmul rate); the analysis names
@@ -109,9 +112,19 @@ def idle_fraction(records: list[Record]) -> float:
     return max(0.0, 1.0 - busy / (c * wall))
 
 
+def ar_seconds_per_token(ar: list[Record] | None) -> float | None:
+    """Mean per-request seconds per token of AR records (at their concurrency); None without any."""
+    rows = [r.decode_s / r.new_tokens for r in ar or [] if r.new_tokens]
+    return sum(rows) / len(rows) if rows else None
+
+
 def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None, ceilings: dict,
-            dtype_bytes: int, block_size: int) -> dict:
+            dtype_bytes: int, block_size: int, ar: list[Record] | None = None) -> dict:
     """Rank the cost terms of an instrumented run (records with draft_s / verify_s).
+
+    ``ar``: AR records of the same requests at the same concurrency; with them the ``speculation``
+    term is the measured per-token time of the speculative step above AR's (what an AR step would
+    save where it wins under load; 0 where speculating wins).
 
     Returns a dict with per-step measured times and floors [seconds], tau, and ``terms``: a list
     sorted by ``gap_s_per_token`` (largest first) of {term, measured_s_per_token,
@@ -152,6 +165,11 @@ def analyze(records: list[Record], cfg: TargetConfig, dcfg: DrafterConfig | None
     idle = idle_fraction(steps)
     terms.append({"term": "idle_slots", "measured_s_per_token": step * idle / tau, "floor_s_per_token": 0.0,
                   "gap_s_per_token": step * idle / tau, "ratio_to_floor": math.inf if idle else 1.0})
+    ar_tok = ar_seconds_per_token(ar)
+    if ar_tok is not None:
+        spec_tok = total / tau
+        terms.append({"term": "speculation", "measured_s_per_token": spec_tok, "floor_s_per_token": min(spec_tok, ar_tok),
+                      "gap_s_per_token": max(spec_tok - ar_tok, 0.0), "ratio_to_floor": spec_tok / min(spec_tok, ar_tok)})
     terms.sort(key=lambda t: -t["gap_s_per_token"])
     return {"tau": tau, "block_size": block_size, "batch": batch, "context_tokens": context,
             "measured_step_s": {"draft": draft, "verify": verify, "host": host, "prefill_stall": stall,

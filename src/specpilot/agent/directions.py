@@ -15,7 +15,7 @@ from typing import Any, Callable, Collection
 from ..errors import SpecpilotError
 
 # Cost terms the cost model reports (see costmodel.py).
-COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "prefill_stall", "idle_slots")
+COST_TERMS = ("acceptance", "verify", "draft", "host", "weight_bytes", "prefill_stall", "idle_slots", "speculation")
 
 
 @dataclass
@@ -134,9 +134,31 @@ def plan_directions(ctx: dict, gaps: dict[str, float], base: dict, agents: int,
     return [d.name for d in order][:agents]
 
 
+def _batched(ctx: dict) -> bool:
+    return int(ctx.get("concurrency", 1)) > 1
+
+
+def _drafts(ctx: dict) -> bool:
+    return ctx.get("drafter") not in (None, "none", "lookup")
+
+
 register(Direction(
     "block_size", "acceptance", {"block_size": [3, 4, 5, 6, 8, 10, 12, 16]},
-    "verification length: tokens per verify step (anchor + drafts); trades verify cost for acceptance"))
+    "verification length: tokens per verify step (anchor + drafts); trades verify cost for acceptance "
+    "(at one request; under batching the batch_block direction)",
+    applies=lambda ctx: not _batched(ctx)))
+register(Direction(
+    "batch_block", "verify", {"block_size": [4, 6, 8, 10, 12, 16]},
+    "block size per concurrency: under batching every verify step checks batch x block rows, so a "
+    "shorter block trades acceptance for the batched verify width's cost (the cost model's verify "
+    "term measured at the regime's concurrency)",
+    applies=lambda ctx: _batched(ctx) and _drafts(ctx)))
+register(Direction(
+    "spec_gate", "speculation", {"verify_budget": ["off", "goodput"]},
+    "speculation turned down under load (SmartSpec's goodput test, vLLM's auto-disable): per step, "
+    "an AR step when B / cost[1] beats B x tau / (draft + cost[N]) (drafters.goodput_gate); "
+    "outputs unchanged",
+    applies=lambda ctx: _batched(ctx) and _drafts(ctx), excludes=("tree_nodes", "tree_lattice")))
 register(Direction(
     "tree_lattice", "acceptance", {"tree_lattice": [0, 15, 31, 63, 127, 255]},
     "path-conditioned tree of N nodes from DFlash2's candidate lattice (the N most probable paths by the "

@@ -1,5 +1,5 @@
-"""``specpilot final``: the specpilot engine config of a deployment = its last round's integrated
-config (``results/{gpu}/{deployment}/specpilot.json``).
+"""``specpilot final``: the specpilot engine config of a (deployment, serving regime) = its last
+round's integrated config (``results/{gpu}/{deployment}/{regime}/specpilot.json``).
 
 Kept apart from :mod:`specpilot.agent.rounds` so that this step, on the critical path between a
 deployment's last round and its engine cells, imports no torch (a job of well under a second
@@ -15,11 +15,12 @@ from ..errors import SpecpilotError
 from ..io import read_json, write_json
 
 
-def final_config(integrated: dict, costmodel_text: str | None = None) -> dict:
+def final_config(integrated: dict, costmodel_text: str | None = None, regime: str | None = None) -> dict:
     """The content of ``specpilot.json`` from a round's ``integrated.json`` content.
 
     Returns ``engine_config`` (the round's config), ``round``, the calibration speedup over AR and
-    tau, whether token forcing validated it and, given ``costmodel_text``, the cost model of that
+    tau, whether token forcing validated it, the serving regime and the concurrency its rounds tuned
+    at (``regime``, else the round's own) and, given ``costmodel_text``, the cost model of that
     config as lines (where the time goes with it).
 
     Raises:
@@ -30,7 +31,8 @@ def final_config(integrated: dict, costmodel_text: str | None = None) -> dict:
         raise SpecpilotError(f"--integrated is not a round's integrated.json: no {', '.join(missing)}")
     out = {"engine_config": integrated["config"], "round": integrated["round"],
            "speedup_vs_ar_calibration": integrated["speedup_vs_ar"], "tau_calibration": integrated["tau"],
-           "validated_by_token_forcing": integrated["gate"]["passed"]}
+           "validated_by_token_forcing": integrated["gate"]["passed"],
+           "regime": regime or integrated.get("regime"), "tuned_concurrency": integrated.get("concurrency")}
     if costmodel_text is not None:
         out["costmodel"] = costmodel_text.splitlines()
     return out
@@ -40,11 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``specpilot final``."""
     p.add_argument("--integrated", required=True, help="integrated.json of the deployment's last round")
     p.add_argument("--costmodel-text", help="costmodel-integrated.txt of that round (copied in as lines)")
+    p.add_argument("--regime", help="the serving regime whose engine config this is (recorded)")
     p.add_argument("--out", required=True, help="specpilot.json to write (atomically)")
 
 
 def run(args) -> int:
     """Write ``--out`` from ``--integrated`` (and ``--costmodel-text``)."""
     text = Path(args.costmodel_text).read_text() if args.costmodel_text else None
-    write_json(args.out, final_config(read_json(args.integrated), text))
+    write_json(args.out, final_config(read_json(args.integrated), text, args.regime))
     return 0

@@ -7,6 +7,7 @@ writes the same memory. Memory shared across deployments is a declared merge of 
 
 Entry fields: ``id`` (derived from the key below, so the same mechanism found in two branches
 gets the same id), ``direction``, ``params``, ``deployment``, ``gpu``, ``target``, ``drafter``,
+``regime`` and ``concurrency`` (the serving regime and the concurrency its round tuned at),
 ``gain`` (measured speedup of the candidate over its round's base, > 1 is better), ``evidence``
 (paths), ``round``, ``status`` (``valid`` / ``invalidated``), ``reason``. An invalidated entry is
 marked, never deleted.
@@ -51,12 +52,13 @@ def write(path: str | os.PathLike, entries: Iterable[dict]) -> None:
 
 
 def _key(e: dict) -> tuple:
-    return (e["direction"], json.dumps(e["params"], sort_keys=True), e["deployment"], e["gpu"], int(e["round"]))
+    key = (e["direction"], json.dumps(e["params"], sort_keys=True), e["deployment"], e["gpu"], int(e["round"]))
+    return key + (e["regime"],) if e.get("regime") else key  # entries from before regimes keep their ids
 
 
 def entry_id(e: dict) -> str:
     """Stable id of an entry: ``m`` + 10 hex digits of the SHA-1 of (direction, params, deployment,
-    gpu, round)."""
+    gpu, round[, regime])."""
     return "m" + hashlib.sha1(json.dumps(_key(e)).encode()).hexdigest()[:10]
 
 
@@ -114,8 +116,10 @@ def best_known(entries: list[dict], ctx: dict) -> dict[str, dict]:
     Entries from the same deployment and GPU rank first; then the same target or drafter on the
     same GPU (another drafter of the target: a step path of the target, an acceptance setting of a
     similar drafter, measured on this device's costs); then the same target or drafter on another
-    GPU; then the rest. Within a tier the higher gain wins (then the id, so the choice never depends
-    on file order). What a candidate applies to is the directions' business
+    GPU; then the rest. Within a tier an entry of the context's serving regime (``ctx["regime"]``)
+    ranks before one of another regime (an earlier regime's entry is a candidate the later regime
+    re-measures at its own concurrency), then the higher gain wins (then the id, so the choice never
+    depends on file order). What a candidate applies to is the directions' business
     (:func:`specpilot.agent.directions.applicable`), and a transferred entry is trialled behind the
     token-forcing gate before it counts (``round plan``).
     """
@@ -132,7 +136,8 @@ def best_known(entries: list[dict], ctx: dict) -> dict[str, dict]:
         if e["status"] != "valid" or e["gain"] <= 1.0:
             continue
         cur = best.get(e["direction"])
-        if cur is None or (tier(e), -e["gain"], e["id"]) < (tier(cur), -cur["gain"], cur["id"]):
+        rank = lambda x: (tier(x), x.get("regime", "single") != ctx.get("regime", "single"), -x["gain"], x["id"])  # noqa: E731
+        if cur is None or rank(e) < rank(cur):
             best[e["direction"]] = e
     return best
 

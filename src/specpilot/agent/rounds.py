@@ -62,7 +62,8 @@ log = logging.getLogger("specpilot.agent")
 
 
 def _ctx(args, dtype: str) -> dict:
-    return {"deployment": args.deployment, "gpu": args.gpu, "target": args.target_name or args.target,
+    return {"deployment": args.deployment, "gpu": args.gpu, "regime": args.regime,
+            "target": args.target_name or args.target,
             "drafter": args.drafter_name, "dtype": dtype, "concurrency": args.concurrency,
             "replay": args.replay_profile, "directions": args.directions}
 
@@ -152,7 +153,7 @@ def plan(args) -> int:
         base_recs, _ = ev.measure(base, base)
         block = int(base.get("block_size", args.block_size))
         analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
-                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block)
+                           read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block, ar=ev.ar)
         report = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, round {args.round}")
         ar = {r.request_id: r for r in ev.ar}
         base_speedup = geomean([ar[r.request_id].decode_s / r.decode_s for r in base_recs])
@@ -170,7 +171,8 @@ def plan(args) -> int:
     evidence.write()
     write_json(args.costmodel, analysis)
     Path(args.costmodel_text).write_text(report)
-    write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "base_config": base,
+    write_json(out, {"round": args.round, "deployment": args.deployment, "gpu": args.gpu, "regime": args.regime,
+                     "concurrency": args.concurrency, "costmodel_batch": analysis.get("batch"), "base_config": base,
                      "directions": chosen, "ranked_terms": [t["term"] for t in analysis["terms"]],
                      "ranked_directions": [{"direction": d.name, "cost_term": d.cost_term,
                                             "gap_s_per_token": gaps.get(d.cost_term, 0.0)} for d in ranked],
@@ -205,7 +207,8 @@ def transfer(ev, ctx: dict, base: dict, entries: list[dict], evidence: Evidence 
 
     def note(name, entry, res, together):
         tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
-                      "from": f"{entry['deployment']}/{entry['gpu']}", "passed": res["gate"]["passed"],
+                      "from": f"{entry['deployment']}/{entry['gpu']}" + (f"/{entry['regime']}" if entry.get("regime") else ""),
+                      "regime": entry.get("regime"), "passed": res["gate"]["passed"],
                       "gain": res["gain"], "merged": together})
 
     if len(picks) > 1:
@@ -373,11 +376,12 @@ def integrate(args) -> int:
         if all(chosen.get(k) == v for k, v in w["params"].items()):
             known = memory.record(known, {
                 "direction": name, "params": w["params"], "deployment": args.deployment, "gpu": args.gpu,
+                "regime": args.regime, "concurrency": args.concurrency,
                 "target": ctx["target"], "drafter": ctx["drafter"], "gain": w["gain"], "round": args.round,
                 "evidence": [w["evidence"], result["evidence"]]})
     memory.write(args.memory_out, known)
     kept = chosen != base
-    write_json(args.out, {"round": args.round, "config": chosen,
+    write_json(args.out, {"round": args.round, "regime": args.regime, "concurrency": args.concurrency, "config": chosen,
                           "winners": [{"direction": n, "params": w["params"], "gain": w["gain"],
                                        "gain_lo": w.get("gain_lo"), "gain_hi": w.get("gain_hi"),
                                        "cost_term": dirs.REGISTRY[n].cost_term,
@@ -400,7 +404,7 @@ def _integrated_costmodel(args, ev, ctx: dict, chosen: dict, result: dict, evide
     recs = [record_from_dict(r, "trial record") for r in evidence.rows if r["trial"] == tag]
     analysis = analyze(recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
                        read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4,
-                       int(chosen.get("block_size", args.block_size)))
+                       int(chosen.get("block_size", args.block_size)), ar=ev.ar)
     text = report_text(analysis, f"cost model: {args.deployment} on {args.gpu}, after round {args.round} "
                                  f"(config {json.dumps(chosen, sort_keys=True)})")
     atomic_write_text(Path(args.costmodel_text), text)
@@ -477,6 +481,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-name")
     p.add_argument("--drafter-name", default="dflash")
     p.add_argument("--deployment", default="custom")
+    p.add_argument("--regime", default="single", help="the serving regime tuned (config regimes; --concurrency its tune)")
     p.add_argument("--gpu", default="cpu")
     for flag, help_ in _FILE_OPTIONS.items():
         p.add_argument(flag, help=help_)

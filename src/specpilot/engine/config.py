@@ -26,7 +26,7 @@ from .verify import ACCEPT_RULES
 
 ENGINES = ("ar", "stock", "lookup", "specpilot")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "w12")
-VERIFY_BUDGETS = ("off", "load_aware")
+VERIFY_BUDGETS = ("off", "load_aware", "goodput")
 STEP_PATHS = ("plain", "fused")  # the target's / drafter's step: as the model computes it, or the fused CPU step
 # keys the CLI adds to records' engine_config (not engine settings): the kernels used; the execution path that ran
 # (``path``: the record's teacher-forced pass follows it); why stock runs
@@ -76,7 +76,7 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "tree_profile": (None, _name(), "rank profile of the static tree (packaged name or path)"),
     "tree_lattice": (0, _int(0), "nodes of a path-conditioned tree from DFlash2's candidate lattice (0: off)"),
     "second_level": (0, _int(0), "two-level drafting: drafts of a second block appended (0: off)"),
-    "verify_budget": ("off", _choice(VERIFY_BUDGETS), "load-aware verify length per request"),
+    "verify_budget": ("off", _choice(VERIFY_BUDGETS), "load-aware verify length per request, or goodput: an AR step when it beats speculating"),
     "overlap": (False, _bool(), "overlap scheduling: the next draft before the host's bookkeeping"),
     "accept": ("greedy", _accept(), "the verification rule (only lossless rules are registered)"),
     "replay_seed": (0, _int(), "seed of the replay drafter's acceptance draws"),

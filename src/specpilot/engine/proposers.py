@@ -12,6 +12,7 @@ from ..drafters.lattice_profile import LatticeReplayProposer
 from ..drafters.lookup import LookupProposer
 from ..drafters.replay import ReplayProposer
 from ..drafters.static_tree import static_tree_for
+from ..drafters.goodput_gate import GoodputGate
 from ..drafters.verify_budget import LoadAwareVerify
 from ..errors import SpecpilotError
 from ..fastpath.cpu_drafter import fused_drafter
@@ -73,7 +74,8 @@ def _replay_proposer(spec: EngineSpec, target, drafter, replay, references) -> P
                                      block_size=width, nodes=cfg.tree_lattice)
     rp = ReplayProposer(references, replay, target.config.vocab_size, net, seed=cfg.replay_seed, block_size=width,
                         tree_branch=cfg.tree_branch, tree_depth=cfg.tree_depth, rank_draws=bool(cfg.tree_nodes))
-    return static_tree_for(rp, cfg, replay) if cfg.tree_nodes else rp
+    out = static_tree_for(rp, cfg, replay) if cfg.tree_nodes else rp
+    return GoodputGate(out) if cfg.verify_budget == "goodput" else out
 
 
 def make_engine_proposer(spec: EngineSpec, target, drafter, replay=None,
@@ -108,4 +110,6 @@ def make_engine_proposer(spec: EngineSpec, target, drafter, replay=None,
         return static_tree_for(proposer, cfg)
     if cfg.verify_budget == "load_aware":
         return LoadAwareVerify(proposer)
+    if cfg.verify_budget == "goodput":
+        return GoodputGate(proposer)
     return proposer
