@@ -69,7 +69,7 @@ def test_readme_first_screen():
     assert "speculative-decoding" in head
     assert "pip install torch==2.13.0 && pip install -e . && snakemake --cores all" in head
     ci = (REPO / ".ci" / "run").read_text()
-    command = "pytest -q -n 2 --dist loadfile"
+    command = "pytest -q -n 2 --dist loadfile --durations=30"
     assert "SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks)" in ci and f"step \"pytest\" {command}\n" in ci
     assert f"SPECPILOT_DATA_DIR=$(realpath ../shared/data/benchmarks) {command}\n" in head
 
