@@ -53,6 +53,7 @@ class GoodputGate(WrappingProposer):
         self.draft_s: float | None = None
         self.decisions: list[bool] = []
         self._speculated = False
+        self._ar_steps = 0  # AR steps since the last speculative one
         self._device = torch.device("cpu")
 
     def start(self, runner, prompts, features, first) -> None:
@@ -70,11 +71,12 @@ class GoodputGate(WrappingProposer):
         return spec >= 1.0 / self.cost[1]
 
     def propose(self, last, start):
-        off = len(self.decisions) - (max((i for i, d in enumerate(self.decisions) if d), default=-1) + 1)
-        if not self.speculate() and (off + 1) % self.probe_every:
+        if not self.speculate() and (self._ar_steps + 1) % self.probe_every:
             self.decisions.append(False)
             self._speculated = False
+            self._ar_steps += 1
             return chain(last, last.new_zeros(last.shape[0], 0))
+        self._ar_steps = 0
         t0 = clock(self._device)
         prop = self.inner.propose(last, start)
         dt = clock(self._device) - t0
