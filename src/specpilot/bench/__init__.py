@@ -23,6 +23,8 @@ from ..errors import SpecpilotError
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "AR decode step and MBU by batch and context, verify width as a multiple of the AR "
                          "step, stock end to end with the replay drafter against tau x AR / (verify + draft)"),
+    "batched": ("batched", "the c16 speculative step per shape (verify, draft, commit, the rest) against its "
+                           "floors, the AR c16 and c1 steps, per kernel group and the host's Python per step"),
     "verify": ("verify", "batched verify steps (B x T) and token trees against the AR step, with the "
                          "bit-exact batch-invariance and tree-against-chain checks"),
     "draft": ("draft", "the DFlash draft step (context injection + draft) against its byte floor: the "

@@ -182,10 +182,10 @@ class Run:
             raise SpecpilotError(f"{what} needs a CUDA device (this run is on the CPU)")
 
 
-def kernel_profile(fn: Callable[[], object], n: int = 5) -> dict:
+def kernel_profile(fn: Callable[[], object], n: int = 5, top: int | None = 20) -> dict:
     """Device time per kernel name of one call of ``fn`` (CUDA; torch.profiler over ``n`` calls
-    after 2 warm-up calls), largest first: ``{"kernels": {name: {"ms", "launches"}},
-    "kernel_sum_ms"}``. Once the profiler has run in a process every later call is slower
+    after 2 warm-up calls), largest first, the ``top`` largest (None: every kernel):
+    ``{"kernels": {name: {"ms", "launches"}}, "kernel_sum_ms"}``. Once the profiler has run in a process every later call is slower
     (CUPTI stays attached): profile after the timings."""
     for _ in range(2):
         fn()
@@ -200,7 +200,7 @@ def kernel_profile(fn: Callable[[], object], n: int = 5) -> dict:
             continue
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
         kernels[ev.key[:80]] = {"ms": t / n / 1e3, "launches": ev.count / n}
-    kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:20])
+    kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:top])
     return {"kernels": kernels, "kernel_sum_ms": sum(v["ms"] for v in kernels.values())}
 
 

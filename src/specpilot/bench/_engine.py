@@ -24,6 +24,7 @@ from ..engine.loop import generate, generate_ar
 from ..engine.config import EngineSpec
 from ..engine.proposers import make_engine_proposer, make_proposer
 from ..engine.runner import TargetRunner
+from ..engine.scheduler import Request, Scheduler
 from ..engine.verify import compact_path_, tree_inputs
 from ..fastpath import graphs
 from ..fastpath.tables import DECODE_CONFIGS, DEFAULT_CONFIGS, config_tiers, role_layout, row_tile, tier_for
@@ -51,7 +52,7 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
-    "EngineSpec", "make_engine_proposer", "teacher_forced", "lattice_of", "shape_parents",
+    "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "teacher_forced", "lattice_of", "shape_parents",
 ]
 
 def triton_step():

@@ -1,0 +1,359 @@
+"""``specpilot bench batched``: the batched (c16) speculative step per shape against its floors,
+against the AR c16 step and the c1 step of the same run, and where each family's excess goes
+(issue 62).
+
+For each shape of ``--shapes`` (default the study's three: ``qwen3-8b``, the ``qwen3.8-27b``
+Gated DeltaNet hybrid, ``muse-glimmer-30b``; random bf16 weights drawn on the GPU), ``--batch``
+requests (16) of ``--context`` random tokens (336: the study's batched rounds' mean context) on
+the engine's runner (the Triton fast path under CUDA graphs, as ``specpilot run`` serves):
+
+1. ``floors``: the cost model's roofline floors (:func:`specpilot.agent.costmodel.step_floors`:
+   bytes against the copy bandwidth measured here, FLOPs against the bf16 matmul rate measured
+   here) of the verify (B x block rows), the draft, the AR c16 and the c1 step; the GEMM part of
+   the verify floor (weights read once, or the FLOPs of B x block rows); on a recurrent target the
+   commit's state traffic against its floor (today: every GDN layer's recurrent + conv state read
+   and written again and the verify's tape of ``block`` tokens read; floor: the state written once;
+   keeping the verify's per-token states instead: ``block`` states per row, against the free
+   device memory);
+2. ``steps``: each part alone, median of CUDA-event times: the c1 AR step, the AR c16 step, the
+   verify of B x block tokens, the commit of the replay profile's expected accepted tokens per row
+   (verify + commit minus verify), the draft step (context injection + draft, the drafter's Triton
+   step under its graphs);
+3. ``loop``: the speculative loop at c = B through the continuous-batching scheduler (what ``specpilot
+   run`` serves), replay drafter ``--profile`` over AR's own outputs (every output checked equal to
+   AR), per step: verify (+ acceptance decision), draft, and the rest (the step minus both: the
+   commit, the drafter's context injection, the scheduler's bookkeeping), with AR's c16 step of the
+   same loop;
+4. ``host``: the loop again under cProfile: the engine's Python functions by own time per step
+   (``Scheduler._record``, the acceptance decision, ...), largest first;
+5. ``kernels`` (last: the profiler slows every later call): device time per kernel of the c1 step,
+   the AR c16 step, the verify, the commit (verify + commit minus verify, per kernel) and the draft,
+   grouped (GEMM tiles, attention, GDN recurrence, GDN conv, norms and elementwise, copies: the KV /
+   ring / state moves, other); each verify group against the AR c16 step's (same weights, 16 rows
+   instead of B x block).
+
+The table prints one line per figure: the parts against their floors and the AR steps first, then
+the groups with their excess. ``--dry-run``: tiny shapes on the CPU under Triton's interpreter
+(measures nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import re
+import time
+
+import torch
+
+from ..agent.costmodel import step_floors
+from ..ceilings import measure as measure_ceilings
+from ..tuning import timing
+from . import _engine as E
+from ._common import Run, add_common, fmt, kernel_profile, random_tokens
+
+SHAPES = ["qwen3-8b", "qwen3.8-27b", "muse-glimmer-30b"]
+DRY_SHAPES = {"qwen3-8b": "tiny", "qwen3.8-27b": "tiny-hybrid", "muse-glimmer-30b": "tiny-muse"}
+
+# kernel name -> group (first match wins); cuBLAS / CUTLASS names for eager GEMMs
+GROUPS = [("gemm", r"_linear_kernel|gemm|cutlass|nvjet|xmma|sm\d+_"),
+          ("attention", r"_attn|_qk_rope|flash|fmha|sdpa"),
+          ("gdn_recurrent", r"_gdn_recurrent"),
+          ("gdn_conv", r"_gdn_conv"),
+          ("norm_elementwise", r"norm|_silu|_gate_mul|elementwise|vectorized|reduce|softmax|argmax"),
+          ("copy", r"[Cc]opy|[Mm]emcpy|[Mm]emset|index|scatter|gather|cat")]
+
+
+def group_of(kernel: str) -> str:
+    """The group of a kernel name (:data:`GROUPS`; "other" when none matches)."""
+    return next((g for g, pat in GROUPS if re.search(pat, kernel)), "other")
+
+
+def grouped(kernels: dict) -> dict:
+    """{group: ms} of a :func:`kernel_profile` kernels dict ({name: {"ms", "launches"}})."""
+    out: dict[str, float] = {}
+    for name, v in kernels.items():
+        out[group_of(name)] = out.get(group_of(name), 0.0) + v["ms"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def accepted_counts(profile, block: int, B: int) -> list[int]:
+    """Tokens each of ``B`` rows commits in the commit phase: the profile's expected tau at
+    ``block`` spread over the rows (their mean is tau rounded to 1/B), each in [1, block]."""
+    tau = E.expected_tau(profile, block)
+    total = max(B, min(B * block, round(tau * B)))
+    return [total // B + (1 if b < total % B else 0) for b in range(B)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p, "batched")
+    p.add_argument("--shapes", nargs="+", default=SHAPES)
+    p.add_argument("--batch", type=int, default=16, help="concurrency c: requests in the batched step")
+    p.add_argument("--context", type=int, default=336, help="prompt tokens per request")
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--new", type=int, default=128, help="new tokens per request of the loop phase")
+    p.add_argument("--profile", default="study_stock", help="replay profile of the loop and commit phases")
+    p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel profiles")
+    p.add_argument("--top", type=int, default=6, help="engine functions listed by the host phase")
+
+
+class Shape:
+    """The phases over one target shape (module docstring)."""
+
+    def __init__(self, run: Run, a: argparse.Namespace, shape: str, ceilings: dict):
+        self.run, self.a, self.shape, self.dev, self.ceil = run, a, shape, run.device, ceilings
+        t = time.time()
+        if run.dry:
+            self.model = E.dry_target(shape, seed=a.seed)
+            self.drafter = E.dry_drafter(self.model, shape, a.block, seed=a.seed)
+        else:
+            self.model = E.build_target(shape, self.dev, run.dtype, a.seed)
+            self.drafter = E.build_drafter(shape, self.dev, run.dtype, a.seed, a.block)
+        run.sync()
+        self.prof = E.load_profile(a.profile)
+        self.V = self.model.config.vocab_size
+        self.S = a.context + a.new + 2 * a.block + 64
+        self.prompts = [random_tokens(a.context, self.V, 100 + b) for b in range(a.batch)]
+        self.capture = tuple(self.drafter.config.target_layer_ids)
+        self.info = {"build_s": round(time.time() - t, 1), "batch": a.batch, "context": a.context, "block": a.block,
+                     "layer_types": {k: self.model.config.layer_types.count(k)
+                                     for k in set(self.model.config.layer_types)}}
+        self.calls: dict = {}  # part -> a zero-argument call of it (the kernel phase profiles them)
+
+    def runner(self, B: int, capture=()):
+        r = E.runner(self.model, B, self.S, capture, self.run.cuda, "triton", self.a.block)
+        if self.run.cuda and E.step_fast(r) is None:
+            raise RuntimeError("the runner did not take the Triton fast path")
+        return r
+
+    # -- 1. floors ---------------------------------------------------------------------------
+    def floors(self) -> dict:
+        a, c, m = self.a, self.model.config, self.model
+        esz = m.lm_head.weight.element_size()
+        fl = step_floors(c, self.drafter.config, self.ceil, a.batch, a.block, a.context, esz)
+        c1 = step_floors(c, None, self.ceil, 1, 1, a.context, esz)
+        bw, peak = self.ceil["memory_bandwidth_bytes_per_s"], self.ceil["matmul_flop_per_s"]
+        rows = a.batch * a.block
+        w = E.weight_bytes_per_step(m, rows)
+        params = sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n)
+        out = {"verify_ms": fl["verify"] * 1e3, "draft_ms": fl["draft"] * 1e3, "ar_c16_ms": fl["ar_step"] * 1e3,
+               "c1_ms": c1["ar_step"] * 1e3, "gemm_verify_ms": max(w / bw, 2 * params * rows / peak) * 1e3,
+               "gemm_ar_c16_ms": max(E.weight_bytes_per_step(m, a.batch) / bw, 2 * params * a.batch / peak) * 1e3,
+               "weight_bytes": w, "rows": rows}
+        if c.is_recurrent:
+            out["commit"] = self.commit_bytes(bw)
+        return out
+
+    def commit_bytes(self, bw: float) -> dict:
+        """The commit's state traffic today and its floor (module docstring, phase 1) [bytes, ms]."""
+        a, c, m = self.a, self.model.config, self.model
+        m.setup_cache(1, 64)
+        gdn = m.state.gdn
+        rec = gdn.rec[0].numel() * gdn.rec.element_size()
+        conv = gdn.conv[0].numel() * gdn.conv.element_size()
+        n = c.layer_types.count("linear_attention")
+        kd, vd = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        esz = m.lm_head.weight.element_size()
+        tape_tok = n * ((2 * kd + vd) * esz + 4 * (kd + vd + 2 * c.linear_num_value_heads))
+        B, T = a.batch, a.block
+        today = B * (2 * (rec + conv) + T * tape_tok)
+        floor = B * (rec + conv)
+        keep = B * T * rec  # the verify's per-token recurrent states
+        free = torch.cuda.mem_get_info(self.dev)[0] if self.run.cuda else None
+        return {"state_bytes_per_row": rec + conv, "tape_bytes_per_token": tape_tok, "today_bytes": today,
+                "today_ms": today / bw * 1e3, "floor_bytes": floor, "floor_ms": floor / bw * 1e3,
+                "keep_states_bytes": keep, "free_bytes": free,
+                "keep_states_fit": None if free is None else keep < free // 2}
+
+    # -- 2. the parts alone -------------------------------------------------------------------
+    def steps(self) -> dict:
+        a, dev, B = self.a, self.dev, self.a.batch
+        out = {}
+        for key, rows in (("c1", 1), ("ar_c16", B)):
+            r = self.runner(rows)
+            r.prefill(self.prompts[:rows])
+            tok = torch.tensor(random_tokens(rows, self.V, 6), device=dev)
+            out[f"{key}_ms"] = self.run.median_s(self._resetting(r, lambda r=r, tok=tok: r.decode(tok))) * 1e3
+            self.calls[key] = self._resetting(r, lambda r=r, tok=tok: r.decode(tok))
+        r = self.runner(B, self.capture)
+        r.prefill(self.prompts)
+        blk = torch.tensor([random_tokens(a.block, self.V, 7 + b) for b in range(B)], device=dev)
+        counts = torch.tensor(accepted_counts(self.prof, a.block, B), dtype=torch.long, device=dev)
+        verify = self._resetting(r, lambda: r.verify(blk))
+
+        def verify_commit():
+            r.verify(blk)
+            r.commit(counts)
+
+        both = self._resetting(r, verify_commit)
+        out["verify_ms"] = self.run.median_s(verify) * 1e3
+        out["verify_commit_ms"] = self.run.median_s(both) * 1e3
+        out["commit_ms"] = out["verify_commit_ms"] - out["verify_ms"]
+        out["commit_tokens_per_row"] = float(counts.float().mean())
+        _, feats = r.verify(blk)
+        self.drafter.setup_cache(B, self.S)
+        ctx_fn, draft_fn = E.draft_step(self.drafter, self.model.model.embed_tokens, self.model.lm_head, "triton",
+                                        a.block, self.run.cuda)
+        start = r.length.clone()
+        ctx_fn(torch.zeros(B, a.context, feats.shape[-1], dtype=feats.dtype, device=dev),
+               torch.zeros(B, dtype=torch.long, device=dev))
+        anchor = blk[:, 0].contiguous()
+        n = max(1, round(out["commit_tokens_per_row"]))
+
+        def draft():
+            ctx_fn(feats[:, :n].contiguous(), start)
+            return draft_fn(anchor, start + n)
+
+        out["draft_ms"] = self.run.median_s(draft) * 1e3
+        self.calls.update(verify=verify, verify_commit=both, draft=draft)
+        return out
+
+    def _resetting(self, r, fn):
+        """``fn`` then the runner back at its prefilled lengths (so every timed call sees one context)."""
+        base, bound = r.length.clone(), r._bound
+
+        def call():
+            out = fn()
+            r.length.copy_(base)
+            r._bound = bound
+            return out
+
+        return call
+
+    # -- 3. / 4. the loop ---------------------------------------------------------------------
+    def loop(self) -> dict:
+        a, B = self.a, self.a.batch
+        r = self.runner(B)
+        E.generate_ar(r, self.prompts, 4)  # warm-up: the decode graphs
+        ar = E.generate_ar(r, self.prompts, a.new)
+        out = {"new": a.new, "ar_c16_loop_ms": ar[0].decode_s / max(1, a.new - 1) * 1e3}
+        self.refs = [x.output_ids for x in ar]
+        self.rs = rs = self.runner(B, self.capture)
+        self._serve(rs, 2 * a.block)  # warm-up: the drafter's graphs
+        sched, res = self._serve(rs, a.new)
+        steps = max(1, sched.steps)
+        first = min(x.first_token_s for x in res)
+        step_ms = (max(x.finish_s for x in res) - first) / steps * 1e3
+        ver = sum(x.verify_s for x in res) / len(res) / steps * 1e3
+        dr = sum(x.draft_s for x in res) / len(res) / steps * 1e3
+        tau = sum(sum(x.committed_per_step) for x in res) / sum(len(x.committed_per_step) for x in res)
+        out.update(steps=steps, step_ms=step_ms, verify_ms=ver, draft_ms=dr, rest_ms=step_ms - ver - dr, tau=tau,
+                   outputs_equal_ar=all(x.output_ids == y for x, y in zip(res, self.refs)),
+                   speedup_vs_ar_formula=tau * out["ar_c16_loop_ms"] / step_ms)
+        return out
+
+    def _serve(self, runner, new: int):
+        net = E.DFlashProposer(self.drafter, block_size=self.a.block)
+        prop = E.ReplayProposer(self.refs, self.prof, self.V, net, seed=0, block_size=self.a.block)
+        sched = E.Scheduler(runner, prop, profile=True)
+        res = sched.run([E.Request(p, new, ref) for p, ref in zip(self.prompts, self.refs)])
+        return sched, res
+
+    def host(self) -> dict:
+        """The engine's Python functions by own time per step of the loop under cProfile."""
+        prof = cProfile.Profile()
+        prof.enable()
+        sched, _ = self._serve(self.rs, self.a.new)
+        prof.disable()
+        steps = max(1, sched.steps)
+        st = pstats.Stats(prof)
+        rows = []
+        for (path, line, fn), (_, _, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+            if "specpilot" in path:
+                name = f"{path.split('specpilot/')[-1]}:{fn}"
+                rows.append((name, tt / steps * 1e3, ct / steps * 1e3))
+        rows.sort(key=lambda x: -x[1])
+        return {"steps": steps, "functions": [{"name": n, "own_ms_per_step": t, "cum_ms_per_step": c}
+                                              for n, t, c in rows[: self.a.top]]}
+
+    # -- 5. kernels ---------------------------------------------------------------------------
+    def kernels(self) -> dict:
+        self.run.need_cuda("the per-kernel profile")
+        prof = {k: kernel_profile(fn, top=None) for k, fn in self.calls.items()}
+        vc, v = prof.pop("verify_commit")["kernels"], prof["verify"]["kernels"]
+        commit = {k: {"ms": x["ms"] - v.get(k, {"ms": 0.0})["ms"], "launches": x["launches"]} for k, x in vc.items()}
+        prof["commit"] = {"kernels": {k: x for k, x in commit.items() if x["ms"] > 1e-4},
+                          "kernel_sum_ms": sum(max(0.0, x["ms"]) for x in commit.values())}
+        for p in prof.values():
+            p["groups"] = grouped(p["kernels"])
+            p["kernels"] = dict(list(p["kernels"].items())[:12])
+        return prof
+
+    def measure(self) -> dict:
+        phases = [("floors", self.floors), ("steps", self.steps), ("loop", self.loop), ("host", self.host)]
+        if not self.a.no_kernels and self.run.cuda:
+            phases.append(("kernels", self.kernels))
+        self.run.R.setdefault("shapes", {})[self.shape] = self.info
+        for key, fn in phases:
+            v = self.run.phase(f"{self.shape}:{key}", fn, keep=False)
+            if v is not None:
+                self.info[key] = v
+        return self.info
+
+
+def _x(a, b) -> str:
+    return fmt(a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None, "{:.2f}x")
+
+
+def table(R: dict) -> list[str]:
+    """One line per figure: per shape the parts against their floors and the AR steps, the loop's
+    step, the commit's state traffic, the kernel groups and the host functions."""
+    L = []
+    for name, S in R.get("shapes", {}).items():
+        f, s, lp = S.get("floors", {}), S.get("steps", {}), S.get("loop", {})
+        B = S.get("batch")
+        L.append(f"{name} c{B} verify {fmt(s.get('verify_ms'))} ms = {_x(s.get('verify_ms'), f.get('verify_ms'))} "
+                 f"floor {fmt(f.get('verify_ms'))} ms = {_x(s.get('verify_ms'), s.get('ar_c16_ms'))} AR c{B} "
+                 f"{fmt(s.get('ar_c16_ms'))} ms (floor {fmt(f.get('ar_c16_ms'))}) = {_x(s.get('verify_ms'), s.get('c1_ms'))} "
+                 f"c1 {fmt(s.get('c1_ms'))} ms (floor {fmt(f.get('c1_ms'))})")
+        L.append(f"{name} c{B} draft {fmt(s.get('draft_ms'))} ms = {_x(s.get('draft_ms'), f.get('draft_ms'))} floor "
+                 f"{fmt(f.get('draft_ms'))} ms; commit {fmt(s.get('commit_ms'))} ms "
+                 f"({fmt(s.get('commit_tokens_per_row'), '{:.2f}')} tokens per row)")
+        L.append(f"{name} c{B} loop step {fmt(lp.get('step_ms'))} ms: verify {fmt(lp.get('verify_ms'))}, draft "
+                 f"{fmt(lp.get('draft_ms'))}, rest {fmt(lp.get('rest_ms'))} ms (bar <= 0.60); tau "
+                 f"{fmt(lp.get('tau'), '{:.2f}')}, AR c{B} loop step {fmt(lp.get('ar_c16_loop_ms'))} ms, "
+                 f"tau x AR / step {fmt(lp.get('speedup_vs_ar_formula'), '{:.2f}')}x, = AR {lp.get('outputs_equal_ar', '-')}")
+        cb = f.get("commit")
+        if cb:
+            L.append(f"{name} commit state traffic {cb['today_bytes'] / 2**20:.1f} MiB = {fmt(cb['today_ms'])} ms at "
+                     f"copy bandwidth (floor: state written once {cb['floor_bytes'] / 2**20:.1f} MiB = "
+                     f"{fmt(cb['floor_ms'])} ms); per-token states kept {cb['keep_states_bytes'] / 2**30:.2f} GiB "
+                     f"(fits in half the free memory: {cb['keep_states_fit']})")
+        k = S.get("kernels", {})
+        if k:
+            ar = k.get("ar_c16", {}).get("groups", {})
+            for part in ("verify", "commit", "draft", "ar_c16", "c1"):
+                g = k.get(part, {}).get("groups", {})
+                items = ", ".join(f"{n} {ms:.3f}" + (f" ({_x(ms, ar.get(n))} AR c{B})" if part == "verify" else "")
+                                  for n, ms in list(g.items())[:6])
+                L.append(f"{name} kernels {part}: {fmt(k.get(part, {}).get('kernel_sum_ms'))} ms: {items}")
+            gv = k.get("verify", {}).get("groups", {}).get("gemm")
+            L.append(f"{name} verify GEMM {fmt(gv)} ms = {_x(gv, f.get('gemm_verify_ms'))} its floor "
+                     f"{fmt(f.get('gemm_verify_ms'))} ms ({f.get('rows')} rows; AR c{B} GEMM floor "
+                     f"{fmt(f.get('gemm_ar_c16_ms'))} ms)")
+        h = S.get("host", {}).get("functions", [])
+        if h:
+            L.append(f"{name} host per step (cProfile own ms): " + ", ".join(
+                f"{x['name'].split('/')[-1]} {x['own_ms_per_step']:.3f}" for x in h))
+    return L
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        args.shapes = [DRY_SHAPES.get(s, s) for s in args.shapes]
+        args.batch, args.context, args.block, args.new = 2, 16, 4, 8
+    rn = Run("batched", args)
+    dev = "cuda" if rn.cuda else "cpu"
+    ceil = rn.phase("ceilings", lambda: measure_ceilings(dev, 1024 if rn.cuda else 16, 8192 if rn.cuda else 256,
+                                                         10 if rn.cuda else 2))
+    if ceil is None:
+        return rn.finish(table(rn.R))
+    for shape in args.shapes:
+        s = rn.phase(f"{shape}:build", lambda shape=shape: Shape(rn, args, shape, ceil), keep=False)
+        if s is not None:
+            s.measure()
+            del s
+            if rn.cuda:
+                torch.cuda.empty_cache()
+    return rn.finish(table(rn.R))
