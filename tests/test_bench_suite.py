@@ -116,6 +116,35 @@ def test_host_dry_run(tmp_path):
 
 
 @needs_triton
+def test_batched_dry_run(tmp_path):
+    from specpilot.bench.batched import accepted_counts, group_of, table
+    from specpilot.drafters.replay import expected_tau, load_profile
+
+    r = bench(tmp_path, "batched", "--shapes", "qwen3.8-27b")  # the hybrid (its commit): tiny-hybrid, c2, block 4
+    assert r["errors"] == [] and list(r["shapes"]) == ["tiny-hybrid"]
+    s = r["shapes"]["tiny-hybrid"]
+    f, st, lp = s["floors"], s["steps"], s["loop"]
+    assert f["rows"] == 8 and f["verify_ms"] >= f["ar_c16_ms"] > 0 and f["ar_c16_ms"] >= f["c1_ms"] > 0
+    cb = f["commit"]  # today: the state read and written again plus the verify's tape; floor: written once
+    assert cb["today_bytes"] == 2 * cb["floor_bytes"] + 2 * 4 * cb["tape_bytes_per_token"]
+    assert cb["floor_bytes"] == 2 * cb["state_bytes_per_row"] and cb["keep_states_bytes"] > cb["floor_bytes"]
+    assert st["commit_ms"] == st["verify_commit_ms"] - st["verify_ms"] and st["draft_ms"] > 0
+    assert lp["outputs_equal_ar"] and 1 < lp["tau"] <= 4 and lp["steps"] < 8
+    assert abs(lp["rest_ms"] - (lp["step_ms"] - lp["verify_ms"] - lp["draft_ms"])) < 1e-9
+    assert s["host"]["functions"] and all(x["own_ms_per_step"] >= 0 for x in s["host"]["functions"])
+    counts = accepted_counts(load_profile("study_stock"), 16, 16)  # the profile's tau over 16 rows
+    assert all(1 <= c <= 16 for c in counts) and abs(sum(counts) / 16 - expected_tau(load_profile("study_stock"), 16)) <= 1 / 32
+    assert [group_of(k) for k in ("_linear_kernel", "_attn_partial_kernel", "_gdn_recurrent_kernel",
+                                  "_gdn_conv_commit_kernel", "_add_rmsnorm_kernel", "Memcpy DtoD", "foo")] == \
+        ["gemm", "attention", "gdn_recurrent", "gdn_conv", "norm_elementwise", "copy", "other"]
+    k = {p: {"kernel_sum_ms": 2.0, "groups": {"gemm": 1.5, "attention": 0.5}} for p in ("verify", "commit", "draft", "c1")}
+    k["ar_c16"] = {"kernel_sum_ms": 1.0, "groups": {"gemm": 0.75, "attention": 0.25}}
+    lines = table({"shapes": {"x": {**s, "kernels": k}}})  # the GPU-only kernel lines
+    assert "x kernels verify: 2.000 ms: gemm 1.500 (2.00x AR c2), attention 0.500 (2.00x AR c2)" in lines
+    assert any(ln.startswith("x verify GEMM 1.500 ms") for ln in lines)
+
+
+@needs_triton
 def test_draft_dry_run(tmp_path):
     r = bench(tmp_path, "draft")
     assert r["errors"] == []
