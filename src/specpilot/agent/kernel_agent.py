@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..fastpath.tables import LINEAR_ROLES, TUNE_ROWS
+from ..fastpath.tables import DEFAULT_TUNE_ROWS, LINEAR_ROLES
 from ..io import read_json, write_json
 from ..models.config import TargetConfig, read_config
 from ..tuning.timing import mean_s
@@ -61,7 +61,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     random weights of its shapes); ``ceilings_path``: ceilings.json (``memory_bandwidth_bytes_per_s``).
     ``rows``, ``top``, ``max_configs``: the w12 section (row counts timed, shapes tuned, candidates
     each). ``engine_rows`` / ``engine_roles`` / ``max_engine_configs`` / ``engine_min_gain``: the
-    engine section (default all of :data:`TUNE_ROWS` and the five
+    engine section (default :data:`~specpilot.fastpath.tables.DEFAULT_TUNE_ROWS` and the five
     roles, 16 candidates per bucket, 2 % gain to replace a default; see
     :func:`specpilot.tuning.matmul.tune_engine_configs`). ``w12`` / ``engine``: run that section.
 
@@ -111,7 +111,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         from ..tuning.matmul import tune_engine_configs  # the Triton step: an optional dependency
 
         _section(res, "engine_configs", "engine_reason", "engine tuning", lambda: tune_engine_configs(
-            cfg, "cuda", tuple(engine_rows or TUNE_ROWS), tuple(engine_roles) if engine_roles else LINEAR_ROLES,
+            cfg, "cuda", tuple(engine_rows or DEFAULT_TUNE_ROWS), tuple(engine_roles) if engine_roles else LINEAR_ROLES,
             max_configs=max_engine_configs, min_gain=engine_min_gain, bandwidth=bw))
     res["w12_choice"] = {}
     if not w12_fast:

@@ -419,7 +419,7 @@ def _rows(values: list[str] | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(v) for v in values) if values else None
     except ValueError:
-        raise SpecpilotError(f"--engine-rows must be integers (16, 32, 64), got {','.join(values)}") from None
+        raise SpecpilotError(f"--engine-rows must be integers (16, 32, 64, 128, 256), got {','.join(values)}") from None
 
 
 def kernels(args) -> int:
@@ -506,7 +506,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernels: the sub-agent's sections to run (w12 kernel configs, engine matmul tables, "
                         "w12 fast-path roles; default all); a section left out keeps its defaults")
     p.add_argument("--engine-rows", type=comma_list, default=None,
-                   help="kernels: engine matmul row buckets tuned (comma-separated, among 16,32,64; default all)")
+                   help="kernels: engine matmul row buckets tuned (comma-separated, among 16,32,64,128,256; default 16,32,64)")
     p.add_argument("--replay-profile", help="synthetic deployments: drafting engines run the replay drafter with this "
                    "acceptance profile over the AR references (records marked synthetic)")
     p.add_argument("--directions", type=comma_list, default=None,

@@ -19,7 +19,10 @@ from ..errors import SpecpilotError
 
 BM = 16  # fewest rows per matmul tile (tensor-core minimum)
 ROW_TILES = (16, 32, 64, 128, 256)  # row tiles a matmul may use: the smallest covering M, capped by cfg.bm
-TUNE_ROWS = (16, 32, 64)  # the row buckets of DEFAULT_CONFIGS the matmul tuner re-tunes (specpilot.tuning.matmul)
+# the row buckets of DEFAULT_CONFIGS the matmul tuner re-tunes (specpilot.tuning.matmul): AR decode and one
+# request's verify (16), small batches (32, 64), the batched regime's verify (c16 x block 8 = 128, x 16 = 256)
+TUNE_ROWS = (16, 32, 64, 128, 256)
+DEFAULT_TUNE_ROWS = (16, 32, 64)  # the buckets tuned when none are named (config kernel_agent.engine_rows)
 TREE_BIT_NODES = 64  # trees of up to this many nodes may verify by ancestor bits (one int64 per node)
 TREE_FAST_NODES = 256  # trees of up to this many nodes verify in the Triton step (wider than the bits: by paths)
 

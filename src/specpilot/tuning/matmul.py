@@ -3,8 +3,9 @@
 
 The Triton step (:class:`~specpilot.fastpath.dense.FastTarget`) runs five matmul roles per step with
 a block config per row bucket (``DEFAULT_CONFIGS``: role -> {max_rows: config key}, tuned on an
-H200 for the Qwen3-8B shape). :func:`tune_engine_configs` re-tunes the buckets of up to 64 rows
-(16, 32, 64: AR decode, single-request verification, small batches) for the deployment's target
+H200 for the Qwen3-8B shape). :func:`tune_engine_configs` re-tunes the buckets of up to 256 rows
+(16, 32, 64: AR decode, single-request verification, small batches; 128, 256: the batched regime's
+verify, 16 requests x a block of 8 or 16, where the GEMMs stop being weight-bound) for the deployment's target
 shape on this GPU, through the engine's own call (``FastTarget._apply``, the call
 ``FastTarget._linear`` makes for a Triton config) on a one-layer random-weight copy of the target
 (q/k/v and gate/up fused as the engine fuses them). Per role (weight [N rows, K], fused layout of
@@ -45,7 +46,7 @@ import torch
 from ..errors import SpecpilotError
 from ..fastpath.dense import FastTarget
 from ..fastpath.support import dense_support
-from ..fastpath.tables import DEFAULT_CONFIGS, LINEAR_ROLES, TUNE_ROWS, LinearConfig, role_layout, row_tile
+from ..fastpath.tables import DEFAULT_CONFIGS, DEFAULT_TUNE_ROWS, LINEAR_ROLES, TUNE_ROWS, LinearConfig, role_layout, row_tile
 from ..models.qwen3 import Transformer
 from .timing import graph_us, rel_err
 
@@ -55,6 +56,12 @@ FP32_REL_TOL = 2e-2  # relative L2 error against the fp32 reference a config may
 BLOCKS = ((32, 128, 4, 6), (32, 256, 4, 4), (32, 256, 4, 3), (32, 512, 4, 3), (16, 512, 4, 3),
           (64, 128, 4, 4), (64, 256, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (64, 64, 4, 6),
           (128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3))
+# the candidates of the buckets above 64 rows (compute-bound tiles: wide N, 8 warps, deeper pipelines;
+# the blocks of the default tables at 128 / 256 rows first), each with two row tiles (see
+# candidate_linear_configs)
+BIG_BLOCKS = ((128, 64, 8, 5), (128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 6),
+              (128, 128, 8, 3), (64, 128, 8, 4), (128, 64, 4, 4), (64, 256, 4, 3), (256, 64, 8, 3),
+              (64, 64, 8, 4), (64, 64, 8, 6), (32, 128, 4, 4), (32, 64, 4, 6))  # the last four: SwiGLU's tiles
 SMEM_LIMIT = 200 * 1024  # pipeline shared memory a candidate may use (bytes; the H100/H200 allow 227 KiB)
 
 
@@ -89,11 +96,14 @@ def candidate_linear_configs(role: str, rows: int, limit: int = 16) -> list[str]
     Every key keeps the role's norm placement (``-p``: qkv, gate_up and lm_head run their RMSNorm
     as a separate kernel; a fused-norm prologue would round differently, so its rows could never
     be bit-equal to the decode config's) and takes the row tile of the bucket (``-mXX`` = the
-    smallest of 16 / 32 / 64 rows covering ``rows``; no suffix for 16), as the defaults do. Keys
-    whose tile does not fit (:func:`fits`) are left out. At most ``limit`` keys, no repeats.
+    smallest of 16 / 32 / 64 rows covering ``rows``; no suffix for 16), as the defaults do. Above
+    64 rows the :data:`BIG_BLOCKS` family, each block with the default's row tile and the smallest
+    of 128 / 256 covering ``rows`` and half that (one program per column block, or two along M:
+    more programs, each re-reading the weight tile from L2), interleaved. Keys whose tile does not fit
+    (:func:`fits`) are left out. At most ``limit`` keys, no repeats.
 
     Raises:
-        SpecpilotError: an unknown role, ``rows`` outside 1 .. 64, ``limit`` < 1.
+        SpecpilotError: an unknown role, ``rows`` outside 1 .. 256, ``limit`` < 1.
     """
     swiglu = role_layout(role)[2]
     if not 1 <= int(rows) <= max(TUNE_ROWS):
@@ -103,11 +113,13 @@ def candidate_linear_configs(role: str, rows: int, limit: int = 16) -> list[str]
     default = DEFAULT_CONFIGS[role][str(bucket_of(role, rows))]
     base = LinearConfig.parse(default)
     bm = row_tile(int(rows), max(TUNE_ROWS))
+    blocks, tiles = (BLOCKS, (bm,)) if int(rows) <= 64 else (BIG_BLOCKS, tuple(dict.fromkeys((base.bm, bm, bm // 2))))
     out = [default]
-    for bn, bk, w, s in BLOCKS:
-        c = LinearConfig(bn, bk, w, s, base.prenorm, bm)
-        if fits(c, swiglu) and c.key() not in out:
-            out.append(c.key())
+    for bn, bk, w, s in blocks:
+        for tile in tiles:
+            c = LinearConfig(bn, bk, w, s, base.prenorm, tile)
+            if fits(c, swiglu) and c.key() not in out:
+                out.append(c.key())
     return out[:limit]
 
 
@@ -269,7 +281,7 @@ def _tune_bucket(pr: _RoleProbe, M: int, lo: int, copies: list, tol: float, time
     return row, bucket
 
 
-def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[int, ...] = TUNE_ROWS,
+def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[int, ...] = DEFAULT_TUNE_ROWS,
                         roles: tuple[str, ...] = LINEAR_ROLES, max_configs: int = 16, min_gain: float = 0.02,
                         dtype: torch.dtype = torch.bfloat16, seed: int = 0, bandwidth: float | None = None,
                         timer: Callable[[str, list], float] | None = None, confirm_repeats: int = 3,
