@@ -105,7 +105,8 @@ def test_host_dry_run(tmp_path):
     r = bench(tmp_path, "host")
     assert r["errors"] == [] and r["clock"] == "cpu"
     c = r["cells"]
-    assert list(c) == ["ar_c1", "ar_c16", "chain_c1", "tree63_c1", "chain_c16", "tree63_dynamic_c1"]  # AR first
+    assert list(c) == ["ar_c1", "ar_c16", "chain_c1", "tree63_c1", "chain_c16", "tree63_dynamic_c1",  # AR first
+                       "ar_c16_hybrid", "chain_c16_hybrid", "ar_c16_muse", "chain_c16_muse"]
     for name, cell in c.items():  # the stand-in's logits drive the replay acceptance: outputs = the references
         assert cell["outputs_equal_reference"] and cell["host_ms_per_step"] > 0, (name, cell)
         assert set(cell["parts_ms_per_step"]) == {"propose", "verify_inputs", "accept", "commit", "bookkeeping"}
@@ -113,6 +114,13 @@ def test_host_dry_run(tmp_path):
     assert 1.5 < c["chain_c1"]["tau"] <= 16 and 1.5 < c["tree63_c1"]["tau"] <= 12  # block 16 / the lattice's 12
     assert c["tree63_c1"]["nodes"] == 63 and c["chain_c16"]["batch"] == 16 and c["chain_c1"]["bar_ms"] == 0.10
     assert c["chain_c16"]["x_ar"] == c["chain_c16"]["host_ms_per_step"] / c["ar_c16"]["host_ms_per_step"]
+    for fam in ("hybrid", "muse"):  # the batched step per family, against AR of the same family
+        f = c[f"chain_c16_{fam}"]
+        assert f["family"] == fam and f["batch"] == 16 and 1.5 < f["tau"] <= 16
+        assert f["x_ar"] == f["host_ms_per_step"] / c[f"ar_c16_{fam}"]["host_ms_per_step"]
+    # the hybrid's runner commits its recurrent state every step (prefill and decode steps excepted)
+    assert c["chain_c16_hybrid"]["recurrent_commits"] == c["chain_c16_hybrid"]["steps"]
+    assert c["chain_c16_muse"]["recurrent_commits"] == 0 == c["chain_c16"]["recurrent_commits"]
 
 
 @needs_triton

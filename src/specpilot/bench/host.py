@@ -18,8 +18,11 @@ measured and left out of the host time.
 Cells: AR at c1 and c16 first (the baseline: the AR engine's host work through the same loop),
 then the chain at c1, the 63-node lattice tree at c1 (its parents tensor static, as the replay
 proposes it), the chain at c16 and the same tree as a new tree every step (``tree63_dynamic_c1``:
-a new parents tensor with a depth bound, as the DFlash2 lattice proposer makes it), each also as a multiple
-of AR's at its concurrency (``x_ar``: the machine's load cancels). Each cell: the median over
+a new parents tensor with a depth bound, as the DFlash2 lattice proposer makes it), then the batched
+chain step per target family (issue 62: ``chain_c16_hybrid``, the Gated DeltaNet hybrid, whose runner
+records each verify and commits the recurrent state every step, the stand-in's commit being device
+work only; ``chain_c16_muse``, Muse-Glimmer's sliding-window rings), each after AR of its family at
+c16, each also as a multiple of AR's at its concurrency and family (``x_ar``: the machine's load cancels). Each cell: the median over
 ``--repeats`` interleaved runs of ``--new`` tokens per request of the host milliseconds per step,
 on this thread's CPU time (``--clock cpu``: a busy shared machine inflates the wall clock with time
 spent descheduled; ``--clock wall`` on a quiet one), and from one more run the parts (``propose``:
@@ -48,9 +51,15 @@ from . import _engine as E
 from ._common import Run, add_common, fmt
 
 CHAIN_PROFILE, LATTICE_PROFILE = "study_stock", "tiny_dflash2_lattice"
-# (cell, concurrency, proposer kind, tree nodes); the AR cells first: the baseline
+# (cell, concurrency, proposer kind, tree nodes[, target family]); the AR cells first: the baseline. The
+# family cells (issue 62): the batched chain step's host work on the Gated DeltaNet hybrid (the runner's
+# recurrent commit: note_verify, commit_recurrent) and on Muse-Glimmer (sliding-window rings), each
+# against AR of the same family at c16
 CELLS = (("ar_c1", 1, "ar", 0), ("ar_c16", 16, "ar", 0), ("chain_c1", 1, "chain", 0),
-         ("tree63_c1", 1, "lattice", 63), ("chain_c16", 16, "chain", 0), ("tree63_dynamic_c1", 1, "dynamic", 63))
+         ("tree63_c1", 1, "lattice", 63), ("chain_c16", 16, "chain", 0), ("tree63_dynamic_c1", 1, "dynamic", 63),
+         ("ar_c16_hybrid", 16, "ar", 0, "hybrid"), ("chain_c16_hybrid", 16, "chain", 0, "hybrid"),
+         ("ar_c16_muse", 16, "ar", 0, "muse"), ("chain_c16_muse", 16, "chain", 0, "muse"))
+FAMILIES = {"dense": "tiny", "hybrid": "tiny-hybrid", "muse": "tiny-muse"}  # family -> the stand-in's model shape
 BARS_MS = {"chain_c1": 0.10, "tree63_c1": 0.15, "chain_c16": 0.30}
 PARTS = ("propose", "verify_inputs", "accept", "commit")
 VOCAB = 64  # the stand-in's vocabulary: its logits' argmax costs what a launch costs
@@ -88,6 +97,7 @@ class OracleSteps:
         self.P = torch.tensor(prompt_lens, dtype=torch.long, device=dev)
         self.seconds = 0.0  # time spent in the stand-in (left out of the host time)
         self.calls = 0
+        self.recurrent_commits = 0  # commit_recurrent calls (a recurrent target's runner: one per step)
 
     def _logits(self, R: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         tgt = R.gather(1, idx.clamp(0, R.shape[1] - 1))
@@ -107,6 +117,13 @@ class OracleSteps:
         """A prefill of one row (``rows``; the runner's row prefill): (logits [1, 1, vocab], None)."""
         b = rows.start if rows is not None else 0
         return self._logits(self.R[b:b + 1], torch.zeros(1, 1, dtype=torch.long, device=tokens.device)), None
+
+    def note_verify(self, B: int, T: int, n_capture: int) -> None:
+        """The family step's record of a verify (a recurrent target's runner calls it): nothing to keep."""
+
+    def commit_recurrent(self, counts: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """The family step's recurrent commit: device work (two kernel launches on the GPU), none here."""
+        self.recurrent_commits += 1
 
 
 class PartClock:
@@ -176,7 +193,8 @@ def run_cell(model, B: int, kind: str, nodes: int, new: int, prompt_len: int, se
     read adds its own cost, so the total of such a run is not reported)."""
     reqs = _requests(B, prompt_len, new, seed)
     oracle = OracleSteps(model, [r.reference for r in reqs], [prompt_len] * B, VOCAB)
-    backend = Backend(model, "triton-dense", "host benchmark: a stand-in target (no model)", False, "triton", oracle)
+    path = "triton-dense" if model.config.is_dense else "triton-family"
+    backend = Backend(model, path, "host benchmark: a stand-in target (no model)", False, "triton", oracle)
     prop = _proposer(kind, nodes, [r.reference for r in reqs])
     width = prop.verify_width if prop is not None else 1
     runner = TargetRunner(model, B, slots_needed(reqs, width, B > 1), backend=backend, verify_width=width)
@@ -201,6 +219,7 @@ def run_cell(model, B: int, kind: str, nodes: int, new: int, prompt_len: int, se
     steps, host = sched.steps, loop["s"] - loop["stand_in_s"]
     out = {"batch": B, "kind": kind, "nodes": nodes, "steps": steps, "loop_s": loop["s"],
            "stand_in_s": loop["stand_in_s"], "host_ms_per_step": host / steps * 1e3,
+           "recurrent_commits": oracle.recurrent_commits,
            "tau": statistics.mean(sum(r.committed_per_step) / max(1, len(r.committed_per_step)) for r in rows),
            "outputs_equal_reference": all(r.output_ids == q.reference for r, q in zip(rows, reqs))}
     if parts:
@@ -214,23 +233,25 @@ def run_cell(model, B: int, kind: str, nodes: int, new: int, prompt_len: int, se
 def measure(run: Run, args: argparse.Namespace) -> dict:
     """Every cell of ``--cells`` (the AR baseline first): ``--repeats`` runs each, interleaved, for
     the host time (median), then one run each with the parts timed."""
-    model = E.dry_target("tiny", sizes={**E.DRY_SIZES, "vocab_size": VOCAB}, seed=args.seed)
-    cells = [c for c in CELLS if c[0] in args.cells]
+    cells = [(*c, "dense")[:5] for c in CELLS if c[0] in args.cells]
+    models = {f: E.dry_target(FAMILIES[f], sizes={**E.DRY_SIZES, "vocab_size": VOCAB}, seed=args.seed)
+              for f in dict.fromkeys(c[4] for c in cells)}
     runs: dict[str, list[dict]] = {c[0]: [] for c in cells}
     for rep in range(args.repeats):
-        for name, B, kind, nodes in cells:
-            runs[name].append(run_cell(model, B, kind, nodes, args.new, args.prompt_len, args.seed + rep))
+        for name, B, kind, nodes, fam in cells:
+            runs[name].append(run_cell(models[fam], B, kind, nodes, args.new, args.prompt_len, args.seed + rep))
     out = {}
-    for name, B, kind, nodes in cells:
+    for name, B, kind, nodes, fam in cells:
         rs = runs[name]
         med = sorted(rs, key=lambda r: r["host_ms_per_step"])[len(rs) // 2]
-        part = run_cell(model, B, kind, nodes, args.new, args.prompt_len, args.seed, parts=True)
+        part = run_cell(models[fam], B, kind, nodes, args.new, args.prompt_len, args.seed, parts=True)
         out[name] = {"host_ms_per_step": med["host_ms_per_step"], "runs_ms": [r["host_ms_per_step"] for r in rs],
                      "parts_ms_per_step": part["parts_ms_per_step"], "parts_run_ms": part["host_ms_per_step"],
-                     "steps": med["steps"], "tau": med["tau"], "batch": B, "nodes": nodes,
+                     "steps": med["steps"], "tau": med["tau"], "batch": B, "nodes": nodes, "family": fam,
+                     "recurrent_commits": med["recurrent_commits"],
                      "stand_in_ms_per_step": med["stand_in_s"] / med["steps"] * 1e3,
                      "outputs_equal_reference": all(r["outputs_equal_reference"] for r in rs + [part])}
-        ar = out.get(f"ar_c{B}")
+        ar = out.get(f"ar_c{B}" + ("" if fam == "dense" else f"_{fam}"))
         if ar is not None:  # against the AR baseline at the same concurrency, same run (load cancels)
             out[name]["x_ar"] = out[name]["host_ms_per_step"] / ar["host_ms_per_step"]
         if name in BARS_MS:
