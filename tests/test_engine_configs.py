@@ -176,17 +176,18 @@ def _backend(path):
     return Backend(types.SimpleNamespace(), path, "test", True, "auto", step)
 
 
-def test_agent_tables_go_where_the_dense_triton_step_runs():
+def test_agent_tables_go_where_a_triton_step_runs():
     dense, family, torch_graphs = _backend("triton-dense"), _backend("triton-family"), _backend("torch-graphs")
     k = "bn64-bk128-w4-s4-m32"
     tables = kernels_build.engine_tables({"o": {"32": k}})
     assert tables == {"o": {**DEFAULT_CONFIGS["o"], "32": k}}
     assert dense.install_tables(tables) is True and dense.fast.installed == [tables] and dense.tables == tables
     assert dense.step_graphs.cache.entries == {}  # recaptured with the new tables
-    assert family.install_tables(tables) is False and family.fast.installed == []  # tuned for the dense step
+    # the family step too (issue 62: the sub-agent tunes a family target on its own role weights)
+    assert family.install_tables(tables) is True and family.fast.installed == [tables]
     assert torch_graphs.install_tables(tables) is False
     explicit = {"down": "bn16-bk512-w4-s3"}  # an explicit --kernel-configs: every Triton step, as before
-    assert family.install_tables(explicit, strict=True) is True and family.fast.installed == [explicit]
+    assert family.install_tables(explicit, strict=True) is True and family.fast.installed == [tables, explicit]
     with pytest.raises(SpecpilotError, match="need the Triton step"):
         torch_graphs.install_tables(explicit, strict=True)
     assert dense.install_tables({}) is False
@@ -306,7 +307,22 @@ res = mt.tune_engine_configs(cfg, "cpu", rows=(16, 32), roles=("o", "gate_up"), 
 mt.FP32_REL_TOL = 1e-12  # nothing is that close: the decode config itself is off, the role is skipped
 skipped = mt.tune_engine_configs(cfg, "cpu", rows=(16,), roles=("down",), max_configs=2, dtype=torch.float32,
                                  timer=timer, log=lambda s: None)
-print("RESULT " + json.dumps({"res": res, "skipped": skipped, "timed": timed, "defaults": DEFAULT_CONFIGS}))
+mt.FP32_REL_TOL = 2e-2
+# a family target (issue 62): the hybrid's qkv role probed on its GDN fused_in (48 of 64 layers at the
+# real shape), its o role on out_proj; the model of the shape, fused, gives the same shapes
+from specpilot.models.random_checkpoint import target_config
+from specpilot.bench._engine import dry_target
+hcfg = target_config("tiny-hybrid")
+fam = mt.tune_engine_configs(hcfg, "cpu", rows=(16,), roles=("qkv", "o"), max_configs=2, dtype=torch.float32,
+                             timer=timer, log=lambda s: None)
+from specpilot.fastpath.family import fuse_family_weights
+m = dry_target("tiny-hybrid", layers=hcfg.num_hidden_layers)
+fuse_family_weights(m)
+gdn = [l for l in m.model.layers if l.kind == "linear_attention"]
+real = {"qkv": list(gdn[0].fused_in.shape), "o": list(gdn[0].linear_attn.out_proj.weight.shape), "n_gdn": len(gdn),
+        "n": len(m.model.layers), "att_qkv": [list(l.fused_qkv.shape) for l in m.model.layers if l.kind != "linear_attention"][0]}
+print("RESULT " + json.dumps({"res": res, "skipped": skipped, "timed": timed, "defaults": DEFAULT_CONFIGS,
+                              "fam": fam, "real": real}))
 '''
 
 
@@ -340,3 +356,9 @@ def test_tuning_checks_before_it_times_interpreted(tmp_path):
     sk = out["skipped"]
     assert sk["engine_configs"] == {} and sk["engine_trials"] == []
     assert "off the fp32 reference" in sk["engine_summary"][0]["why"]
+    fam, real = out["fam"], out["real"]  # the family target: probed on its own (GDN) role weights
+    assert 2 * real["n_gdn"] > real["n"] and real["qkv"] != real["att_qkv"]
+    assert fam["engine_shapes"] == {"qkv": real["qkv"], "o": real["o"]}
+    assert {(t["role"], t["rows"]) for t in fam["engine_trials"]} == {("qkv", 16), ("o", 16)}
+    assert all(t["passed"] == (t["bit_equal"] and t["rel_err"] <= 2e-2) for t in fam["engine_trials"])
+    assert any(t["passed"] for t in fam["engine_trials"] if t["role"] == "qkv")  # its default checks out

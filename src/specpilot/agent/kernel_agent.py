@@ -105,9 +105,7 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
            "configs": table, "trials": trials, "engine_configs": {}}
     if not engine:
         res["engine_reason"] = "engine section not run"
-    elif not cfg.is_dense:
-        res["engine_reason"] = "the engine's matmul tables are tuned for dense targets (the FastTarget step) only"
-    else:
+    else:  # dense targets and the families (the family step's role weights: tuning.matmul.family_role_shapes)
         from ..tuning.matmul import tune_engine_configs  # the Triton step: an optional dependency
 
         _section(res, "engine_configs", "engine_reason", "engine tuning", lambda: tune_engine_configs(

@@ -123,14 +123,14 @@ class Backend:
     def install_tables(self, tables: dict, strict: bool = False) -> bool:
         """Install matmul ``tables`` (``{role: key or {max_rows: key}}``, ``attn_rows``) in the Triton
         step; returns whether it did. ``strict`` (an explicit ``--kernel-configs``): install or raise;
-        otherwise (the kernel sub-agent's tables, tuned for the dense step) a target that does not
-        run the dense Triton step is left alone.
+        otherwise (the kernel sub-agent's tables, tuned for this deployment's target: the dense
+        step's or the family step's role weights) a target that runs no Triton step is left alone.
 
         Raises:
             SpecpilotError: ``strict`` and no Triton step; a malformed table (named)."""
         if not tables:
             return False
-        if self.path != "triton-dense" and not (strict and self.triton):
+        if self.path not in ("triton-dense", "triton-family") and not (strict and self.triton):
             if strict:
                 raise SpecpilotError(f"matmul tables need the Triton step, but this target runs {self.path}: "
                                      f"{self.reason}")

@@ -47,6 +47,7 @@ from ..errors import SpecpilotError
 from ..fastpath.dense import FastTarget
 from ..fastpath.support import dense_support
 from ..fastpath.tables import DEFAULT_CONFIGS, DEFAULT_TUNE_ROWS, LINEAR_ROLES, TUNE_ROWS, LinearConfig, role_layout, row_tile
+from ..models.config import TargetConfig
 from ..models.qwen3 import Transformer
 from .timing import graph_us, rel_err
 
@@ -71,6 +72,43 @@ def role_shapes(cfg) -> dict[str, tuple[int, int]]:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (cfg.vocab_size, h)}
+
+
+def family_role_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """Per matmul role the weight shape (N rows, K columns) a family target's step (Gated DeltaNet
+    hybrid, Muse-Glimmer: :class:`~specpilot.fastpath.family.FastFamilyTarget`) runs the role on for
+    the most weight bytes, in its fused layout: ``qkv`` the attention ``fused_qkv`` (q | k | v [|
+    gate]) or the GDN ``fused_in`` (qkv | z | b | a), ``o`` the attention ``o_proj`` or the GDN
+    ``out_proj``, ``gate_up`` / ``down`` the MLP's, ``lm_head``. Shapes read from the model built
+    on the meta device (no memory), fused as the family step fuses it."""
+    from ..fastpath.family import fuse_family_weights  # the family step (Triton: imported when asked)
+    from ..models.target import Transformer as FamilyTransformer
+
+    with torch.device("meta"):
+        model = FamilyTransformer(cfg)
+    fuse_family_weights(model)
+    weight: dict[str, dict[tuple[int, int], int]] = {}
+    for layer in model.model.layers:
+        gdn = layer.kind == "linear_attention"
+        roles = {"qkv": layer.fused_in if gdn else layer.fused_qkv,
+                 "o": layer.linear_attn.out_proj.weight if gdn else layer.self_attn.o_proj.weight,
+                 "gate_up": layer.fused_gate_up, "down": layer.mlp.down_proj.weight}
+        for role, w in roles.items():
+            by = weight.setdefault(role, {})
+            by[tuple(w.shape)] = by.get(tuple(w.shape), 0) + w.numel()
+    out = {role: max(by, key=by.get) for role, by in weight.items()}
+    out["lm_head"] = tuple(model.lm_head.weight.shape)
+    return out
+
+
+def _dense_stand_in(cfg):
+    """A dense config of a family target's hidden size, MLP, attention heads and vocabulary: the
+    one-layer target whose step (:class:`FastTarget`) makes the matmul calls the family step makes
+    (FastFamilyTarget inherits them) on the family's role weights (:func:`family_role_shapes`)."""
+    return TargetConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                        rms_norm_eps=cfg.rms_norm_eps)
 
 
 def bucket_of(role: str, rows: int) -> int:
@@ -186,13 +224,16 @@ class _RoleProbe:
     base_err: float
 
 
-def _probe(fast, model, role: str, Mmax: int, g, device, dtype) -> _RoleProbe:
-    """The probe of ``role`` on the one-layer target (see :class:`_RoleProbe`)."""
+def _probe(fast, model, role: str, Mmax: int, g, device, dtype, shape: tuple[int, int] | None = None) -> _RoleProbe:
+    """The probe of ``role`` on the one-layer target (see :class:`_RoleProbe`); ``shape``: a weight
+    of that shape instead (a family target's, :func:`family_role_shapes`; N(0, 0.02) from ``g``)."""
     L = model.model.layers[0]
     weights = {"qkv": (L.fused_qkv, L.input_layernorm.weight), "o": (L.self_attn.o_proj.weight, None),
                "gate_up": (L.fused_gate_up, L.post_attention_layernorm.weight),
                "down": (L.mlp.down_proj.weight, None), "lm_head": (model.lm_head.weight, model.model.norm.weight)}
     w, norm = weights[role]
+    if shape is not None and tuple(w.shape) != tuple(shape):  # the norms (K = hidden) stay the stand-in's
+        w = (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)
     _, res, sw = role_layout(role)
     Kd = w.shape[1]
     N = w.shape[0] // 2 if sw else w.shape[0]
@@ -287,7 +328,10 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
                         timer: Callable[[str, list], float] | None = None, confirm_repeats: int = 3,
                         log: Callable[[str], None] | None = None) -> dict:
     """Tune the engine's matmul tables of ``rows`` (a subset of :data:`TUNE_ROWS`) for ``roles`` of a
-    dense target config ``cfg`` on this GPU (see the module docstring).
+    target config ``cfg`` on this GPU (see the module docstring). A family target (Gated DeltaNet
+    hybrid, Muse-Glimmer) is probed on its own role weights (:func:`family_role_shapes`, the shape
+    with the most bytes per role) through the same matmul call, on a dense one-layer stand-in of its
+    hidden size (:func:`_dense_stand_in`): its step's tables.
 
     ``max_configs``: candidates per (role, bucket), the default included. ``min_gain``: fraction by
     which a candidate must beat the default on the confirming re-timing (``confirm_repeats``
@@ -302,15 +346,13 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
         DEFAULT_CONFIGS), "engine_summary": [per (role, bucket): role, rows, default, default_us,
         best, best_us, chosen, why], "engine_trials": [per candidate: role, rows, config,
         checked_rows, bit_equal, rel_err, passed, us (device microseconds per call), bw_fraction,
-        error]}``. A role whose decode config is itself off the fp32 reference is left at its
-        defaults (a summary row with ``why``).
+        error], "engine_shapes": {role: [N, K] of the weight probed}}``. A role whose decode
+        config is itself off the fp32 reference is left at its defaults (a summary row with ``why``).
 
     Raises:
-        SpecpilotError: ``cfg`` is not a dense target the Triton step runs, ``rows`` outside
+        SpecpilotError: the Triton step does not run the (stand-in) target, ``rows`` outside
             :data:`TUNE_ROWS`, an unknown role.
     """
-    if not cfg.is_dense:
-        raise SpecpilotError("engine matmul tuning covers dense targets (the FastTarget step) only")
     bad = [r for r in rows if r not in TUNE_ROWS]
     if bad or not rows:
         raise SpecpilotError(f"engine matmul tuning rows must be among {TUNE_ROWS}, got {tuple(rows)}")
@@ -321,7 +363,8 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
     timer = timer or (lambda key, fns: graph_us(fns))
     opts = {"bandwidth": bandwidth, "max_configs": max_configs, "min_gain": min_gain, "confirm_repeats": confirm_repeats}
     rows = tuple(sorted(rows))
-    model, fast = _one_layer_target(cfg, device, dtype, seed)
+    shapes = role_shapes(cfg) if cfg.is_dense else family_role_shapes(cfg)
+    model, fast = _one_layer_target(cfg if cfg.is_dense else _dense_stand_in(cfg), device, dtype, seed)
     l2 = (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)) \
         if device.type == "cuda" else 0
     table: dict[str, dict[str, str]] = {}
@@ -329,7 +372,7 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
     g = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for role in roles:
-            pr = _probe(fast, model, role, max(rows), g, device, dtype)
+            pr = _probe(fast, model, role, max(rows), g, device, dtype, None if cfg.is_dense else shapes[role])
             if not pr.base_err <= FP32_REL_TOL:
                 summary.append({"role": role, "rows": None, "default": pr.decode.key(), "chosen": None,
                                 "why": f"the decode config is off the fp32 reference (rel err {pr.base_err:.3g}); "
@@ -351,4 +394,5 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
     del fast, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"engine_configs": table, "engine_summary": summary, "engine_trials": trials}
+    return {"engine_configs": table, "engine_summary": summary, "engine_trials": trials,
+            "engine_shapes": {role: list(shapes[role]) for role in roles}}
