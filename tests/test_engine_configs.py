@@ -118,9 +118,18 @@ def test_use_kernel_outputs_returns_the_agents_engine_configs(tmp_path):
     assert used["applies"] is True and used["w12_tuned"] == 0
     assert used["engine_configs"] == {"o": {"32": "bn64-bk128-w4-s4-m32"}, "lm_head": {"16": "bn128-bk64-w4-s4-p"}}
     assert used["engine_from_agent"] == 2
+    assert used["drafter_engine_configs"] == {}  # no draft-step tables in this file
     # a file without engine_configs (an older one) and an empty table give none
     manifest, agent = _files(tmp_path, {})
     assert kernels_build.use_kernel_outputs(manifest, agent)["engine_configs"] == {}
+    # the draft step's tables (issue 62): validated as the target's, named as the drafter's
+    doc = json.loads(Path(agent).read_text())
+    Path(agent).write_text(json.dumps({**doc, "drafter_engine_configs": {"down": {"256": "bn64-bk128-w4-s3-m128"}}}))
+    assert kernels_build.use_kernel_outputs(manifest, agent)["drafter_engine_configs"] == \
+        {"down": {"256": "bn64-bk128-w4-s3-m128"}}
+    Path(agent).write_text(json.dumps({**doc, "drafter_engine_configs": {"attn": {"16": "bn32-bk256-w4-s4"}}}))
+    with pytest.raises(SpecpilotError, match=r"drafter_engine_configs.*unknown matmul role 'attn'"):
+        kernels_build.use_kernel_outputs(manifest, agent)
 
 
 @needs_triton
@@ -191,6 +200,17 @@ def test_agent_tables_go_where_a_triton_step_runs():
     with pytest.raises(SpecpilotError, match="need the Triton step"):
         torch_graphs.install_tables(explicit, strict=True)
     assert dense.install_tables({}) is False
+
+
+def test_drafter_tables_go_into_every_triton_draft_step():
+    dense, eager = _backend("triton-dense"), _backend("torch-graphs")
+    built = types.SimpleNamespace(fast=_FakeStep(), cache=types.SimpleNamespace(entries={"captured": 1}))
+    dense._drafters["d"] = (None, built)  # a draft step built before the tables came
+    tables = kernels_build.engine_tables({"down": {"256": "bn64-bk128-w4-s3-m128"}})
+    assert dense.install_drafter_tables(tables) is True and dense.drafter_tables == tables
+    assert built.fast.installed == [tables] and built.cache.entries == {}  # installed, recaptured
+    assert eager.install_drafter_tables(tables) is False and eager.drafter_tables == {}
+    assert dense.install_drafter_tables({}) is False
 
 
 def test_agent_tables_leave_a_cpu_target_alone():

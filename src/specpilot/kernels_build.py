@@ -188,6 +188,7 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     if agent_path and agent.get("gpu") != m.get("gpu"):
         raise SpecpilotError(f"{agent_path} is for gpu {agent.get('gpu')!r}, {manifest_path} for {m.get('gpu')!r}")
     engine = check_engine_configs(agent.get("engine_configs"), str(agent_path))
+    drafter_engine = check_engine_configs(agent.get("drafter_engine_configs"), f"{agent_path} (drafter_engine_configs)")
     w12_choice = agent_w12_choice(agent, str(agent_path))
     cpu = agent.get("cpu")
     if not m.get("applies"):
@@ -204,6 +205,7 @@ def use_kernel_outputs(manifest_path: str | None, agent_path: str | None) -> dic
     table.update(agent.get("configs") or {})
     out = {"applies": True, "gpu": m["gpu"], "w12_tuned": len(table), "w12_from_agent": len(agent.get("configs") or {}),
            "engine_configs": engine, "engine_from_agent": sum(len(v) for v in engine.values()),
+           "drafter_engine_configs": drafter_engine,
            "w12_choice": w12_choice}
     if not agent.get("applies"):
         out["agent"] = agent.get("reason", "")

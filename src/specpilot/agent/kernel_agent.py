@@ -54,7 +54,8 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
          top: int = 3, max_configs: int = 16, manifest: dict | None = None, w12: bool = True,
          engine: bool = True, engine_rows: tuple[int, ...] | None = None, engine_roles: tuple[str, ...] | None = None,
          max_engine_configs: int = 16, engine_min_gain: float = 0.02, w12_fast: bool = True,
-         w12_widths: tuple[int, ...] = (16,), manifest_path: str | None = None, cpu: dict | None = None) -> dict:
+         w12_widths: tuple[int, ...] = (16,), manifest_path: str | None = None, cpu: dict | None = None,
+         drafter_dir: str | None = None) -> dict:
     """Run the sub-agent; writes ``out`` (kernel-agent.json) and returns its content.
 
     ``target_dir``: the target checkpoint (only its config.json is read: the kernels are tuned on
@@ -71,7 +72,12 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     LinearConfig key}}``, only the entries that differ from the engine's DEFAULT_CONFIGS; ``{}`` when
     nothing applies), ``engine_summary`` and ``engine_trials`` (per bucket and per candidate: checks,
     device microseconds per call), ``engine_reason`` when the engine section did not run or failed
-    (its tables then stay the defaults: an error there never fails the job, it is recorded).
+    (its tables then stay the defaults: an error there never fails the job, it is recorded). With
+    ``drafter_dir`` (a DFlash-family drafter checkpoint; only its config.json is read) the engine
+    section tunes the draft step's tables too, the same rows (issue 62: at c16 the draft runs 16 x
+    block rows): ``drafter_engine_configs`` (its q/k/v, o, gate/up and down roles on the drafter's
+    layer shapes; ``lm_head`` the target's entries, the same weight), ``drafter_engine_summary``,
+    or ``drafter_engine_reason``.
     ``w12_choice`` (section ``w12_fast``, any target family): per matmul role and row count of
     ``w12_widths`` (rows per verify matmul; default 16, one request at block 16), whether the
     engine's fast path runs it with the 12-bit loader of the bf16 kernels (the same bits, so only
@@ -111,6 +117,10 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         _section(res, "engine_configs", "engine_reason", "engine tuning", lambda: tune_engine_configs(
             cfg, "cuda", tuple(engine_rows or DEFAULT_TUNE_ROWS), tuple(engine_roles) if engine_roles else LINEAR_ROLES,
             max_configs=max_engine_configs, min_gain=engine_min_gain, bandwidth=bw))
+        if drafter_dir:
+            _section(res, "drafter_engine_configs", "drafter_engine_reason", "drafter engine tuning", lambda: _drafter(
+                drafter_dir, cfg, res, tuple(engine_rows or DEFAULT_TUNE_ROWS), engine_roles, max_engine_configs,
+                engine_min_gain, bw))
     res["w12_choice"] = {}
     if not w12_fast:
         res["w12_choice_reason"] = "w12 fast-path section not run"
@@ -121,6 +131,24 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
         _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning", w12_section)
     write_json(out, res)
     return res
+
+
+def _drafter(drafter_dir: str, cfg: TargetConfig, res: dict, rows: tuple[int, ...], roles, max_configs: int,
+             min_gain: float, bw: float) -> dict:
+    """The draft step's tables (see :func:`tune`): its layer roles tuned on the drafter's shapes, the LM
+    head's entries the target's (the same weight, already tuned)."""
+    from ..models.dflash import DrafterConfig
+    from ..tuning.matmul import drafter_stand_in, tune_engine_configs
+
+    dcfg = DrafterConfig.from_hf_dict(read_config(drafter_dir))
+    layer_roles = tuple(r for r in (roles or LINEAR_ROLES) if r != "lm_head")
+    t = tune_engine_configs(drafter_stand_in(dcfg, cfg.vocab_size), "cuda", rows, layer_roles,
+                            max_configs=max_configs, min_gain=min_gain, bandwidth=bw)
+    table = dict(t["engine_configs"])
+    if res.get("engine_configs", {}).get("lm_head"):
+        table["lm_head"] = res["engine_configs"]["lm_head"]
+    return {"drafter_engine_configs": table, "drafter_engine_summary": t["engine_summary"],
+            "drafter_engine_shapes": t["engine_shapes"]}
 
 
 def _section(res: dict, table: str, reason: str, what: str, run) -> None:

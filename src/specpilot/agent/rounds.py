@@ -93,6 +93,9 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
     tables = engine_tables(kernels.get("engine_configs"))
     if dep.backend.install_tables(tables):
         kernels["engine_tables"] = tables
+    drafter_tables = engine_tables(kernels.get("drafter_engine_configs"))  # the draft step's, as the cells run it
+    if dep.backend.install_drafter_tables(drafter_tables):
+        kernels["drafter_engine_tables"] = drafter_tables
     meta = {"deployment": args.deployment, "target": args.target_name or args.target,
             "drafter": args.drafter_name, "gpu": args.gpu}
     ev = Evaluator(dep, prompts, args.max_new_tokens, args.concurrency, meta,
@@ -435,7 +438,8 @@ def kernels(args) -> int:
                "block": resolve_block(args.block_size, args.drafter, "--block-size")}
     res = tune(args.target, args.gpu, args.ceilings, args.out, manifest=manifest, manifest_path=args.kernels_manifest,
                top=args.top, max_configs=args.max_configs, max_engine_configs=args.max_configs,
-               engine_rows=_rows(args.engine_rows), cpu=cpu, **{s: s in args.sections for s in KERNEL_SECTIONS})
+               engine_rows=_rows(args.engine_rows), cpu=cpu, drafter_dir=args.drafter if args.gpu != "cpu" else None,
+               **{s: s in args.sections for s in KERNEL_SECTIONS})
     if "cpu" in res:
         print("kernel sub-agent on cpu: " + "; ".join(res["cpu"]["why"]))
         return 0

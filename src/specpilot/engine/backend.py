@@ -82,6 +82,7 @@ class Backend:
         step_graphs: the target's captured steps (:class:`~specpilot.fastpath.graphs.StepGraphs`),
             None on the eager path.
         tables: matmul tables installed in the Triton step (:meth:`install_tables`).
+        drafter_tables: matmul tables of the Triton draft step (:meth:`install_drafter_tables`).
         w12: the w12 choice the target was prepared with (JSON form, ``{role: "w12" | {max_rows:
             "w12" | "bf16"}}``), or None; w12_stats: what the preparation converted and freed.
     """
@@ -93,6 +94,7 @@ class Backend:
     kernels: str = "auto"
     step_graphs: object | None = None
     tables: dict = field(default_factory=dict)
+    drafter_tables: dict = field(default_factory=dict)
     w12: dict | None = None
     w12_stats: dict | None = None
     _drafters: dict = field(default_factory=dict, repr=False)
@@ -140,6 +142,21 @@ class Backend:
         self.tables = dict(tables)
         return True
 
+    def install_drafter_tables(self, tables: dict) -> bool:
+        """Install matmul ``tables`` (``{role: {max_rows: key}}``, the kernel sub-agent's draft-step
+        tables through :func:`~specpilot.kernels_build.engine_tables`) in every Triton draft step of
+        this deployment, those built later included (:meth:`drafter_graphs`; their graphs recaptured).
+        Returns whether it may run here (the target on a Triton path under CUDA graphs: the draft
+        step follows it; a drafter the Triton draft step cannot run keeps its eager network).
+        Raises SpecpilotError for a malformed table (when a draft step takes it)."""
+        if not tables or not self.graphs or not self.triton:
+            return False
+        self.drafter_tables = dict(tables)
+        for _, g in self._drafters.values():
+            if g.fast is not None and g.fast.set_configs(tables):
+                g.cache.entries.clear()
+        return True
+
     def fused_step(self):
         """The fused CPU step of this target (:class:`~specpilot.fastpath.cpu_target.FusedTarget`,
         engine config ``verify_path: fused``), built on first use and kept.
@@ -171,6 +188,8 @@ class Backend:
             g = DrafterGraphs(drafter, embed, lm_head, kernels)
             if self.w12 and g.fast is not None:  # the draft step's roles in 12 bits too (the same drafts)
                 g.fast.use_w12(parse_choice(self.w12))
+            if self.drafter_tables and g.fast is not None:  # the sub-agent's draft-step tables
+                g.fast.set_configs(self.drafter_tables)
             self._drafters[key] = (drafter, g)
         return self._drafters[key][1]
 

@@ -257,6 +257,9 @@ def load_deployments(args, specs: list[EngineSpec], kernel_outputs: dict) -> dic
     installed = [dep.backend.install_tables(tables, strict=explicit is not None) for dep in deps.values()]
     if tables and any(installed):
         kernel_outputs["engine_tables"] = tables
+    drafter_tables = engine_tables(kernel_outputs.get("drafter_engine_configs"))  # the draft step's (issue 62)
+    if drafter_tables and any([dep.backend.install_drafter_tables(drafter_tables) for dep in deps.values()]):
+        kernel_outputs["drafter_engine_tables"] = drafter_tables
     return deps
 
 

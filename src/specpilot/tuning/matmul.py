@@ -111,6 +111,17 @@ def _dense_stand_in(cfg):
                         rms_norm_eps=cfg.rms_norm_eps)
 
 
+def drafter_stand_in(dcfg, vocab_size: int):
+    """The dense target config whose layer has a DFlash-family drafter's layer shapes (``dcfg``: a
+    :class:`~specpilot.models.dflash.DrafterConfig`) and whose LM head is the target's (``vocab_size``
+    rows; the drafter drafts through the target's head): :func:`tune_engine_configs` of it tunes the
+    draft step's tables (:class:`~specpilot.fastpath.drafter.FastDrafter` makes the same matmul calls)."""
+    return TargetConfig(vocab_size=vocab_size, hidden_size=dcfg.hidden_size, intermediate_size=dcfg.intermediate_size,
+                        num_hidden_layers=1, num_attention_heads=dcfg.num_attention_heads,
+                        num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
+                        rms_norm_eps=dcfg.rms_norm_eps)
+
+
 def bucket_of(role: str, rows: int) -> int:
     """The ``max_rows`` of DEFAULT_CONFIGS[role] whose entry a matmul of ``rows`` rows uses (the
     smallest >= rows, else the largest)."""
