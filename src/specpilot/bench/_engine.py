@@ -52,7 +52,7 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
-    "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "teacher_forced", "lattice_of", "shape_parents",
+    "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "target_and_drafter", "teacher_forced", "lattice_of", "shape_parents",
 ]
 
 def triton_step():
@@ -167,6 +167,20 @@ def dry_drafter(target: Transformer, shape: str = "tiny", block_size: int = 16, 
     with torch.device("meta"):
         model = DFlash2Drafter(cfg) if kind == "dflash2" else DFlashDrafter(cfg)
     return fill_random_(model.to(dtype).to_empty(device="cpu"), seed + 1).eval()
+
+
+def target_and_drafter(run, shape: str, block: int, seed: int):
+    """(target, DFlash drafter) of ``shape`` for a benchmark :class:`~specpilot.bench._common.Run`:
+    random weights drawn on its device in its dtype, or on a dry run the tiny CPU models
+    (:func:`dry_target`, :func:`dry_drafter`); the device synchronized after."""
+    if run.dry:
+        model = dry_target(shape, seed=seed)
+        drafter = dry_drafter(model, shape, block, seed=seed)
+    else:
+        model = build_target(shape, run.device, run.dtype, seed)
+        drafter = build_drafter(shape, run.device, run.dtype, seed, block)
+    run.sync()
+    return model, drafter
 
 
 def runner(model: Transformer, batch: int, max_seq: int, capture: tuple[int, ...] = (), graphs: bool | None = None,

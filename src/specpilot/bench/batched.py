@@ -49,7 +49,6 @@ import torch
 
 from ..agent.costmodel import step_floors
 from ..ceilings import measure as measure_ceilings
-from ..tuning import timing
 from . import _engine as E
 from ._common import Run, add_common, fmt, kernel_profile, random_tokens
 
@@ -104,13 +103,7 @@ class Shape:
     def __init__(self, run: Run, a: argparse.Namespace, shape: str, ceilings: dict):
         self.run, self.a, self.shape, self.dev, self.ceil = run, a, shape, run.device, ceilings
         t = time.time()
-        if run.dry:
-            self.model = E.dry_target(shape, seed=a.seed)
-            self.drafter = E.dry_drafter(self.model, shape, a.block, seed=a.seed)
-        else:
-            self.model = E.build_target(shape, self.dev, run.dtype, a.seed)
-            self.drafter = E.build_drafter(shape, self.dev, run.dtype, a.seed, a.block)
-        run.sync()
+        self.model, self.drafter = E.target_and_drafter(run, shape, a.block, a.seed)
         self.prof = E.load_profile(a.profile)
         self.V = self.model.config.vocab_size
         self.S = a.context + a.new + 2 * a.block + 64
@@ -296,6 +289,14 @@ def _x(a, b) -> str:
     return fmt(a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None, "{:.2f}x")
 
 
+def _commit_line(name: str, cb: dict) -> str:
+    """The hybrid commit's state traffic today against its floor (phase ``floors``)."""
+    mib = {k: cb[k] / 2**20 for k in ("today_bytes", "floor_bytes")}
+    return (f"{name} commit state traffic {mib['today_bytes']:.1f} MiB = {fmt(cb['today_ms'])} ms at copy bandwidth "
+            f"(floor: state written once {mib['floor_bytes']:.1f} MiB = {fmt(cb['floor_ms'])} ms); per-token states "
+            f"kept {cb['keep_states_bytes'] / 2**30:.2f} GiB (fits in half the free memory: {cb['keep_states_fit']})")
+
+
 def table(R: dict) -> list[str]:
     """One line per figure: per shape the parts against their floors and the AR steps, the loop's
     step, the commit's state traffic, the kernel groups and the host functions."""
@@ -314,12 +315,8 @@ def table(R: dict) -> list[str]:
                  f"{fmt(lp.get('draft_ms'))}, rest {fmt(lp.get('rest_ms'))} ms (bar <= 0.60); tau "
                  f"{fmt(lp.get('tau'), '{:.2f}')}, AR c{B} loop step {fmt(lp.get('ar_c16_loop_ms'))} ms, "
                  f"tau x AR / step {fmt(lp.get('speedup_vs_ar_formula'), '{:.2f}')}x, = AR {lp.get('outputs_equal_ar', '-')}")
-        cb = f.get("commit")
-        if cb:
-            L.append(f"{name} commit state traffic {cb['today_bytes'] / 2**20:.1f} MiB = {fmt(cb['today_ms'])} ms at "
-                     f"copy bandwidth (floor: state written once {cb['floor_bytes'] / 2**20:.1f} MiB = "
-                     f"{fmt(cb['floor_ms'])} ms); per-token states kept {cb['keep_states_bytes'] / 2**30:.2f} GiB "
-                     f"(fits in half the free memory: {cb['keep_states_fit']})")
+        if f.get("commit"):
+            L.append(_commit_line(name, f["commit"]))
         k = S.get("kernels", {})
         if k:
             ar = k.get("ar_c16", {}).get("groups", {})

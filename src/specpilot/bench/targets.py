@@ -58,13 +58,7 @@ class Target:
         self.run, self.a, self.shape, self.dev = run, a, shape, run.device
         self.fast = a.path == "fast" and run.cuda
         t = time.time()
-        if run.dry:
-            self.model = E.dry_target(shape, seed=a.seed)
-            self.drafter = E.dry_drafter(self.model, shape, a.block, seed=a.seed)
-        else:
-            self.model = E.build_target(shape, self.dev, run.dtype, a.seed)
-            self.drafter = E.build_drafter(shape, self.dev, run.dtype, a.seed, a.block)
-        run.sync()
+        self.model, self.drafter = E.target_and_drafter(run, shape, a.block, a.seed)
         c = self.model.config
         self.V = c.vocab_size
         self.info = {"params": sum(p.numel() for p in self.model.parameters()), "build_s": time.time() - t,
