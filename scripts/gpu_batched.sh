@@ -15,6 +15,9 @@
 # CPU plumbing check: DRY=1 bash scripts/gpu_batched.sh (tiny shapes, Triton's interpreter).
 # Sizes: REQUESTS (32), NEW (512), PROMPT_LEN (128: with 512 new tokens the mean context ~384, the
 # study's batched rounds' ~336), SHAPES (the three), DEADLINE (530 s for the whole call).
+# TUNE=1 (a second call, "after"): bench batched first tunes each shape's target and draft-step matmul
+# tables at 16 and 256 rows (--tune-rows, TUNE_CONFIGS candidates each, default 8) and measures with
+# them; serving then runs the target's tuned tables (--kernel-configs, forcing included).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu_batched}; mkdir -p "$OUT"
@@ -37,13 +40,15 @@ fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # 1. the profile, every shape in one process (the dry run maps the study shapes to tiny ones itself)
 BSHAPES=$SHAPES; [ "${DRY:-0}" = 1 ] && BSHAPES="qwen3-8b qwen3.8-27b muse-glimmer-30b"
+[ "${TUNE:-0}" = 1 ] && [ "${DRY:-0}" != 1 ] && BATCHED="--tune-rows 16 256 --tune-configs ${TUNE_CONFIGS:-8}"
 guard 120 python3 -m specpilot bench batched $BATCHED --shapes $BSHAPES --out "$OUT/batched.json" \
     2>"$OUT/batched.log" | sed -n '/^batched (/,$p'
 # 2. serving at c16, one shape at a time (each checkpoint freed before the next)
 for S in $SHAPES; do
     [ -f /tmp/lz_$S/config.json ] || python3 -m specpilot random-checkpoint --shape $S --out /tmp/lz_$S \
         --drafter-out /tmp/lz_$S-drafter --lazy > /dev/null
-    guard 60 python3 -m specpilot bench serving --target /tmp/lz_$S --drafter /tmp/lz_$S-drafter --prompt-len $PLEN \
+    KC=""; [ -f "$OUT/batched_tables_$S.json" ] && [ "${TUNE:-0}" = 1 ] && KC="--kernel-configs $OUT/batched_tables_$S.json"
+    guard 60 python3 -m specpilot bench serving $KC --target /tmp/lz_$S --drafter /tmp/lz_$S-drafter --prompt-len $PLEN \
         --new $NEW --requests $REQ --concurrency $C --ar-force --profile study_stock --block 16 \
         --work /tmp/work_batched_$S --out "$OUT/serving_$S.json" 2>"$OUT/serving_$S.log" \
         | grep -E "^c$C |^AR |^errors" | sed "s/^/$S serving /"

@@ -341,8 +341,14 @@ fuse_family_weights(m)
 gdn = [l for l in m.model.layers if l.kind == "linear_attention"]
 real = {"qkv": list(gdn[0].fused_in.shape), "o": list(gdn[0].linear_attn.out_proj.weight.shape), "n_gdn": len(gdn),
         "n": len(m.model.layers), "att_qkv": [list(l.fused_qkv.shape) for l in m.model.layers if l.kind != "linear_attention"][0]}
+# the draft step's tables: its layer roles on the drafter's shapes, the LM head's entries the target's
+from specpilot.models.random_checkpoint import drafter_config
+dcfg = drafter_config("tiny", 4)
+dr = mt.tune_drafter_configs(dcfg, 128, {"lm_head": {"16": "bn64-bk128-w4-s4-p"}}, (16,), ("o", "lm_head"),
+                             device="cpu", max_configs=2, dtype=torch.float32, timer=timer, log=lambda s: None)
+dshape = [dcfg.hidden_size, dcfg.num_attention_heads * dcfg.head_dim]
 print("RESULT " + json.dumps({"res": res, "skipped": skipped, "timed": timed, "defaults": DEFAULT_CONFIGS,
-                              "fam": fam, "real": real}))
+                              "fam": fam, "real": real, "dr": dr, "dshape": dshape}))
 '''
 
 
@@ -382,3 +388,7 @@ def test_tuning_checks_before_it_times_interpreted(tmp_path):
     assert {(t["role"], t["rows"]) for t in fam["engine_trials"]} == {("qkv", 16), ("o", 16)}
     assert all(t["passed"] == (t["bit_equal"] and t["rel_err"] <= 2e-2) for t in fam["engine_trials"])
     assert any(t["passed"] for t in fam["engine_trials"] if t["role"] == "qkv")  # its default checks out
+    dr = out["dr"]  # the drafter: o tuned on its own shape, lm_head not tuned but the target's entries
+    assert dr["drafter_engine_shapes"] == {"o": out["dshape"]}
+    assert [(x["role"], x["rows"]) for x in dr["drafter_engine_summary"]] == [("o", 16)]
+    assert dr["drafter_engine_configs"]["lm_head"] == {"16": "bn64-bk128-w4-s4-p"}

@@ -135,20 +135,13 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
 
 def _drafter(drafter_dir: str, cfg: TargetConfig, res: dict, rows: tuple[int, ...], roles, max_configs: int,
              min_gain: float, bw: float) -> dict:
-    """The draft step's tables (see :func:`tune`): its layer roles tuned on the drafter's shapes, the LM
-    head's entries the target's (the same weight, already tuned)."""
+    """The draft step's tables (see :func:`tune`; :func:`specpilot.tuning.matmul.tune_drafter_configs`)."""
     from ..models.dflash import DrafterConfig
-    from ..tuning.matmul import drafter_stand_in, tune_engine_configs
+    from ..tuning.matmul import tune_drafter_configs
 
     dcfg = DrafterConfig.from_hf_dict(read_config(drafter_dir))
-    layer_roles = tuple(r for r in (roles or LINEAR_ROLES) if r != "lm_head")
-    t = tune_engine_configs(drafter_stand_in(dcfg, cfg.vocab_size), "cuda", rows, layer_roles,
-                            max_configs=max_configs, min_gain=min_gain, bandwidth=bw)
-    table = dict(t["engine_configs"])
-    if res.get("engine_configs", {}).get("lm_head"):
-        table["lm_head"] = res["engine_configs"]["lm_head"]
-    return {"drafter_engine_configs": table, "drafter_engine_summary": t["engine_summary"],
-            "drafter_engine_shapes": t["engine_shapes"]}
+    return tune_drafter_configs(dcfg, cfg.vocab_size, res.get("engine_configs", {}), rows, roles, device="cuda",
+                                max_configs=max_configs, min_gain=min_gain, bandwidth=bw)
 
 
 def _section(res: dict, table: str, reason: str, what: str, run) -> None:

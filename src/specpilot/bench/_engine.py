@@ -33,6 +33,7 @@ from ..fastpath.w12 import choice_json, parse_choice, w12_bytes
 from ..fastpath.w12 import every_role as every_w12_role
 from ..tuning import w12 as _tuning_w12
 from ..forcing.teacher import teacher_forced
+from ..kernels_build import engine_tables
 from ..tuning.w12 import plant_escapes, tune_w12_choice
 from ..kernels import inspect as _kernel_inspect
 from ..models.dflash import DFlashDrafter
@@ -52,7 +53,8 @@ __all__ = [
     "chain_ancestors", "compact_path_", "dry_drafter", "dry_target", "drafter_config", "expected_tau",
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
-    "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "target_and_drafter", "teacher_forced", "lattice_of", "shape_parents",
+    "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "target_and_drafter",
+    "engine_tables", "tuning_matmul", "teacher_forced", "lattice_of", "shape_parents",
 ]
 
 def triton_step():
@@ -117,6 +119,13 @@ def w12_runner(model, max_seq: int, choice: dict | None, graphs: bool = True) ->
     r.backend.w12_stats = r.backend.fast.use_w12(choice)
     r.backend.w12 = choice_json(choice)
     return r
+
+
+def tuning_matmul():
+    """The matmul table tuner's module (:mod:`specpilot.tuning.matmul`; it imports Triton)."""
+    from ..tuning import matmul as module
+
+    return module
 
 
 def tuning_w12():

@@ -7,6 +7,9 @@ Gated DeltaNet hybrid, ``muse-glimmer-30b``; random bf16 weights drawn on the GP
 requests (16) of ``--context`` random tokens (336: the study's batched rounds' mean context) on
 the engine's runner (the Triton fast path under CUDA graphs, as ``specpilot run`` serves):
 
+0. ``tune`` (``--tune-rows 16 256``, CUDA): the target's and the draft step's matmul tables of those
+   row buckets tuned for the shape (:mod:`specpilot.tuning.matmul`, as the kernel sub-agent tunes
+   them: family targets on their own role weights) and installed before every later phase;
 1. ``floors``: the cost model's roofline floors (:func:`specpilot.agent.costmodel.step_floors`:
    bytes against the copy bandwidth measured here, FLOPs against the bf16 matmul rate measured
    here) of the verify (B x block rows), the draft, the AR c16 and the c1 step; the GEMM part of
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import re
 import time
@@ -49,6 +53,7 @@ import torch
 
 from ..agent.costmodel import step_floors
 from ..ceilings import measure as measure_ceilings
+from ..io import write_json
 from . import _engine as E
 from ._common import Run, add_common, fmt, kernel_profile, random_tokens
 
@@ -95,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="study_stock", help="replay profile of the loop and commit phases")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel profiles")
     p.add_argument("--top", type=int, default=6, help="engine functions listed by the host phase")
+    p.add_argument("--tune-rows", type=int, nargs="*", default=[],
+                   help="CUDA: first tune the matmul tables of these row buckets (e.g. 16 256) for the shape's target "
+                        "and drafter (as the kernel sub-agent does) and run every phase with them")
+    p.add_argument("--tune-configs", type=int, default=8, help="candidates per (role, bucket) with --tune-rows")
 
 
 class Shape:
@@ -159,6 +168,27 @@ class Shape:
                 "keep_states_bytes": keep, "free_bytes": free,
                 "keep_states_fit": None if free is None else keep < free // 2}
 
+    def tune(self) -> dict:
+        """``--tune-rows``: the target's and the draft step's tables of those buckets tuned for this
+        shape (:mod:`specpilot.tuning.matmul`, as the kernel sub-agent tunes them) and installed in
+        the runners' backend before every later phase."""
+        self.run.need_cuda("--tune-rows")
+        M, a = E.tuning_matmul(), self.a
+        kw = dict(device="cuda", max_configs=a.tune_configs, bandwidth=self.ceil["memory_bandwidth_bytes_per_s"])
+        t = M.tune_engine_configs(self.model.config, rows=tuple(a.tune_rows), **kw)
+        d = M.tune_drafter_configs(self.drafter.config, self.V, t["engine_configs"], tuple(a.tune_rows), **kw)
+        b = E.backend(self.model, True, "triton")
+        tables, dtables = E.engine_tables(t["engine_configs"]), E.engine_tables(d["drafter_engine_configs"])
+        installed = bool(tables) and b.install_tables(tables, strict=True)
+        path = None
+        if tables:  # the target's tables as a --kernel-configs file (bench serving / specpilot run take it)
+            path = self.run.out.with_name(f"{self.run.out.stem}_tables_{self.shape}.json")
+            write_json(path, tables)
+        return {"engine_configs": t["engine_configs"], "drafter_engine_configs": d["drafter_engine_configs"],
+                "installed": installed, "drafter_installed": b.install_drafter_tables(dtables),
+                "kernel_configs_file": str(path) if path else None,
+                "summary": t["engine_summary"] + d["drafter_engine_summary"]}
+
     # -- 2. the parts alone -------------------------------------------------------------------
     def steps(self) -> dict:
         a, dev, B = self.a, self.dev, self.a.batch
@@ -186,8 +216,12 @@ class Shape:
         out["commit_tokens_per_row"] = float(counts.float().mean())
         _, feats = r.verify(blk)
         self.drafter.setup_cache(B, self.S)
-        ctx_fn, draft_fn = E.draft_step(self.drafter, self.model.model.embed_tokens, self.model.lm_head, "triton",
-                                        a.block, self.run.cuda)
+        embed, head = self.model.model.embed_tokens, self.model.lm_head
+        if self.run.cuda:  # the deployment's draft step (its tables, --tune-rows), as the loop drafts
+            g = r.backend.drafter_graphs(self.drafter, embed, head)
+            ctx_fn, draft_fn = g.add_context, lambda x, s: g.draft(x, s, a.block)
+        else:
+            ctx_fn, draft_fn = E.draft_step(self.drafter, embed, head, "triton", a.block, False)
         start = r.length.clone()
         ctx_fn(torch.zeros(B, a.context, feats.shape[-1], dtype=feats.dtype, device=dev),
                torch.zeros(B, dtype=torch.long, device=dev))
@@ -274,7 +308,8 @@ class Shape:
         return prof
 
     def measure(self) -> dict:
-        phases = [("floors", self.floors), ("steps", self.steps), ("loop", self.loop), ("host", self.host)]
+        phases = [("tune", self.tune)] if self.a.tune_rows else []
+        phases += [("floors", self.floors), ("steps", self.steps), ("loop", self.loop), ("host", self.host)]
         if not self.a.no_kernels and self.run.cuda:
             phases.append(("kernels", self.kernels))
         self.run.R.setdefault("shapes", {})[self.shape] = self.info
@@ -329,6 +364,10 @@ def table(R: dict) -> list[str]:
             L.append(f"{name} verify GEMM {fmt(gv)} ms = {_x(gv, f.get('gemm_verify_ms'))} its floor "
                      f"{fmt(f.get('gemm_verify_ms'))} ms ({f.get('rows')} rows; AR c{B} GEMM floor "
                      f"{fmt(f.get('gemm_ar_c16_ms'))} ms)")
+        tu = S.get("tune")
+        if tu:
+            L.append(f"{name} tuned tables (installed {tu['installed']}, draft step {tu['drafter_installed']}): "
+                     f"target {json.dumps(tu['engine_configs'])}, drafter {json.dumps(tu['drafter_engine_configs'])}")
         h = S.get("host", {}).get("functions", [])
         if h:
             L.append(f"{name} host per step (cProfile own ms): " + ", ".join(

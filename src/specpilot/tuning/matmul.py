@@ -407,3 +407,21 @@ def tune_engine_configs(cfg, device: torch.device | str = "cuda", rows: tuple[in
         torch.cuda.empty_cache()
     return {"engine_configs": table, "engine_summary": summary, "engine_trials": trials,
             "engine_shapes": {role: list(shapes[role]) for role in roles}}
+
+
+def tune_drafter_configs(dcfg, vocab_size: int, target_configs: dict, rows: tuple[int, ...] = DEFAULT_TUNE_ROWS,
+                         roles: tuple[str, ...] | None = None, **kw) -> dict:
+    """The DFlash draft step's tables (issue 62): its layer roles of ``roles`` (default all but the LM
+    head) tuned by :func:`tune_engine_configs` on the drafter's layer shapes (:func:`drafter_stand_in`;
+    ``dcfg`` a :class:`~specpilot.models.dflash.DrafterConfig`), the LM head's entries the target's
+    (``target_configs``: the target's ``engine_configs``; the draft step runs the same head weight).
+    ``kw``: :func:`tune_engine_configs`'s options.
+
+    Returns ``{"drafter_engine_configs", "drafter_engine_summary", "drafter_engine_shapes"}``."""
+    layer_roles = tuple(r for r in (roles or LINEAR_ROLES) if r != "lm_head")
+    t = tune_engine_configs(drafter_stand_in(dcfg, vocab_size), rows=rows, roles=layer_roles, **kw)
+    table = dict(t["engine_configs"])
+    if target_configs.get("lm_head"):
+        table["lm_head"] = target_configs["lm_head"]
+    return {"drafter_engine_configs": table, "drafter_engine_summary": t["engine_summary"],
+            "drafter_engine_shapes": t["engine_shapes"]}
