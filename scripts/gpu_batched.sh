@@ -40,9 +40,16 @@ fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # 1. the profile, every shape in one process (the dry run maps the study shapes to tiny ones itself)
 BSHAPES=$SHAPES; [ "${DRY:-0}" = 1 ] && BSHAPES="qwen3-8b qwen3.8-27b muse-glimmer-30b"
-[ "${TUNE:-0}" = 1 ] && [ "${DRY:-0}" != 1 ] && BATCHED="--tune-rows 16 256 --tune-configs ${TUNE_CONFIGS:-8}"
-guard 120 python3 -m specpilot bench batched $BATCHED --shapes $BSHAPES --out "$OUT/batched.json" \
+# the timings, then the kernel profiles in a process of their own (once torch.profiler ran in a
+# process every later call is slower, the next shapes' timings too)
+TABLES=""
+if [ "${TUNE:-0}" = 1 ] && [ "${DRY:-0}" != 1 ]; then
+    BATCHED="--tune-rows 16 256 --tune-configs ${TUNE_CONFIGS:-8}"; TABLES="--tables-from $OUT/batched.json"
+fi
+guard 120 python3 -m specpilot bench batched $BATCHED --part timings --shapes $BSHAPES --out "$OUT/batched.json" \
     2>"$OUT/batched.log" | sed -n '/^batched (/,$p'
+[ "${DRY:-0}" = 1 ] || guard 90 python3 -m specpilot bench batched --part kernels $TABLES --shapes $BSHAPES \
+    --out "$OUT/batched_kernels.json" 2>"$OUT/batched_kernels.log" | grep -E " kernels | GEMM |^errors"
 # 2. serving at c16, one shape at a time (each checkpoint freed before the next)
 for S in $SHAPES; do
     [ -f /tmp/lz_$S/config.json ] || python3 -m specpilot random-checkpoint --shape $S --out /tmp/lz_$S \

@@ -48,12 +48,13 @@ import json
 import pstats
 import re
 import time
+from pathlib import Path
 
 import torch
 
 from ..agent.costmodel import step_floors
 from ..ceilings import measure as measure_ceilings
-from ..io import write_json
+from ..io import read_json, write_json
 from . import _engine as E
 from ._common import Run, add_common, fmt, kernel_profile, random_tokens
 
@@ -98,12 +99,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--new", type=int, default=128, help="new tokens per request of the loop phase")
     p.add_argument("--profile", default="study_stock", help="replay profile of the loop and commit phases")
-    p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel profiles")
+    p.add_argument("--part", choices=("all", "timings", "kernels"), default="all",
+                   help="timings: every phase but the kernel profiles; kernels: the profiles only (once torch.profiler "
+                        "ran in a process every later call is slower, the next shapes' timings too: run the two "
+                        "parts as two processes, as scripts/gpu_batched.sh does)")
     p.add_argument("--top", type=int, default=6, help="engine functions listed by the host phase")
     p.add_argument("--tune-rows", type=int, nargs="*", default=[],
                    help="CUDA: first tune the matmul tables of these row buckets (e.g. 16 256) for the shape's target "
                         "and drafter (as the kernel sub-agent does) and run every phase with them")
     p.add_argument("--tune-configs", type=int, default=8, help="candidates per (role, bucket) with --tune-rows")
+    p.add_argument("--tables-from", help="the result JSON of an earlier --tune-rows run: install the tables it wrote "
+                   "per shape (<result>_tables_<shape>.json, <result>_drafter_tables_<shape>.json)")
 
 
 class Shape:
@@ -121,7 +127,6 @@ class Shape:
         self.info = {"build_s": round(time.time() - t, 1), "batch": a.batch, "context": a.context, "block": a.block,
                      "layer_types": {k: self.model.config.layer_types.count(k)
                                      for k in set(self.model.config.layer_types)}}
-        self.calls: dict = {}  # part -> a zero-argument call of it (the kernel phase profiles them)
 
     def runner(self, B: int, capture=()):
         r = E.runner(self.model, B, self.S, capture, self.run.cuda, "triton", self.a.block)
@@ -180,44 +185,54 @@ class Shape:
         b = E.backend(self.model, True, "triton")
         tables, dtables = E.engine_tables(t["engine_configs"]), E.engine_tables(d["drafter_engine_configs"])
         installed = bool(tables) and b.install_tables(tables, strict=True)
-        path = None
+        path = _tables_file(self.run.out, self.shape)
         if tables:  # the target's tables as a --kernel-configs file (bench serving / specpilot run take it)
-            path = self.run.out.with_name(f"{self.run.out.stem}_tables_{self.shape}.json")
             write_json(path, tables)
+        if dtables:
+            write_json(_tables_file(self.run.out, self.shape, "drafter_"), dtables)
         return {"engine_configs": t["engine_configs"], "drafter_engine_configs": d["drafter_engine_configs"],
                 "installed": installed, "drafter_installed": b.install_drafter_tables(dtables),
-                "kernel_configs_file": str(path) if path else None,
+                "kernel_configs_file": str(path) if tables else None,
                 "summary": t["engine_summary"] + d["drafter_engine_summary"]}
 
+    def load_tables(self) -> dict:
+        """``--tables-from``: the tables an earlier ``--tune-rows`` run of this shape wrote, installed."""
+        got = {}
+        b = E.backend(self.model, True, "triton")
+        for kind in ("", "drafter_"):
+            f = _tables_file(Path(self.a.tables_from), self.shape, kind)
+            if f.exists():
+                t = read_json(f)
+                got[f"{kind}tables"] = b.install_drafter_tables(t) if kind else b.install_tables(t, strict=True)
+        return got
+
     # -- 2. the parts alone -------------------------------------------------------------------
-    def steps(self) -> dict:
+    def _ar(self, rows: int):
+        """The AR step of ``rows`` requests on a fresh runner (the model holds one runner's state)."""
+        r = self.runner(rows)
+        r.prefill(self.prompts[:rows])
+        tok = torch.tensor(random_tokens(rows, self.V, 6), device=self.dev)
+        return self._resetting(r, lambda: r.decode(tok))
+
+    def _block(self):
+        """(verify, verify + commit, draft) of the c16 step on a fresh runner with the drafter's
+        capture layers: B x block tokens verified, the replay profile's expected accepted tokens
+        per row committed, the draft step (context injection of those tokens + the draft) through
+        the deployment's draft step (its tables) as the loop drafts."""
         a, dev, B = self.a, self.dev, self.a.batch
-        out = {}
-        for key, rows in (("c1", 1), ("ar_c16", B)):
-            r = self.runner(rows)
-            r.prefill(self.prompts[:rows])
-            tok = torch.tensor(random_tokens(rows, self.V, 6), device=dev)
-            out[f"{key}_ms"] = self.run.median_s(self._resetting(r, lambda r=r, tok=tok: r.decode(tok))) * 1e3
-            self.calls[key] = self._resetting(r, lambda r=r, tok=tok: r.decode(tok))
         r = self.runner(B, self.capture)
         r.prefill(self.prompts)
         blk = torch.tensor([random_tokens(a.block, self.V, 7 + b) for b in range(B)], device=dev)
         counts = torch.tensor(accepted_counts(self.prof, a.block, B), dtype=torch.long, device=dev)
-        verify = self._resetting(r, lambda: r.verify(blk))
 
         def verify_commit():
             r.verify(blk)
             r.commit(counts)
 
-        both = self._resetting(r, verify_commit)
-        out["verify_ms"] = self.run.median_s(verify) * 1e3
-        out["verify_commit_ms"] = self.run.median_s(both) * 1e3
-        out["commit_ms"] = out["verify_commit_ms"] - out["verify_ms"]
-        out["commit_tokens_per_row"] = float(counts.float().mean())
         _, feats = r.verify(blk)
         self.drafter.setup_cache(B, self.S)
         embed, head = self.model.model.embed_tokens, self.model.lm_head
-        if self.run.cuda:  # the deployment's draft step (its tables, --tune-rows), as the loop drafts
+        if self.run.cuda:
             g = r.backend.drafter_graphs(self.drafter, embed, head)
             ctx_fn, draft_fn = g.add_context, lambda x, s: g.draft(x, s, a.block)
         else:
@@ -225,15 +240,23 @@ class Shape:
         start = r.length.clone()
         ctx_fn(torch.zeros(B, a.context, feats.shape[-1], dtype=feats.dtype, device=dev),
                torch.zeros(B, dtype=torch.long, device=dev))
-        anchor = blk[:, 0].contiguous()
-        n = max(1, round(out["commit_tokens_per_row"]))
+        anchor, n = blk[:, 0].contiguous(), max(1, round(float(counts.float().mean())))
+        part = feats[:, :n].clone()
 
         def draft():
-            ctx_fn(feats[:, :n].contiguous(), start)
+            ctx_fn(part, start)
             return draft_fn(anchor, start + n)
 
-        out["draft_ms"] = self.run.median_s(draft) * 1e3
-        self.calls.update(verify=verify, verify_commit=both, draft=draft)
+        return {"verify": self._resetting(r, lambda: r.verify(blk)), "verify_commit": self._resetting(r, verify_commit),
+                "draft": draft, "commit_tokens_per_row": float(counts.float().mean())}
+
+    def steps(self) -> dict:
+        out = {"c1_ms": self.run.median_s(self._ar(1)) * 1e3, "ar_c16_ms": self.run.median_s(self._ar(self.a.batch)) * 1e3}
+        parts = self._block()
+        for key in ("verify", "verify_commit", "draft"):
+            out[f"{key}_ms"] = self.run.median_s(parts[key]) * 1e3
+        out["commit_ms"] = out["verify_commit_ms"] - out["verify_ms"]
+        out["commit_tokens_per_row"] = parts["commit_tokens_per_row"]
         return out
 
     def _resetting(self, r, fn):
@@ -297,7 +320,9 @@ class Shape:
     # -- 5. kernels ---------------------------------------------------------------------------
     def kernels(self) -> dict:
         self.run.need_cuda("the per-kernel profile")
-        prof = {k: kernel_profile(fn, top=None) for k, fn in self.calls.items()}
+        prof = {"c1": kernel_profile(self._ar(1), top=None), "ar_c16": kernel_profile(self._ar(self.a.batch), top=None)}
+        parts = self._block()
+        prof.update({k: kernel_profile(parts[k], top=None) for k in ("verify", "verify_commit", "draft")})
         vc, v = prof.pop("verify_commit")["kernels"], prof["verify"]["kernels"]
         commit = {k: {"ms": x["ms"] - v.get(k, {"ms": 0.0})["ms"], "launches": x["launches"]} for k, x in vc.items()}
         prof["commit"] = {"kernels": {k: x for k, x in commit.items() if x["ms"] > 1e-4},
@@ -308,9 +333,13 @@ class Shape:
         return prof
 
     def measure(self) -> dict:
+        part = self.a.part
         phases = [("tune", self.tune)] if self.a.tune_rows else []
-        phases += [("floors", self.floors), ("steps", self.steps), ("loop", self.loop), ("host", self.host)]
-        if not self.a.no_kernels and self.run.cuda:
+        phases += [("tables", self.load_tables)] if self.a.tables_from else []
+        phases.append(("floors", self.floors))
+        if part in ("all", "timings"):
+            phases += [("steps", self.steps), ("loop", self.loop), ("host", self.host)]
+        if part in ("all", "kernels") and self.run.cuda:
             phases.append(("kernels", self.kernels))
         self.run.R.setdefault("shapes", {})[self.shape] = self.info
         for key, fn in phases:
@@ -318,6 +347,12 @@ class Shape:
             if v is not None:
                 self.info[key] = v
         return self.info
+
+
+def _tables_file(result: Path, shape: str, kind: str = "") -> Path:
+    """Where a ``--tune-rows`` run with result ``result`` keeps ``shape``'s tuned target (``kind`` "")
+    or draft-step (``kind`` "drafter_") tables."""
+    return result.with_name(f"{result.stem}_{kind}tables_{shape}.json")
 
 
 def _x(a, b) -> str:
@@ -339,40 +374,56 @@ def table(R: dict) -> list[str]:
     for name, S in R.get("shapes", {}).items():
         f, s, lp = S.get("floors", {}), S.get("steps", {}), S.get("loop", {})
         B = S.get("batch")
-        L.append(f"{name} c{B} verify {fmt(s.get('verify_ms'))} ms = {_x(s.get('verify_ms'), f.get('verify_ms'))} "
-                 f"floor {fmt(f.get('verify_ms'))} ms = {_x(s.get('verify_ms'), s.get('ar_c16_ms'))} AR c{B} "
-                 f"{fmt(s.get('ar_c16_ms'))} ms (floor {fmt(f.get('ar_c16_ms'))}) = {_x(s.get('verify_ms'), s.get('c1_ms'))} "
-                 f"c1 {fmt(s.get('c1_ms'))} ms (floor {fmt(f.get('c1_ms'))})")
-        L.append(f"{name} c{B} draft {fmt(s.get('draft_ms'))} ms = {_x(s.get('draft_ms'), f.get('draft_ms'))} floor "
-                 f"{fmt(f.get('draft_ms'))} ms; commit {fmt(s.get('commit_ms'))} ms "
-                 f"({fmt(s.get('commit_tokens_per_row'), '{:.2f}')} tokens per row)")
-        L.append(f"{name} c{B} loop step {fmt(lp.get('step_ms'))} ms: verify {fmt(lp.get('verify_ms'))}, draft "
-                 f"{fmt(lp.get('draft_ms'))}, rest {fmt(lp.get('rest_ms'))} ms (bar <= 0.60); tau "
-                 f"{fmt(lp.get('tau'), '{:.2f}')}, AR c{B} loop step {fmt(lp.get('ar_c16_loop_ms'))} ms, "
-                 f"tau x AR / step {fmt(lp.get('speedup_vs_ar_formula'), '{:.2f}')}x, = AR {lp.get('outputs_equal_ar', '-')}")
+        if s:
+            L += _step_lines(name, B, f, s)
+        if lp:
+            L.append(_loop_line(name, B, lp))
         if f.get("commit"):
             L.append(_commit_line(name, f["commit"]))
-        k = S.get("kernels", {})
-        if k:
-            ar = k.get("ar_c16", {}).get("groups", {})
-            for part in ("verify", "commit", "draft", "ar_c16", "c1"):
-                g = k.get(part, {}).get("groups", {})
-                items = ", ".join(f"{n} {ms:.3f}" + (f" ({_x(ms, ar.get(n))} AR c{B})" if part == "verify" else "")
-                                  for n, ms in list(g.items())[:6])
-                L.append(f"{name} kernels {part}: {fmt(k.get(part, {}).get('kernel_sum_ms'))} ms: {items}")
-            gv = k.get("verify", {}).get("groups", {}).get("gemm")
-            L.append(f"{name} verify GEMM {fmt(gv)} ms = {_x(gv, f.get('gemm_verify_ms'))} its floor "
-                     f"{fmt(f.get('gemm_verify_ms'))} ms ({f.get('rows')} rows; AR c{B} GEMM floor "
-                     f"{fmt(f.get('gemm_ar_c16_ms'))} ms)")
-        tu = S.get("tune")
-        if tu:
-            L.append(f"{name} tuned tables (installed {tu['installed']}, draft step {tu['drafter_installed']}): "
-                     f"target {json.dumps(tu['engine_configs'])}, drafter {json.dumps(tu['drafter_engine_configs'])}")
+        L += _kernel_lines(name, B, f, S.get("kernels", {}))
         h = S.get("host", {}).get("functions", [])
         if h:
             L.append(f"{name} host per step (cProfile own ms): " + ", ".join(
                 f"{x['name'].split('/')[-1]} {x['own_ms_per_step']:.3f}" for x in h))
+        tu = S.get("tune")
+        if tu:
+            L.append(f"{name} tuned tables (installed {tu['installed']}, draft step {tu['drafter_installed']}): "
+                     f"target {json.dumps(tu['engine_configs'])}, drafter {json.dumps(tu['drafter_engine_configs'])}")
     return L
+
+
+def _step_lines(name: str, B, f: dict, s: dict) -> list[str]:
+    """The parts alone against their floors and the AR steps (phase ``steps``)."""
+    v, d = s.get("verify_ms"), s.get("draft_ms")
+    return [f"{name} c{B} verify {fmt(v)} ms = {_x(v, f.get('verify_ms'))} floor {fmt(f.get('verify_ms'))} ms = "
+            f"{_x(v, s.get('ar_c16_ms'))} AR c{B} {fmt(s.get('ar_c16_ms'))} ms (floor {fmt(f.get('ar_c16_ms'))}) = "
+            f"{_x(v, s.get('c1_ms'))} c1 {fmt(s.get('c1_ms'))} ms (floor {fmt(f.get('c1_ms'))})",
+            f"{name} c{B} draft {fmt(d)} ms = {_x(d, f.get('draft_ms'))} floor {fmt(f.get('draft_ms'))} ms; commit "
+            f"{fmt(s.get('commit_ms'))} ms ({fmt(s.get('commit_tokens_per_row'), '{:.2f}')} tokens per row)"]
+
+
+def _loop_line(name: str, B, lp: dict) -> str:
+    """The scheduler loop's step split into verify, draft and the rest (phase ``loop``)."""
+    return (f"{name} c{B} loop step {fmt(lp.get('step_ms'))} ms: verify {fmt(lp.get('verify_ms'))}, draft "
+            f"{fmt(lp.get('draft_ms'))}, rest {fmt(lp.get('rest_ms'))} ms (bar <= 0.60); tau "
+            f"{fmt(lp.get('tau'), '{:.2f}')}, AR c{B} loop step {fmt(lp.get('ar_c16_loop_ms'))} ms, "
+            f"tau x AR / step {fmt(lp.get('speedup_vs_ar_formula'), '{:.2f}')}x, = AR {lp.get('outputs_equal_ar', '-')}")
+
+
+def _kernel_lines(name: str, B, f: dict, k: dict) -> list[str]:
+    """Device time per kernel group of each part, the verify's against the AR c16 step's (phase ``kernels``)."""
+    if not k:
+        return []
+    L, ar = [], k.get("ar_c16", {}).get("groups", {})
+    for part in ("verify", "commit", "draft", "ar_c16", "c1"):
+        g = k.get(part, {}).get("groups", {})
+        items = ", ".join(f"{n} {ms:.3f}" + (f" ({_x(ms, ar.get(n))} AR c{B})" if part == "verify" else "")
+                          for n, ms in list(g.items())[:6])
+        L.append(f"{name} kernels {part}: {fmt(k.get(part, {}).get('kernel_sum_ms'))} ms: {items}")
+    gv = k.get("verify", {}).get("groups", {}).get("gemm")
+    return L + [f"{name} verify GEMM {fmt(gv)} ms = {_x(gv, f.get('gemm_verify_ms'))} its floor "
+                f"{fmt(f.get('gemm_verify_ms'))} ms ({f.get('rows')} rows; AR c{B} GEMM floor "
+                f"{fmt(f.get('gemm_ar_c16_ms'))} ms)"]
 
 
 def run(args: argparse.Namespace) -> int:
