@@ -38,23 +38,24 @@ else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# 1. the profile, every shape in one process (the dry run maps the study shapes to tiny ones itself)
-BSHAPES=$SHAPES; [ "${DRY:-0}" = 1 ] && BSHAPES="qwen3-8b qwen3.8-27b muse-glimmer-30b"
-# the timings, then the kernel profiles in a process of their own (once torch.profiler ran in a
-# process every later call is slower, the next shapes' timings too)
-TABLES=""
-if [ "${TUNE:-0}" = 1 ] && [ "${DRY:-0}" != 1 ]; then
-    BATCHED="--tune-rows 16 256 --tune-configs ${TUNE_CONFIGS:-8}"; TABLES="--tables-from $OUT/batched.json"
-fi
-guard 120 python3 -m specpilot bench batched $BATCHED --part timings --shapes $BSHAPES --out "$OUT/batched.json" \
-    2>"$OUT/batched.log" | sed -n '/^batched (/,$p'
-[ "${DRY:-0}" = 1 ] || guard 90 python3 -m specpilot bench batched --part kernels $TABLES --shapes $BSHAPES \
-    --out "$OUT/batched_kernels.json" 2>"$OUT/batched_kernels.log" | grep -E " kernels | GEMM |^errors"
+# 1. the profile, one shape at a time (each shape's weights freed with its process): the timings,
+# then the kernel profiles in a process of their own (once torch.profiler ran in a process every
+# later call is slower)
+for S in $SHAPES; do
+    TABLES=""; TUNED=""
+    if [ "${TUNE:-0}" = 1 ] && [ "${DRY:-0}" != 1 ]; then
+        TUNED="--tune-rows 16 256 --tune-configs ${TUNE_CONFIGS:-8}"; TABLES="--tables-from $OUT/batched_$S.json"
+    fi
+    guard 60 python3 -m specpilot bench batched $BATCHED $TUNED --part timings --shapes $S --out "$OUT/batched_$S.json" \
+        2>"$OUT/batched_$S.log" | sed -n '/^batched (/,$p' | tail -n +2
+    [ "${DRY:-0}" = 1 ] || guard 40 python3 -m specpilot bench batched --part kernels $TABLES --shapes $S \
+        --out "$OUT/batched_kernels_$S.json" 2>"$OUT/batched_kernels_$S.log" | grep -E " kernels | GEMM |^errors"
+done
 # 2. serving at c16, one shape at a time (each checkpoint freed before the next)
 for S in $SHAPES; do
     [ -f /tmp/lz_$S/config.json ] || python3 -m specpilot random-checkpoint --shape $S --out /tmp/lz_$S \
         --drafter-out /tmp/lz_$S-drafter --lazy > /dev/null
-    KC=""; [ -f "$OUT/batched_tables_$S.json" ] && [ "${TUNE:-0}" = 1 ] && KC="--kernel-configs $OUT/batched_tables_$S.json"
+    KC=""; [ -f "$OUT/batched_${S}_tables_$S.json" ] && [ "${TUNE:-0}" = 1 ] && KC="--kernel-configs $OUT/batched_${S}_tables_$S.json"
     guard 60 python3 -m specpilot bench serving $KC --target /tmp/lz_$S --drafter /tmp/lz_$S-drafter --prompt-len $PLEN \
         --new $NEW --requests $REQ --concurrency $C --ar-force --profile study_stock --block 16 \
         --work /tmp/work_batched_$S --out "$OUT/serving_$S.json" 2>"$OUT/serving_$S.log" \

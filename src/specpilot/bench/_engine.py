@@ -54,7 +54,7 @@ __all__ = [
     "draft_step", "fast_runner", "generate", "generate_ar", "kv_bytes_per_step", "load_profile", "load_target", "optimal_tree",
     "replay_generate", "spine_tree_parents", "step_graphs", "target_config", "tree_inputs", "weight_bytes_per_step",
     "EngineSpec", "make_engine_proposer", "Request", "Scheduler", "target_and_drafter",
-    "engine_tables", "tuning_matmul", "teacher_forced", "lattice_of", "shape_parents",
+    "engine_tables", "tuning_matmul", "release", "teacher_forced", "lattice_of", "shape_parents",
 ]
 
 def triton_step():
@@ -94,6 +94,13 @@ def backend(model, graphs: bool | None = None, kernels: str | None = "auto", w12
     if w12_choice is not None or key not in per:
         per[key] = choose_backend(model, graphs, kernels, w12_choice)
     return per[key]
+
+
+def release(model) -> None:
+    """Drop the benchmark's backends of ``model`` (their graphs, workspaces and draft steps): a backend
+    holds its model, so the weakly keyed entry alone would keep the weights alive past the benchmark's
+    last use of them (a benchmark that builds shape after shape)."""
+    _BACKENDS.pop(model, None)
 
 
 def step_graphs(model, kernels: str = "triton", configs: dict | None = None):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import re
@@ -440,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
         s = rn.phase(f"{shape}:build", lambda shape=shape: Shape(rn, args, shape, ceil), keep=False)
         if s is not None:
             s.measure()
+            E.release(s.model)
             del s
+            gc.collect()  # the parts' closures hold runners in reference cycles
             if rn.cuda:
                 torch.cuda.empty_cache()
     return rn.finish(table(rn.R))
