@@ -286,8 +286,9 @@ class Shape:
         steps = max(1, sched.steps)
         first = min(x.first_token_s for x in res)
         step_ms = (max(x.finish_s for x in res) - first) / steps * 1e3
-        ver = sum(x.verify_s for x in res) / len(res) / steps * 1e3
-        dr = sum(x.draft_s for x in res) / len(res) / steps * 1e3
+        # per step of each request's own steps (a request that finished early stops accumulating)
+        ver = sum(x.verify_s / max(1, x.verify_steps) for x in res) / len(res) * 1e3
+        dr = sum(x.draft_s / max(1, x.verify_steps) for x in res) / len(res) * 1e3
         tau = sum(sum(x.committed_per_step) for x in res) / sum(len(x.committed_per_step) for x in res)
         out.update(steps=steps, step_ms=step_ms, verify_ms=ver, draft_ms=dr, rest_ms=step_ms - ver - dr, tau=tau,
                    outputs_equal_ar=all(x.output_ids == y for x, y in zip(res, self.refs)),
@@ -325,7 +326,9 @@ class Shape:
         parts = self._block()
         prof.update({k: kernel_profile(parts[k], top=None) for k in ("verify", "verify_commit", "draft")})
         vc, v = prof.pop("verify_commit")["kernels"], prof["verify"]["kernels"]
-        commit = {k: {"ms": x["ms"] - v.get(k, {"ms": 0.0})["ms"], "launches": x["launches"]} for k, x in vc.items()}
+        none = {"ms": 0.0, "launches": 0.0}
+        commit = {k: {"ms": x["ms"] - v.get(k, none)["ms"], "launches": x["launches"] - v.get(k, none)["launches"]}
+                  for k, x in vc.items()}
         prof["commit"] = {"kernels": {k: x for k, x in commit.items() if x["ms"] > 1e-4},
                           "kernel_sum_ms": sum(max(0.0, x["ms"]) for x in commit.values())}
         for p in prof.values():
