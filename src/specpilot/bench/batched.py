@@ -8,8 +8,9 @@ requests (16) of ``--context`` random tokens (336: the study's batched rounds' m
 the engine's runner (the Triton fast path under CUDA graphs, as ``specpilot run`` serves):
 
 0. ``tune`` (``--tune-rows 16 256``, CUDA): the target's and the draft step's matmul tables of those
-   row buckets tuned for the shape (:mod:`specpilot.tuning.matmul`, as the kernel sub-agent tunes
-   them: family targets on their own role weights) and installed before every later phase;
+   row buckets tuned for the shape (:func:`tune_shape`, as the kernel sub-agent tunes them: family
+   targets on their own role weights) before its weights are built, and ``tables``: installed before
+   every later phase (also ``--tables-from`` an earlier run's);
 1. ``floors``: the cost model's roofline floors (:func:`specpilot.agent.costmodel.step_floors`:
    bytes against the copy bandwidth measured here, FLOPs against the bf16 matmul rate measured
    here) of the verify (B x block rows), the draft, the AR c16 and the c1 step; the GEMM part of
@@ -174,32 +175,10 @@ class Shape:
                 "keep_states_bytes": keep, "free_bytes": free,
                 "keep_states_fit": None if free is None else keep < free // 2}
 
-    def tune(self) -> dict:
-        """``--tune-rows``: the target's and the draft step's tables of those buckets tuned for this
-        shape (:mod:`specpilot.tuning.matmul`, as the kernel sub-agent tunes them) and installed in
-        the runners' backend before every later phase."""
-        self.run.need_cuda("--tune-rows")
-        M, a = E.tuning_matmul(), self.a
-        kw = dict(device="cuda", max_configs=a.tune_configs, bandwidth=self.ceil["memory_bandwidth_bytes_per_s"])
-        t = M.tune_engine_configs(self.model.config, rows=tuple(a.tune_rows), **kw)
-        d = M.tune_drafter_configs(self.drafter.config, self.V, t["engine_configs"], tuple(a.tune_rows), **kw)
-        b = E.backend(self.model, True, "triton")
-        tables, dtables = E.engine_tables(t["engine_configs"]), E.engine_tables(d["drafter_engine_configs"])
-        installed = bool(tables) and b.install_tables(tables, strict=True)
-        path = _tables_file(self.run.out, self.shape)
-        if tables:  # the target's tables as a --kernel-configs file (bench serving / specpilot run take it)
-            write_json(path, tables)
-        if dtables:
-            write_json(_tables_file(self.run.out, self.shape, "drafter_"), dtables)
-        return {"engine_configs": t["engine_configs"], "drafter_engine_configs": d["drafter_engine_configs"],
-                "installed": installed, "drafter_installed": b.install_drafter_tables(dtables),
-                "kernel_configs_file": str(path) if tables else None,
-                "summary": t["engine_summary"] + d["drafter_engine_summary"]}
-
     def load_tables(self) -> dict:
         """``--tables-from``: the tables an earlier ``--tune-rows`` run of this shape wrote, installed."""
         got = {}
-        b = E.backend(self.model, True, "triton")
+        b = E.backend(self.model, self.run.cuda, "triton")  # the runners' backend (Shape.runner)
         for kind in ("", "drafter_"):
             f = _tables_file(Path(self.a.tables_from), self.shape, kind)
             if f.exists():
@@ -338,8 +317,7 @@ class Shape:
 
     def measure(self) -> dict:
         part = self.a.part
-        phases = [("tune", self.tune)] if self.a.tune_rows else []
-        phases += [("tables", self.load_tables)] if self.a.tables_from else []
+        phases = [("tables", self.load_tables)] if self.a.tables_from else []
         phases.append(("floors", self.floors))
         if part in ("all", "timings"):
             phases += [("steps", self.steps), ("loop", self.loop), ("host", self.host)]
@@ -351,6 +329,30 @@ class Shape:
             if v is not None:
                 self.info[key] = v
         return self.info
+
+
+def tune_shape(rn: Run, a: argparse.Namespace, shape: str, ceil: dict) -> dict:
+    """``--tune-rows``: ``shape``'s target and draft-step tables of those buckets tuned (:mod:`specpilot.tuning.matmul`,
+    as the kernel sub-agent tunes them: a family target on its own role weights) from the shape's
+    configs alone, before its weights are built (the tuner's one-layer stand-ins need the memory), and
+    written beside the result (:func:`_tables_file`: the target's as a ``--kernel-configs`` file) for
+    the shape's phases to install."""
+    rn.need_cuda("--tune-rows")
+    M = E.tuning_matmul()
+    kw = dict(device="cuda", max_configs=a.tune_configs, bandwidth=ceil["memory_bandwidth_bytes_per_s"])
+    cfg = E.target_config(shape)
+    t = M.tune_engine_configs(cfg, rows=tuple(a.tune_rows), **kw)
+    d = M.tune_drafter_configs(E.drafter_config(shape, a.block), cfg.vocab_size, t["engine_configs"],
+                               tuple(a.tune_rows), **kw)
+    for kind, configs in (("", t["engine_configs"]), ("drafter_", d["drafter_engine_configs"])):
+        f = _tables_file(rn.out, shape, kind)
+        tables = E.engine_tables(configs)
+        if tables:
+            write_json(f, tables)
+        elif f.exists():
+            f.unlink()  # a rerun that tuned nothing new: no stale tables
+    return {"engine_configs": t["engine_configs"], "drafter_engine_configs": d["drafter_engine_configs"],
+            "summary": t["engine_summary"] + d["drafter_engine_summary"]}
 
 
 def _tables_file(result: Path, shape: str, kind: str = "") -> Path:
@@ -389,10 +391,10 @@ def table(R: dict) -> list[str]:
         if h:
             L.append(f"{name} host per step (cProfile own ms): " + ", ".join(
                 f"{x['name'].split('/')[-1]} {x['own_ms_per_step']:.3f}" for x in h))
-        tu = S.get("tune")
+        tu, got = R.get(f"{name}:tune"), S.get("tables")
         if tu:
-            L.append(f"{name} tuned tables (installed {tu['installed']}, draft step {tu['drafter_installed']}): "
-                     f"target {json.dumps(tu['engine_configs'])}, drafter {json.dumps(tu['drafter_engine_configs'])}")
+            L.append(f"{name} tuned tables (installed: {json.dumps(got)}): target {json.dumps(tu['engine_configs'])}, "
+                     f"drafter {json.dumps(tu['drafter_engine_configs'])}")
     return L
 
 
@@ -441,6 +443,9 @@ def run(args: argparse.Namespace) -> int:
     if ceil is None:
         return rn.finish(table(rn.R))
     for shape in args.shapes:
+        if args.tune_rows:  # before the weights are built; the shape's phases install what it wrote
+            rn.phase(f"{shape}:tune", lambda shape=shape: tune_shape(rn, args, shape, ceil))
+            args.tables_from = str(rn.out)
         s = rn.phase(f"{shape}:build", lambda shape=shape: Shape(rn, args, shape, ceil), keep=False)
         if s is not None:
             s.measure()
