@@ -126,9 +126,11 @@ class _Counting(Evaluator):
     """An evaluator without a model: ``run`` returns records whose decode time is the config's
     ``cost`` (a fixed per-config speed), counting the timing passes per config."""
 
-    def __init__(self, prompts, reuse: bool):
-        refs = ([_rec(p["request_id"], "ar", 0.1, 4.0, new=6) for p in prompts],
-                [_rec(p["request_id"], "stock", 0.1, 2.0, new=6) for p in prompts])
+    def __init__(self, prompts, reuse: bool, stock_config: dict | None = None):
+        stock = [_rec(p["request_id"], "stock", 0.1, 2.0, new=6, repeats=[2.0, 2.1]) for p in prompts]
+        for r in stock:
+            r.engine_config = dict(stock_config or {})
+        refs = ([_rec(p["request_id"], "ar", 0.1, 4.0, new=6) for p in prompts], stock)
         super().__init__(None, prompts, 6, 1, {"gpu": "cpu"}, 16, 1e-3, repeats=2, references=refs,
                          reuse_base=reuse)
         self.passes: dict[str, int] = {}
@@ -167,3 +169,12 @@ def test_the_base_is_timed_once_per_round(tmp_path):
     for c in cands:
         old.measure(c, base)
     assert old.passes[json.dumps(base, sort_keys=True)] == 4  # re-timed beside every candidate
+    # round 1's base is stock's config: the stock references ran exactly it, so they are its timings
+    plan1 = _Counting(prompts, reuse=True, stock_config={"block_size": 16, "kernels": {"any": 1}})
+    assert [r.decode_s for r in plan1.time_config({"block_size": 16})] == [2.0] * 3 and plan1.passes == {}
+    plan1.measure({"block_size": 12}, {"block_size": 16})
+    assert list(plan1.passes.values()) == [2]
+    other_cfg = _Counting(prompts, reuse=True, stock_config={"block_size": 16, "overlap": True})
+    other_cfg.time_config({"block_size": 16})
+    assert other_cfg.passes == {json.dumps({"block_size": 16}): 2}
+

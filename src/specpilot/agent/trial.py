@@ -83,7 +83,9 @@ class Evaluator:
     ``reuse_base``: time a round's base once (issue 61): a config timed on these prompts in this
     step (a trial's candidate, :meth:`time_config`) or given by :meth:`keep` (the plan's base records,
     read back by the agents and the integration) is not re-timed as a later trial's base; only the
-    candidate runs (``repeats`` times). Off: every trial alternates base and candidate as before.
+    candidate runs (``repeats`` times). The stock references are such timings of stock's config
+    (round 1's base) when their records ran exactly that config (:meth:`runs_as`). Off: every trial
+    alternates base and candidate as before.
 
     ``replay``: an acceptance profile (:class:`~specpilot.drafters.replay.AcceptanceProfile`): every
     drafting engine runs the replay drafter over the AR references' outputs (a synthetic
@@ -115,6 +117,9 @@ class Evaluator:
         else:
             self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
             self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
+        stock_config = {"block_size": stock_block}  # round 1's base: stock's config, timed by the references
+        if reuse_base and self.runs_as(self.stock, stock_config):
+            self.keep(stock_config, self.stock)
 
     def _matching(self, name: str, records: list[Record]) -> list[Record]:
         """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
@@ -184,13 +189,23 @@ class Evaluator:
                          self.concurrency, meta, opts)
 
     def best_of(self, engine: str, config: dict) -> list[Record]:
-        """Run ``repeats`` times; keep each request's fastest record (outputs are identical)."""
-        best: dict[str, Record] = {}
+        """Run ``repeats`` times; keep each request's fastest record (outputs are identical), in
+        prompt order, with every run's ``decode_s`` as its ``decode_s_repeats``."""
+        runs: dict[str, list[Record]] = {}
         for _ in range(self.repeats):
             for r in self.run(engine, config):
-                if r.request_id not in best or r.decode_s < best[r.request_id].decode_s:
-                    best[r.request_id] = r
-        return [best[p["request_id"]] for p in self.prompts]
+                runs.setdefault(r.request_id, []).append(r)
+        return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
+                for rs in (runs[p["request_id"]] for p in self.prompts)]
+
+    def runs_as(self, records: list[Record], config: dict) -> bool:
+        """Whether ``records`` (e.g. the stock references) ran exactly what the specpilot engine runs
+        with ``config``: every record's ``engine_config`` equals that spec's record config (the
+        kernels used aside). The engine has no code path per engine name, only per config, so such
+        records are ``config``'s timings."""
+        want = {k: v for k, v in self.spec("specpilot", config).record_config().items() if k != "kernels"}
+        return bool(records) and all({k: v for k, v in (r.engine_config or {}).items() if k != "kernels"} == want
+                                     for r in records)
 
     @staticmethod
     def config_key(config: dict) -> str:
@@ -225,12 +240,7 @@ class Evaluator:
         if kept is not None:
             log.info("reusing the timings of %s (timed once this round)", json.dumps(config))
             return kept
-        runs: dict[str, list[Record]] = {}
-        for _ in range(self.repeats):
-            for r in self.run("specpilot", config):
-                runs.setdefault(r.request_id, []).append(r)
-        out = [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
-               for rs in runs.values()]
+        out = self.best_of("specpilot", config)
         self.keep(config, out)
         return out
 
