@@ -159,7 +159,7 @@ def show_rounds(cfg: dict) -> None:
 
 
 def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
-    print("\nBARS (issues 46 and 53):")
+    print("\nBARS (issues 46, 53 and 61):")
     wall, rc = int(os.environ.get("WALL", "0")), os.environ.get("RC", "?")
     print(f"  snakemake exit {rc}, {wall} s (<= 540 s: {'yes' if wall <= 540 else 'NO'}); whole table: "
           f"{'yes' if complete else 'NO'}")
@@ -183,6 +183,29 @@ def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
                 print(f"    {r} round-1 plan: memory tried {[t['from'] for t in p.get('memory_tried', [])]}, "
                       f"transferred {[t['direction'] for t in p.get('memory_transferred', [])]}")
     regime_bars(df, cells)
+    workload_bars(cells, cfg)
+
+
+def workload_bars(cells: pd.DataFrame, cfg: dict) -> None:
+    """Issue 61's bars per cell: the tokens each request generated (read from the cell's records: >= 512),
+    AR's prefill share (<= 0.10 at c1, <= 0.25 at c16 and above: the cell measures decode), forcing, and
+    specpilot / stock against the issue's bars (a bar is MET only when the tokens were measured as named)."""
+    want = {("qwen3-8b", 1): 1.10, ("qwen3-8b", 16): 1.20, ("qwen3.8-27b", 16): 1.10, ("muse-glimmer-30b", 16): 1.10}
+    need = int(cfg["max_new_tokens"])
+    for _, r in cells.iterrows():
+        d, b, c = r["deployment"], r["benchmark"], int(r["concurrency"])
+        recs = [x for e in cfg["engines"] if (RES / d / b / f"{e}-c{c}.jsonl").is_file()
+                for x in read_records(RES / d / b / f"{e}-c{c}.jsonl")]
+        tokens = min((x.new_tokens for x in recs), default=0)
+        ok_tokens = tokens >= max(need, 512) if GPU != "cpu" else tokens >= need
+        share, limit = float(r.get("ar_prefill_share", float("nan"))), (0.10 if c == 1 else 0.25)
+        ratio, lo = float(r.get("specpilot_over_stock", float("nan"))), float(r.get("specpilot_over_stock_lo", float("nan")))
+        bar = want.get((d, c))
+        print(f"  issue 61: {d} {r.get('regime')} c{c} {b}: {tokens} new tokens per request "
+              f"({'as named' if ok_tokens else 'FEWER than named'}); AR prefill share {share:.3f} (<= {limit}: "
+              f"{'MET' if ok_tokens and share <= limit else 'MISSED'}); forcing {r['forcing']}; specpilot/stock "
+              f"{ratio:.3f} (low end {lo:.3f}, >= 0.98: {'yes' if lo >= 0.98 else 'NO'})"
+              + (f"; bar >= {bar}: {'MET' if ok_tokens and ratio >= bar else 'MISSED'}" if bar else ""))
 
 
 def regime_bars(df: pd.DataFrame, cells: pd.DataFrame) -> None:
