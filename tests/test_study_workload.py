@@ -170,7 +170,7 @@ def test_the_base_is_timed_once_per_round(tmp_path):
         old.measure(c, base)
     assert old.passes[json.dumps(base, sort_keys=True)] == 4  # re-timed beside every candidate
     # round 1's base is stock's config: the stock references ran exactly it, so they are its timings
-    plan1 = _Counting(prompts, reuse=True, stock_config={"block_size": 16, "kernels": {"any": 1}})
+    plan1 = _Counting(prompts, reuse=True, stock_config={"block_size": 16, "kernels": {"any": 1}, "path": "eager"})
     assert [r.decode_s for r in plan1.time_config({"block_size": 16})] == [2.0] * 3 and plan1.passes == {}
     plan1.measure({"block_size": 12}, {"block_size": 16})
     assert list(plan1.passes.values()) == [2]

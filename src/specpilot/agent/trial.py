@@ -201,10 +201,12 @@ class Evaluator:
     def runs_as(self, records: list[Record], config: dict) -> bool:
         """Whether ``records`` (e.g. the stock references) ran exactly what the specpilot engine runs
         with ``config``: every record's ``engine_config`` equals that spec's record config (the
-        kernels used aside). The engine has no code path per engine name, only per config, so such
-        records are ``config``'s timings."""
-        want = {k: v for k, v in self.spec("specpilot", config).record_config().items() if k != "kernels"}
-        return bool(records) and all({k: v for k, v in (r.engine_config or {}).items() if k != "kernels"} == want
+        kernels used and the execution path aside: what the run records about this deployment's
+        backend, the same for both). The engine has no code path per engine name, only per config, so
+        such records are ``config``'s timings."""
+        ran = ("kernels", "path")
+        want = {k: v for k, v in self.spec("specpilot", config).record_config().items() if k not in ran}
+        return bool(records) and all({k: v for k, v in (r.engine_config or {}).items() if k not in ran} == want
                                      for r in records)
 
     @staticmethod
