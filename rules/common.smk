@@ -69,13 +69,14 @@ LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] not in (T
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
 ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
-          "chain": [], "seed_memory": None, "llm": {}, "directions": None, **config.get("rounds", {})}
+          "chain": [], "seed_memory": None, "llm": {}, "directions": None, "reuse_base": False,
+          **config.get("rounds", {})}
 ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
 
 # Serving regimes (specpilot.regimes; resolved by rules/config.smk): name -> {tune, cells}, in memory
 # order (single first). Each (deployment, regime) has its own calibration prompts, kernel sub-agent,
 # rounds, engine config and cells; a cell concurrency belongs to one regime (REGIME_OF).
-from specpilot.regimes import calibration_count, regime_of, table_option
+from specpilot.regimes import calibration_count, calibration_tokens, regime_of, table_option
 
 REGIMES = config["regimes"]
 REGIME_OF = regime_of(REGIMES)
@@ -558,6 +559,25 @@ def directions_opt(wildcards):
 def tune_concurrency(wildcards):
     """The concurrency the regime's rounds tune at (config regimes.<regime>.tune)."""
     return REGIMES[wildcards.regime]["tune"]
+
+
+def rounds_tokens(wildcards):
+    """New tokens per calibration request of the regime's rounds (regimes.<regime>.max_new_tokens,
+    else rounds.max_new_tokens: specpilot.regimes.calibration_tokens)."""
+    return calibration_tokens(REGIMES[wildcards.regime], ROUNDS)
+
+
+def base_evidence(wildcards):
+    """The plan's evidence (its timing of the round's base) where rounds.reuse_base has the agents
+    and the integration reuse it; no input otherwise."""
+    w = wildcards
+    return ([f"{ROUND_DIR}/plan-trials.jsonl".format(gpu=w.gpu, deployment=w.deployment, regime=w.regime, k=w.k)]
+            if ROUNDS["reuse_base"] else [])
+
+
+def reuse_base_opt(wildcards, input):
+    """``--reuse-base --base-evidence PLAN-TRIALS`` under rounds.reuse_base; nothing otherwise."""
+    return f"--reuse-base --base-evidence {input.base_evidence}" if ROUNDS["reuse_base"] else ""
 
 
 def calibration_prompts(wildcards):

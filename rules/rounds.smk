@@ -6,7 +6,9 @@
 #   -> round-0 memory: merge of what this (deployment, regime) starts from (seed memory, with
 #      rounds.transfer = chain the last memory of the deployment before it in the same regime, and
 #      the same deployment's last memory of the regime before this one)   rounds/round-0/memory.jsonl
-#   round k = plan (cost model + directions; a checkpoint: the directions decide the agent jobs)
+#   round k = plan (cost model + directions; a checkpoint: the directions decide the agent jobs;
+#             with rounds.reuse_base it times the round's base once, and the agents and the
+#             integration compare against those records, plan-trials.jsonl#base, instead of re-timing it)
 #             -> one agent per direction -> integrate (round k's config, its cost model
 #                costmodel-integrated.txt, and memory snapshot)
 #   -> {regime}/specpilot.json (the last round's config, the specpilot engine's in the regime's
@@ -75,7 +77,7 @@ rule round_references:
         device=torch_device,
         dtype=compute_dtype,
         block_size=block_size,
-        max_new_tokens=ROUNDS["max_new_tokens"],
+        max_new_tokens=rounds_tokens,
         concurrency=tune_concurrency,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
@@ -137,7 +139,7 @@ checkpoint round_plan:
         device=torch_device,
         dtype=compute_dtype,
         block_size=block_size,
-        max_new_tokens=ROUNDS["max_new_tokens"],
+        max_new_tokens=rounds_tokens,
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
@@ -146,6 +148,7 @@ checkpoint round_plan:
         agents=ROUNDS["agents_per_round"],
         directions=directions_opt,
         previous=previous_opt,
+        reuse="--reuse-base" if ROUNDS["reuse_base"] else "",
     threads: timing_threads
     resources:
         timing_slots=timing_slot,
@@ -163,7 +166,7 @@ checkpoint round_plan:
         " --min-gain {params.min_gain} --agents {params.agents} {params.directions} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock} --ceilings {input.ceilings}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
-        " --memory {input.memory} {params.previous} --threads {threads}"
+        " --memory {input.memory} {params.previous} {params.reuse} --threads {threads}"
         " --out {output.plan} --costmodel {output.costmodel} --costmodel-text {output.costmodel_text}"
         " --evidence {output.evidence} 2>&1 | tee {log}"
 
@@ -178,6 +181,7 @@ rule round_agent:
         memory=memory_in,
         plan=f"{ROUND_DIR}/plan.json",
         costmodel_text=f"{ROUND_DIR}/costmodel.txt",
+        base_evidence=base_evidence,
     output:
         agent=f"{ROUND_DIR}/agent-{{direction}}.json",
         evidence=f"{ROUND_DIR}/agent-{{direction}}.trials.jsonl",
@@ -194,7 +198,7 @@ rule round_agent:
         device=torch_device,
         dtype=compute_dtype,
         block_size=block_size,
-        max_new_tokens=ROUNDS["max_new_tokens"],
+        max_new_tokens=rounds_tokens,
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
@@ -202,6 +206,7 @@ rule round_agent:
         min_gain=ROUNDS["min_gain"],
         budget=ROUNDS["budget"],
         llm=llm_opt,
+        reuse=reuse_base_opt,
     threads: timing_threads
     resources:
         timing_slots=timing_slot,
@@ -217,7 +222,7 @@ rule round_agent:
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
         " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
         " --tolerance {params.tolerance} --repeats {params.repeats} {params.replay} --min-gain {params.min_gain}"
-        " --budget {params.budget} {params.llm} --prompts {input.prompts}"
+        " --budget {params.budget} {params.llm} {params.reuse} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} --plan {input.plan} --costmodel-text {input.costmodel_text}"
@@ -236,6 +241,7 @@ rule round_integrate:
         costmodel=f"{ROUND_DIR}/costmodel.json",
         ceilings="results/{gpu}/ceilings.json",
         agents=agent_files,
+        base_evidence=base_evidence,
     output:
         integrated=f"{ROUND_DIR}/integrated.json",
         evidence=f"{ROUND_DIR}/integrated.jsonl",
@@ -252,13 +258,14 @@ rule round_integrate:
         device=torch_device,
         dtype=compute_dtype,
         block_size=block_size,
-        max_new_tokens=ROUNDS["max_new_tokens"],
+        max_new_tokens=rounds_tokens,
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         confirm_factor=ROUNDS["confirm_factor"],
+        reuse=reuse_base_opt,
     threads: timing_threads
     resources:
         timing_slots=timing_slot,
@@ -273,7 +280,7 @@ rule round_integrate:
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
         " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
-        " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
+        " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} {params.reuse} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --memory {input.memory} --plan {input.plan} --costmodel {input.costmodel} --ceilings {input.ceilings}"

@@ -13,17 +13,20 @@
 # what the rounds tried and kept. Table, summary, logs and results go under $OUT when it is set.
 # Environment: WHEELS (wheel folder, default .whl), CONFIG (default config/gpu.yaml; more
 # --configfile overlays in EXTRA_CONFIGS), GPU_STUDY_LIMIT (seconds Snakemake may run, default
-# 520), GPU (the {gpu} name; default: detected), SITE (install folder, default /tmp/specpilot-site).
+# 505: with the install, the report and the archives a call stays within 9 minutes), GPU (the {gpu}
+# name; default: detected), SITE (install folder, default /tmp/specpilot-site).
 # CPU check of the same plumbing: GPU=cpu EXTRA_CONFIGS=.test/config/gpu-tiny.yaml bash scripts/gpu_study.sh
 #
-# Two calls (the study with both serving regimes does not fit one call of 10 minutes): every call
-# ends by writing $OUT/resume.tar.gz, the state a later call resumes from -- results/ (figures
+# Three calls (issue 61: both serving regimes of the three shapes with 512-token cells; docs/gpu-study.md
+# has the estimate): every call ends by writing $OUT/resume.tar.gz, the state a later call resumes from -- results/ (figures
 # excepted), resources/deployments/ (the random deployments' config files, kilobytes), logs/ and
 # Snakemake's .snakemake/metadata and .snakemake/incomplete (which jobs finished, with which
-# params and code; a job the time guard killed is rerun: --rerun-incomplete). The second call is
+# params and code; a job the time guard killed is rerun: --rerun-incomplete). Calls 2 and 3 are
 #   RESUME=path/to/resume.tar.gz bash scripts/gpu_study.sh
-# (the device tool: carry the archive's folder); it unpacks the archive (mtimes kept) before
-# Snakemake starts, so every finished job of the first call is skipped. Rebuilt on the new
+# with the previous call's archive (it holds every earlier call's state; the device tool: carry the
+# archive's folder); it unpacks the archive (mtimes kept) before Snakemake starts, so every
+# finished job of the earlier calls is skipped. Every call prints (and keeps in logs/gpu-seconds.tsv,
+# which the archive carries on) each GPU job's device-held seconds, also of a job the guard stopped. Rebuilt on the new
 # machine: nothing of the workflow's outputs (the kernels rule's w12 library is in results/); only
 # Triton's JIT cache (TRITON_CACHE_DIR, not carried) recompiles the kernels each job loads.
 set -uo pipefail
@@ -31,7 +34,7 @@ cd "$(dirname "$0")/.."
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
 CONFIG=${CONFIG:-config/gpu.yaml}
-LIMIT=${GPU_STUDY_LIMIT:-520}
+LIMIT=${GPU_STUDY_LIMIT:-505}
 SITE=${SITE:-/tmp/specpilot-site}
 OUTDIR=${OUT:-results/gpu-study}
 mkdir -p "$OUTDIR"

@@ -1,7 +1,8 @@
 """What `scripts/gpu_study.sh` prints after the workflow: the table (or, when the run did not finish,
 a partial table of the cells that did), the forcing verdict of every cell, what the rounds of each
 (deployment, serving regime) ranked, tried and kept (and what the memory chain carried), and one
-line per bar of issues 46 and 53. Reads results/$GPU/...; writes $OUTDIR/table.csv (or partial-table.csv). Exit 0 when the
+line per bar of issues 46 and 53; per (deployment, regime) the rounds' calibration gain over stock
+beside the cell's specpilot / stock, and every GPU job's device-held seconds (issue 61). Reads results/$GPU/...; writes $OUTDIR/table.csv (or partial-table.csv). Exit 0 when the
 whole table exists, 1 otherwise.
 
 Environment: GPU, CONFIG_FILES (the config files of the run, merged left to right over
@@ -19,7 +20,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from specpilot.agent.final import gain_over_stock
 from specpilot.aggregate import build_table, read_forcing, with_regimes, write_table
+from specpilot.joblog import gpu_seconds, gpu_seconds_lines, merge_gpu_seconds
 from specpilot.records import read_records
 from specpilot.regimes import regime_of, resolve
 
@@ -28,7 +31,8 @@ OUT = Path(os.environ.get("OUTDIR", "results/gpu-study"))
 RES = Path("results") / GPU
 COLS = ["deployment", "benchmark", "regime", "concurrency", "n_requests", "stock_speedup", "specpilot_speedup",
         "specpilot_over_stock", "specpilot_over_stock_lo", "specpilot_over_stock_hi", "stock_tau", "specpilot_tau",
-        "forcing", "synthetic", "note"]
+        "ar_prefill_share", "stock_prefill_share", "specpilot_prefill_share", "forcing", "synthetic", "note"]
+PREDICTED_WITHIN = 0.05  # issue 61: the rounds' calibration gain over stock within 5 % of the cell's ratio
 
 
 def merged_config() -> dict:
@@ -74,11 +78,46 @@ def table(cfg: dict) -> tuple[pd.DataFrame | None, bool]:
     return df, False
 
 
-def show_table(df: pd.DataFrame, complete: bool) -> None:
+def show_table(df: pd.DataFrame, complete: bool, cfg: dict) -> None:
     print(("TABLE" if complete else "PARTIAL TABLE (the run did not finish; cells with every engine's records)")
           + f" results/{GPU}:")
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 70):
         print(df[[c for c in COLS if c in df.columns]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"note: every cell's request generates {cfg['max_new_tokens']} new tokens (the study: 2048, "
+          f"{cfg['max_new_tokens'] / 2048:.2f}x); *_prefill_share: the mean share of a request's end-to-end "
+          "time in prefill and other requests' prefill stalls (issue 61: AR's <= 0.10 at c1, <= 0.25 at c16)")
+
+
+def show_predictions(df: pd.DataFrame | None, cfg: dict) -> None:
+    """Per (deployment, regime): the kept config's calibration gain over stock (its last round) beside
+    the cell's specpilot / stock (the regime's geomean row), and whether they agree within 5 %."""
+    print("\nROUNDS vs CELLS (per deployment and regime: the kept config's calibration gain over stock, "
+          "the cell's specpilot/stock):")
+    rows = df[(df["benchmark"] == "geomean") & (df["deployment"] != "all")] if df is not None else None
+    for d in deployments(cfg):
+        for r in resolve(cfg):
+            rounds = sorted((RES / d / r / "rounds").glob("round-*/integrated.json"),
+                            key=lambda p: int(p.parent.name.split("-")[1]))
+            gain = gain_over_stock(json.loads(rounds[-1].read_text())) if rounds else None
+            cell = rows[(rows["deployment"] == d) & (rows["regime"] == r)] if rows is not None and "regime" in rows \
+                else None
+            ratio = float(cell["specpilot_over_stock"].iloc[0]) if cell is not None and len(cell) else float("nan")
+            agree = (f"{abs(gain / ratio - 1):.1%} apart (within {PREDICTED_WITHIN:.0%}: "
+                     f"{'yes' if abs(gain / ratio - 1) <= PREDICTED_WITHIN else 'NO'})"
+                     if gain is not None and ratio == ratio else "not comparable yet")
+            print(f"  {d} {r}: calibration gain over stock {'-' if gain is None else f'{gain:.3f}'} "
+                  f"({rounds[-1].parent.name if rounds else 'no round integrated'}); cell specpilot/stock "
+                  f"{'-' if ratio != ratio else f'{ratio:.3f}'}; {agree}")
+
+
+def show_gpu_seconds() -> None:
+    """Every GPU job's device-held seconds (specpilot.joblog.gpu_seconds), this call's and the earlier
+    calls' (logs/gpu-seconds.tsv travels in the resume archive), also when the time guard stopped the run."""
+    rows = merge_gpu_seconds(Path("logs") / "gpu-seconds.tsv", gpu_seconds("logs"))
+    shutil.copy(Path("logs") / "gpu-seconds.tsv", OUT / "gpu-seconds.tsv")
+    print("\nGPU SECONDS (per job, every call so far; logs/gpu-seconds.tsv):")
+    for line in gpu_seconds_lines(rows):
+        print(f"  {line}")
 
 
 def show_forcing() -> None:
@@ -120,7 +159,7 @@ def show_rounds(cfg: dict) -> None:
 
 
 def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
-    print("\nBARS (issues 46 and 53):")
+    print("\nBARS (issues 46, 53 and 61):")
     wall, rc = int(os.environ.get("WALL", "0")), os.environ.get("RC", "?")
     print(f"  snakemake exit {rc}, {wall} s (<= 540 s: {'yes' if wall <= 540 else 'NO'}); whole table: "
           f"{'yes' if complete else 'NO'}")
@@ -144,6 +183,29 @@ def bars(df: pd.DataFrame | None, complete: bool, cfg: dict) -> None:
                 print(f"    {r} round-1 plan: memory tried {[t['from'] for t in p.get('memory_tried', [])]}, "
                       f"transferred {[t['direction'] for t in p.get('memory_transferred', [])]}")
     regime_bars(df, cells)
+    workload_bars(cells, cfg)
+
+
+def workload_bars(cells: pd.DataFrame, cfg: dict) -> None:
+    """Issue 61's bars per cell: the tokens each request generated (read from the cell's records: >= 512),
+    AR's prefill share (<= 0.10 at c1, <= 0.25 at c16 and above: the cell measures decode), forcing, and
+    specpilot / stock against the issue's bars (a bar is MET only when the tokens were measured as named)."""
+    want = {("qwen3-8b", 1): 1.10, ("qwen3-8b", 16): 1.20, ("qwen3.8-27b", 16): 1.10, ("muse-glimmer-30b", 16): 1.10}
+    need = int(cfg["max_new_tokens"])
+    for _, r in cells.iterrows():
+        d, b, c = r["deployment"], r["benchmark"], int(r["concurrency"])
+        recs = [x for e in cfg["engines"] if (RES / d / b / f"{e}-c{c}.jsonl").is_file()
+                for x in read_records(RES / d / b / f"{e}-c{c}.jsonl")]
+        tokens = min((x.new_tokens for x in recs), default=0)
+        ok_tokens = tokens >= max(need, 512) if GPU != "cpu" else tokens >= need
+        share, limit = float(r.get("ar_prefill_share", float("nan"))), (0.10 if c == 1 else 0.25)
+        ratio, lo = float(r.get("specpilot_over_stock", float("nan"))), float(r.get("specpilot_over_stock_lo", float("nan")))
+        bar = want.get((d, c))
+        print(f"  issue 61: {d} {r.get('regime')} c{c} {b}: {tokens} new tokens per request "
+              f"({'as named' if ok_tokens else 'FEWER than named'}); AR prefill share {share:.3f} (<= {limit}: "
+              f"{'MET' if ok_tokens and share <= limit else 'MISSED'}); forcing {r['forcing']}; specpilot/stock "
+              f"{ratio:.3f} (low end {lo:.3f}, >= 0.98: {'yes' if lo >= 0.98 else 'NO'})"
+              + (f"; bar >= {bar}: {'MET' if ok_tokens and ratio >= bar else 'MISSED'}" if bar else ""))
 
 
 def regime_bars(df: pd.DataFrame, cells: pd.DataFrame) -> None:
@@ -171,10 +233,12 @@ def main() -> int:
     if df is None:
         print(f"no engine cell finished under results/{GPU}")
     else:
-        show_table(df, complete)
+        show_table(df, complete, cfg)
     show_forcing()
     show_rounds(cfg)
+    show_predictions(df, cfg)
     bars(df, complete, cfg)
+    show_gpu_seconds()
     return 0 if complete else 1
 
 

@@ -15,6 +15,11 @@ One row per cell (deployment, benchmark, concurrency) plus summary rows. For eac
 - ``{engine}_throughput`` (and ``ar_throughput``): system throughput of the cell = its output
   tokens / wall seconds (last ``finish_s`` - first ``arrival_s`` of its records; empty for
   records without times, e.g. the static-batch regime), beside the per-request speedups;
+- ``{engine}_prefill_share`` (and ``ar_prefill_share``): the share of a request's end-to-end time
+  spent in prefill, its own and other requests' (``prefill_s`` + ``prefill_stall_s`` over
+  ``prefill_s`` + ``decode_s``; the stalls are part of ``decode_s``), the mean over the cell's
+  requests (:func:`prefill_share`): whether the cell measures decode (issue 61: the study's requests
+  are decode-dominated); a summary row takes the arithmetic mean over its cells;
 - ``{engine}_forcing``: ``pass``/``FAIL``/``not run`` from the cell's ``.forcing.json``
   (:func:`specpilot.forcing.verdict_word`: ``pass`` needs zero violations, coverage 100 % and a
   verdict over exactly the cell's requests and tokens). A cell whose forcing failed leaves that
@@ -196,6 +201,16 @@ def timing_spread(records: list[Record]) -> float:
     return max(geomean(v) for v in per_engine.values()) - 1.0
 
 
+def prefill_share(records: list[Record]) -> float:
+    """Mean over requests of (``prefill_s`` + ``prefill_stall_s``) / (``prefill_s`` + ``decode_s``):
+    the share of each request's end-to-end time [s / s] spent in prefill, its own and the stalls of
+    other requests' prefill steps inside its decode (continuous batching). NaN without records or
+    when every request took no time."""
+    shares = [(r.prefill_s + r.prefill_stall_s) / (r.prefill_s + r.decode_s)
+              for r in records if r.prefill_s + r.decode_s > 0]
+    return sum(shares) / len(shares) if shares else math.nan
+
+
 def tok_s(records: list[Record]) -> float:
     secs = sum(r.decode_s for r in records)
     return sum(r.new_tokens for r in records) / secs if secs > 0 else math.nan
@@ -345,7 +360,7 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
     row: dict = {
         "deployment": deployment, "target": ar[0].target, "drafter": named.drafter,
         "benchmark": benchmark, "concurrency": concurrency, "n_requests": len(ar),
-        "ar_tok_s": tok_s(ar), "ar_throughput": throughput(ar),
+        "ar_tok_s": tok_s(ar), "ar_throughput": throughput(ar), "ar_prefill_share": prefill_share(ar),
         "synthetic": any(r.synthetic for recs in engines.values() for r in recs),
     }
     notes, words = [], []
@@ -357,6 +372,7 @@ def cell_row(cell: Cell, engines: dict[str, list[Record]], forcing: dict[tuple[C
             row[f"{eng}_forcing"] = "not run"
             notes.append(specpilot_note if eng == "specpilot" else f"{eng} not run")
             continue
+        row[f"{eng}_prefill_share"] = prefill_share(recs)
         doc = forcing.get((cell, eng))
         word, why = _forcing_word(doc, recs)
         row[f"{eng}_forcing"] = word
@@ -428,6 +444,9 @@ def summary_row(rows: list[dict], deployment: str, concurrency: int, value_cols:
         lo_col, hi_col = (f"{col}_lo", f"{col}_hi")
         out[lo_col], out[hi_col] = (bootstrap_interval(groups) if all(groups) and out[col] == out[col]
                                     else (math.nan, math.nan))
+    for col in dict.fromkeys(c for r in rows for c in r if c.endswith("_prefill_share")):  # a share: the mean
+        vals = [r[col] for r in rows if r.get(col) == r.get(col)]
+        out[col] = sum(vals) / len(vals) if len(vals) == len(rows) else math.nan
     for col in [c for c in rows[0] if c.endswith("_forcing")]:
         out[col] = combine_forcing(r[col] for r in rows)
     out["forcing"] = combine_forcing(r["forcing"] for r in rows)
@@ -485,6 +504,7 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
             for s in _VALUES:
                 r.setdefault(f"{e}_{s}", math.nan)
             r.setdefault(f"{e}_forcing", "not run")
+            r.setdefault(f"{e}_prefill_share", math.nan)
 
     table: list[dict] = []
     concurrencies = sorted({c for _, _, c in cells})
@@ -501,7 +521,8 @@ def build_table(records: Iterable[Record], forcing: dict[tuple[Cell, str], dict]
         table.append(summary_row(rows, ALL, conc, value_cols, specpilot_note))
 
     extra = ["ar_throughput"] + [f"{e}_{s}" for e in candidates for s in _PER_ENGINE] + RATIO_COLS + \
-            [f"{e}_{s}" for e in candidates for s in ["speedup", "tau"] if f"{e}_{s}" not in COLUMNS]
+            [f"{e}_{s}" for e in candidates for s in ["speedup", "tau"] if f"{e}_{s}" not in COLUMNS] + \
+            [f"{e}_prefill_share" for e in ["ar"] + candidates]
     cols = COLUMNS + [c for c in dict.fromkeys(extra) if c not in COLUMNS]
     return pd.DataFrame(table, columns=cols)
 

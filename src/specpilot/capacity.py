@@ -214,13 +214,13 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
 
     The engines of the workflow: stock at the deployment's block; specpilot (when it runs and
     ``rounds.count`` > 0) up to the rounds' widest candidate (:func:`rounds_widest`). Budgets:
-    the larger of ``max_new_tokens`` and ``rounds.max_new_tokens``; rows: per serving regime
+    the larger of ``max_new_tokens`` and the regime's rounds tokens (``regimes.<name>.max_new_tokens``,
+    else ``rounds.max_new_tokens``); rows: per serving regime
     (config ``regimes``, :mod:`specpilot.regimes`) the largest of its tuned and cell
     concurrencies, the line naming the regime; a one-token prompt; weights in bf16 on a GPU,
     fp32 on the CPU.
     """
     rounds = config.get("rounds") or {}
-    new = max(int(config["max_new_tokens"]), int(rounds.get("max_new_tokens") or 0))
     regimes = resolve(config)
     specpilot = "specpilot" in config.get("engines", []) and int(rounds.get("count", 2)) > 0
     out = []
@@ -234,6 +234,7 @@ def plan_problems(deployments: dict[str, dict], config: dict, base: Path, gpus: 
         problem = None
         for regime, r in regimes.items():
             rows = max(r["cells"] + [r["tune"]])
+            new = max(int(config["max_new_tokens"]), int(r.get("max_new_tokens") or rounds.get("max_new_tokens") or 0))
             slots = 1 + new - 2 + width + (1 if rows > 1 else 0)
             for gpu in gpus:
                 dtype_bytes = 4 if gpu == "cpu" else 2

@@ -82,6 +82,9 @@ def _notes(df: pd.DataFrame) -> list[str]:
         notes.append("FAIL: token forcing failed, speed withheld")
     if df.get("synthetic", pd.Series(dtype=bool)).astype(str).str.lower().eq("true").any():
         notes.append("some cells use a synthetic (replay) drafter")
+    shares = pd.to_numeric(df.get("ar_prefill_share", pd.Series(dtype=float)), errors="coerce").dropna()
+    if len(shares):  # whether the cells measure decode (issue 61): the table's ar_prefill_share
+        notes.append(f"AR's prefill share of a request's time (prefill + stalls): {shares.min():.0%}-{shares.max():.0%}")
     return notes
 
 

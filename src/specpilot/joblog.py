@@ -6,6 +6,13 @@ Snakemake's console shows only "CalledProcessError ... exit status 2". The workf
 handler calls :func:`failed_job_lines` on Snakemake's own log of the run and prints, per failed
 job, the rule, its log file and the line that says why. ``onsuccess`` calls :func:`rule_times`
 on the same log and prints each rule's wall time on this run (:func:`times_lines`).
+
+GPU seconds per job (:func:`gpu_seconds`): every GPU job runs under the device wrapper
+(:func:`specpilot.devices.run_on_device`), which writes into the job's log when it took the device
+and, when the job ends, how long it held it. Read from the logs, not from Snakemake's, so they exist
+also when the time guard stopped the run (no ``onsuccess``): a job stopped while it held the device
+has no release line and counts until its log was last written. :func:`merge_gpu_seconds` keeps every
+call's jobs in one file across resumed calls (a rerun job's log is overwritten; the file keeps both).
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ _STAMP = re.compile(r"^\[(?P<when>\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 _START = re.compile(r"^(?:local)?(?:rule|checkpoint) (?P<rule>\w+):$")
 _JOBID = re.compile(r"^    jobid: (?P<id>\d+)$")
 _DONE = re.compile(r"^Finished jobid: (?P<id>\d+)")
+_TAKEN = re.compile(r"^specpilot: device (?P<index>\d+) \((?P<uuid>[^,)]+)(?:, [^)]*)?\) taken at (?P<at>\S+)")
+_RELEASED = re.compile(r"^specpilot: device \d+ \([^)]+\) released at (?P<at>\S+) after (?P<s>[\d.]+) s "
+                       r"\(exit (?P<rc>-?\d+)\)")
+GPU_SECONDS_FIELDS = ("job", "taken_at", "seconds", "status")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*")
 
 
@@ -114,3 +125,82 @@ def failed_job_lines(snakemake_log, root: str | Path = ".") -> list[str]:
             else:
                 out.append(f"rule {block['rule']}: failed (it has no log)")
     return out
+
+
+def gpu_seconds(root: str | Path = "logs") -> list[dict]:
+    """Seconds each GPU job held its device, from the device wrapper's lines in the job logs under
+    ``root`` (every ``*.log``).
+
+    Returns:
+        One dict per device hold, in log path order: ``job`` (the log's path under ``root``, without
+        ``.log``), ``taken_at`` (ISO time the job took the device), ``seconds`` (float) and
+        ``status``: ``finished`` (exit 0), ``exit N`` (failed), or ``stopped`` (no release line: the
+        run was stopped while the job held the device; counted until the log's last write, its
+        modification time).
+    """
+    rows = []
+    base = Path(root)
+    for path in sorted(base.rglob("*.log")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        job, taken = str(path.relative_to(base))[: -len(".log")], None
+        for line in text.splitlines():
+            if m := _TAKEN.match(line):
+                taken = m["at"]
+            elif (m := _RELEASED.match(line)) and taken is not None:
+                rc = int(m["rc"])
+                rows.append({"job": job, "taken_at": taken, "seconds": float(m["s"]),
+                             "status": "finished" if rc == 0 else f"exit {rc}"})
+                taken = None
+        if taken is not None:
+            try:
+                t0 = datetime.fromisoformat(taken)
+                t1 = datetime.fromtimestamp(path.stat().st_mtime, t0.tzinfo)
+                held = max(0.0, (t1 - t0).total_seconds())
+            except (OSError, ValueError):
+                held = float("nan")
+            rows.append({"job": job, "taken_at": taken, "seconds": held, "status": "stopped"})
+    return rows
+
+
+def merge_gpu_seconds(path: str | Path, rows: list[dict]) -> list[dict]:
+    """Add ``rows`` (:func:`gpu_seconds`) to the tab-separated file ``path`` (header
+    :data:`GPU_SECONDS_FIELDS`), one row per (job, taken_at): a hold already there is replaced by
+    the newer reading (a stopped job read again keeps its one row). Written atomically; returns every
+    row of the file, in the order taken."""
+    from .io import atomic_write_text
+
+    p = Path(path)
+    have: dict[tuple[str, str], dict] = {}
+    if p.is_file():
+        lines = p.read_text().splitlines()
+        for line in lines[1:]:
+            parts = line.split("\t")
+            if len(parts) == len(GPU_SECONDS_FIELDS):
+                row = dict(zip(GPU_SECONDS_FIELDS, parts))
+                row["seconds"] = float(row["seconds"])
+                have[(row["job"], row["taken_at"])] = row
+    for row in rows:
+        have[(row["job"], row["taken_at"])] = dict(row)
+    out = sorted(have.values(), key=lambda r: r["taken_at"])
+    atomic_write_text(p, "\t".join(GPU_SECONDS_FIELDS) + "\n" + "".join(
+        "\t".join(str(round(r[k], 1)) if k == "seconds" else str(r[k]) for k in GPU_SECONDS_FIELDS) + "\n"
+        for r in out))
+    return out
+
+
+def gpu_seconds_lines(rows: list[dict], top: int = 60) -> list[str]:
+    """The summary of :func:`gpu_seconds` rows: the total and per status, then the ``top`` longest
+    holds, ``SECONDS s  JOB  (STATUS, taken TAKEN_AT)``."""
+    total = sum(r["seconds"] for r in rows if r["seconds"] == r["seconds"])
+    by = defaultdict(float)
+    for r in rows:
+        by[r["status"]] += r["seconds"] if r["seconds"] == r["seconds"] else 0.0
+    out = [f"GPU-held seconds: {total:.0f} s over {len(rows)} job(s) ("
+           + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(by.items())) + ")"]
+    for r in sorted(rows, key=lambda r: -(r["seconds"] if r["seconds"] == r["seconds"] else 0.0))[:top]:
+        out.append(f"  {r['seconds']:7.1f} s  {r['job']}  ({r['status']}, taken {r['taken_at']})")
+    return out
+

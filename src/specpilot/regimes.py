@@ -30,7 +30,7 @@ from .errors import SpecpilotError
 
 SINGLE = "single"
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-KEYS = ("tune", "cells", "directions", "engine_rows")
+KEYS = ("tune", "cells", "directions", "engine_rows", "max_new_tokens")
 # the rounds' calibration requests per regime: at least this many times its tuned concurrency (two
 # full waves of the batch), spread over the benchmarks
 CALIBRATION_WAVES = 2
@@ -68,11 +68,18 @@ def _one(name, spec, where: str) -> dict:
         out["directions"] = list(d)
     if spec.get("engine_rows") is not None:
         out["engine_rows"] = _positive_ints(spec["engine_rows"], f"{where}.engine_rows")
+    if spec.get("max_new_tokens") is not None:
+        n = spec["max_new_tokens"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise SpecpilotError(f"config {where}.max_new_tokens: {n!r} is not an integer >= 2 (a calibration "
+                                 f"request needs a verify step)")
+        out["max_new_tokens"] = n
     return out
 
 
 def resolve(config: dict) -> dict[str, dict]:
-    """The regimes of a (schema-checked) config, name -> ``{tune, cells[, directions, engine_rows]}``
+    """The regimes of a (schema-checked) config, name -> ``{tune, cells[, directions, engine_rows,
+    max_new_tokens]}``
     in memory order: ``single`` (given, or derived from ``concurrency`` and ``rounds.concurrency``)
     first, then config ``regimes`` in their order.
 
@@ -107,6 +114,25 @@ def resolve(config: dict) -> dict[str, dict]:
             owner[c] = name
         prev = name
     return out
+
+
+def calibration_tokens(regime: dict, rounds: dict) -> int:
+    """New tokens per calibration request of a regime's rounds: its own ``max_new_tokens`` (config
+    ``regimes.<name>.max_new_tokens``), else ``rounds.max_new_tokens`` (issue 61: the rounds time the
+    regime's own workload, decode-dominated at c16 as its cells are, not one count for every regime).
+
+    Args:
+        regime: one resolved regime (:func:`resolve`).
+        rounds: the config's ``rounds`` mapping, ``max_new_tokens`` filled (rules/config.smk).
+    Returns:
+        The token count (int >= 2).
+    Raises:
+        SpecpilotError: neither is set.
+    """
+    n = regime.get("max_new_tokens") or rounds.get("max_new_tokens")
+    if not n:
+        raise SpecpilotError("config rounds.max_new_tokens: not set (and the regime has no max_new_tokens)")
+    return int(n)
 
 
 def regime_of(regimes: dict[str, dict]) -> dict[int, str]:

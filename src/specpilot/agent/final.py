@@ -15,11 +15,22 @@ from ..errors import SpecpilotError
 from ..io import read_json, write_json
 
 
+def gain_over_stock(integrated: dict) -> float | None:
+    """The round's kept config's gain over **stock** on the calibration requests (issue 61; not over
+    the round's base, which is not stock once memory transferred something): its speedup over AR
+    there / stock's (both geometric means over the same requests against the same AR references,
+    so the ratio is the geomean of stock / kept decode seconds). None when either is missing."""
+    kept, stock = integrated.get("speedup_vs_ar"), integrated.get("stock_speedup_vs_ar")
+    if not kept or not stock:
+        return None
+    return float(kept) / float(stock)
+
+
 def final_config(integrated: dict, costmodel_text: str | None = None, regime: str | None = None) -> dict:
     """The content of ``specpilot.json`` from a round's ``integrated.json`` content.
 
-    Returns ``engine_config`` (the round's config), ``round``, the calibration speedup over AR and
-    tau, whether token forcing validated it, the serving regime and the concurrency its rounds tuned
+    Returns ``engine_config`` (the round's config), ``round``, the calibration speedup over AR,
+    its gain over stock there (:func:`gain_over_stock`) and tau, whether token forcing validated it, the serving regime and the concurrency its rounds tuned
     at (``regime``, else the round's own) and, given ``costmodel_text``, the cost model of that
     config as lines (where the time goes with it).
 
@@ -30,7 +41,8 @@ def final_config(integrated: dict, costmodel_text: str | None = None, regime: st
     if missing:
         raise SpecpilotError(f"--integrated is not a round's integrated.json: no {', '.join(missing)}")
     out = {"engine_config": integrated["config"], "round": integrated["round"],
-           "speedup_vs_ar_calibration": integrated["speedup_vs_ar"], "tau_calibration": integrated["tau"],
+           "speedup_vs_ar_calibration": integrated["speedup_vs_ar"],
+           "gain_over_stock_calibration": gain_over_stock(integrated), "tau_calibration": integrated["tau"],
            "validated_by_token_forcing": integrated["gate"]["passed"],
            "regime": regime or integrated.get("regime"), "tuned_concurrency": integrated.get("concurrency")}
     if costmodel_text is not None:

@@ -103,7 +103,11 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    reload_target=lambda: load_target(args.target, dtype=dtype, device=device),
                    references=(read_records(args.references_ar), read_records(args.references_stock))
                    if references else None,
-                   replay=load_profile(args.replay_profile) if args.replay_profile else None)
+                   replay=load_profile(args.replay_profile) if args.replay_profile else None,
+                   reuse_base=args.reuse_base)
+    if args.reuse_base and args.base_evidence:  # the plan timed the round's base: not again here
+        log.info("the round's base: %d record(s) of the plan's timing reused",
+                 ev.keep(read_json(args.plan)["base_config"], Evidence.read(args.base_evidence, "base")))
     ctx = _ctx(args, "bf16" if dtype == torch.bfloat16 else "fp32")
     ctx.update(device_context(dep, device))
     ctx["kernels"] = kernels
@@ -153,7 +157,9 @@ def plan(args) -> int:
         report = Path(args.previous_costmodel).read_text()
     else:
         log.info("measuring the round's base config %s", json.dumps(base))
-        base_recs, _ = ev.measure(base, base)
+        base_recs = ev.time_config(base) if args.reuse_base else ev.measure(base, base)[0]
+        if args.reuse_base:  # the agents and the integration compare against these (--base-evidence)
+            evidence.add("base", base_recs)
         block = int(base.get("block_size", args.block_size))
         analysis = analyze(base_recs, ev.target.config, ev.drafter.config if ev.drafter is not None else None,
                            read_json(args.ceilings), 2 if ctx["dtype"] == "bf16" else 4, block, ar=ev.ar)
@@ -497,6 +503,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=2, help="directions per round")
     p.add_argument("--budget", type=int, default=6, help="trials per agent")
     p.add_argument("--repeats", type=int, default=2, help="alternating timing repeats per trial")
+    p.add_argument("--reuse-base", action="store_true",
+                   help="time the round's base once (the plan) and reuse its records as every trial's base")
+    p.add_argument("--base-evidence", help="agent, integrate with --reuse-base: the plan's evidence file (its "
+                                           "'base' records)")
     p.add_argument("--min-gain", type=float, default=1.02,
                    help="a candidate must beat its base by this factor (geomean decode time) to count as a win")
     p.add_argument("--confirm-factor", type=float, default=0.98,

@@ -17,6 +17,7 @@ What the rounds do with a trial's gain and interval: :mod:`specpilot.agent.decid
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ..engine.serve import ServeOptions, default_max_seq, serve
 from ..errors import SpecpilotError
 from ..forcing import REEXECUTION_TOKENS, Reexecution, force, serve_reexecution
 from ..io import write_jsonl
-from ..records import Record, write_records
+from ..records import Record, record_from_dict, write_records
 from ..fastpath.w12 import every_role as every_w12_role
 from ..w12 import apply_w12
 
@@ -58,6 +59,19 @@ class Evidence:
     def write(self) -> None:
         write_jsonl(self.path, self.rows)
 
+    @staticmethod
+    def read(path: str | Path, tag: str) -> list[Record]:
+        """The records of trial ``tag`` in an evidence file (empty when it has none).
+
+        Raises:
+            SpecpilotError: the file is missing or a row is not a valid record."""
+        p = Path(path)
+        if not p.is_file():
+            raise SpecpilotError(f"evidence file {p} does not exist")
+        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        return [record_from_dict({k: v for k, v in r.items() if k != "trial"}, f"{p}#{tag}")
+                for r in rows if r.get("trial") == tag]
+
 
 class Evaluator:
     """Holds the loaded deployment, the calibration prompts and the AR / stock references.
@@ -65,6 +79,13 @@ class Evaluator:
     ``references``: ``(ar, stock)`` records of exactly these prompts (the workflow's
     ``round_references`` job, read once and shared by every round step); ``None`` measures them
     here (``repeats`` runs each, fastest kept).
+
+    ``reuse_base``: time a round's base once (issue 61): a config timed on these prompts in this
+    step (a trial's candidate, :meth:`time_config`) or given by :meth:`keep` (the plan's base records,
+    read back by the agents and the integration) is not re-timed as a later trial's base; only the
+    candidate runs (``repeats`` times). The stock references are such timings of stock's config
+    (round 1's base) when their records ran exactly that config (:meth:`runs_as`). Off: every trial
+    alternates base and candidate as before.
 
     ``replay``: an acceptance profile (:class:`~specpilot.drafters.replay.AcceptanceProfile`): every
     drafting engine runs the replay drafter over the AR references' outputs (a synthetic
@@ -78,8 +99,10 @@ class Evaluator:
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
                  replay_tokens: int = REEXECUTION_TOKENS,
                  references: tuple[list[Record], list[Record]] | None = None,
-                 replay: AcceptanceProfile | None = None):
+                 replay: AcceptanceProfile | None = None, reuse_base: bool = False):
         self.dep, self.prompts, self.replay = dep, prompts, replay
+        self.reuse_base = reuse_base
+        self.timed: dict[str, dict[str, Record]] = {}  # config key -> request id -> its fastest record
         self.replay_refs: dict[str, list[int]] | None = None
         self.replay_tokens = replay_tokens
         self.max_new, self.concurrency, self.meta = max_new_tokens, concurrency, meta
@@ -94,6 +117,9 @@ class Evaluator:
         else:
             self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
             self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
+        stock_config = {"block_size": stock_block}  # round 1's base: stock's config, timed by the references
+        if reuse_base and self.runs_as(self.stock, stock_config):
+            self.keep(stock_config, self.stock)
 
     def _matching(self, name: str, records: list[Record]) -> list[Record]:
         """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
@@ -163,17 +189,68 @@ class Evaluator:
                          self.concurrency, meta, opts)
 
     def best_of(self, engine: str, config: dict) -> list[Record]:
-        """Run ``repeats`` times; keep each request's fastest record (outputs are identical)."""
-        best: dict[str, Record] = {}
+        """Run ``repeats`` times; keep each request's fastest record (outputs are identical), in
+        prompt order, with every run's ``decode_s`` as its ``decode_s_repeats``."""
+        runs: dict[str, list[Record]] = {}
         for _ in range(self.repeats):
             for r in self.run(engine, config):
-                if r.request_id not in best or r.decode_s < best[r.request_id].decode_s:
-                    best[r.request_id] = r
-        return [best[p["request_id"]] for p in self.prompts]
+                runs.setdefault(r.request_id, []).append(r)
+        return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
+                for rs in (runs[p["request_id"]] for p in self.prompts)]
+
+    def runs_as(self, records: list[Record], config: dict) -> bool:
+        """Whether ``records`` (e.g. the stock references) ran exactly what the specpilot engine runs
+        with ``config``: every record's ``engine_config`` equals that spec's record config (the
+        kernels used and the execution path aside: what the run records about this deployment's
+        backend, the same for both). The engine has no code path per engine name, only per config, so
+        such records are ``config``'s timings."""
+        ran = ("kernels", "path")
+        want = {k: v for k, v in self.spec("specpilot", config).record_config().items() if k not in ran}
+        return bool(records) and all({k: v for k, v in (r.engine_config or {}).items() if k not in ran} == want
+                                     for r in records)
+
+    @staticmethod
+    def config_key(config: dict) -> str:
+        """The key a config's timings are kept under (its JSON, keys sorted)."""
+        return json.dumps(config, sort_keys=True)
+
+    def keep(self, config: dict, records: list[Record]) -> int:
+        """Keep ``records`` as ``config``'s timings on these prompts (with ``reuse_base``), where the
+        evidence allows: a record of one of these prompts, at this step's token count and
+        concurrency, timed on this step's GPU kind, with its repeats (``decode_s_repeats``).
+        Returns how many were kept (a record that does not fit is left out: its request is timed
+        again when asked)."""
+        if not self.reuse_base:
+            return 0
+        gpu = self.meta.get("gpu")
+        fit = [r for r in records if r.request_id in self.prompt_ids and r.new_tokens == self.max_new
+               and r.concurrency == self.concurrency and (gpu is None or r.gpu == gpu) and r.decode_s_repeats]
+        self.timed.setdefault(self.config_key(config), {}).update({r.request_id: r for r in fit})
+        return len(fit)
+
+    def _kept(self, config: dict, rows: list[dict]) -> list[Record] | None:
+        """``config``'s kept records of ``rows`` (every one), else None."""
+        have = self.timed.get(self.config_key(config), {}) if self.reuse_base else {}
+        if not rows or any(p["request_id"] not in have for p in rows):
+            return None
+        return [have[p["request_id"]] for p in rows]
+
+    def time_config(self, config: dict) -> list[Record]:
+        """``config``'s records on every calibration prompt: its kept timings (``reuse_base``), else
+        ``repeats`` runs, each request's fastest with every run's ``decode_s`` (kept for reuse)."""
+        kept = self._kept(config, self.prompts)
+        if kept is not None:
+            log.info("reusing the timings of %s (timed once this round)", json.dumps(config))
+            return kept
+        out = self.best_of("specpilot", config)
+        self.keep(config, out)
+        return out
 
     def measure(self, config: dict, base: dict, prompts: list[dict] | None = None) -> tuple[list, list]:
         """Alternate base and candidate runs ``repeats`` times; keep each request's fastest run,
-        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval).
+        with every run's ``decode_s`` as its ``decode_s_repeats`` (for the gain's interval). With
+        ``reuse_base`` and ``base`` timed on these prompts already (:meth:`keep`), only the
+        candidate runs and the base's kept records are the comparison.
 
         At concurrency 1 on an eager device (the CPU) they alternate request by request (which goes
         first rotating per request and repeat), each at the KV-cache size its run over all the
@@ -181,7 +258,10 @@ class Evaluator:
         shared machine then hits both alike instead of whichever pass ran during it."""
         runs: dict[str, dict[str, list[Record]]] = {"base": {}, "cand": {}}
         rows = prompts or self.prompts
-        sides = (("base", base), ("cand", config))
+        kept = self._kept(base, rows)
+        sides = (("base", base), ("cand", config)) if kept is None else (("cand", config),)
+        if kept is not None:
+            log.info("base %s: its timings of this round reused; timing the candidate only", json.dumps(base))
         if self.concurrency == 1 and self.dep is not None and not self.dep.backend.graphs:
             sizes = {side: default_max_seq(self.spec("specpilot", cfg), self.deployment_for(cfg), rows, self.max_new, 1)
                      for side, cfg in sides}
@@ -202,7 +282,10 @@ class Evaluator:
             return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
                     for rs in side.values()]
 
-        return fastest(runs["cand"]), fastest(runs["base"])
+        cand, base_recs = fastest(runs["cand"]), (kept if kept is not None else fastest(runs["base"]))
+        self.keep(config, cand)
+        self.keep(base, base_recs)
+        return cand, base_recs
 
     def gate(self, records: list[Record], prompts: list[dict] | None = None) -> dict:
         """Token forcing (:func:`specpilot.forcing.force`) of a candidate's records.
