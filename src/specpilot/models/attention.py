@@ -122,5 +122,21 @@ class Attention(nn.Module):
             ring.write(self.slot, ctx, k, v)
         return self._out(y, gate, B, T)
 
+    def forward_ragged(self, x, cos, sin, ctx):
+        """Packed segments [1, S, hidden] of a ragged forward (:mod:`specpilot.models.ragged`):
+        projections over all S tokens at once; per segment its K/V written into its cache row and
+        its queries attended against that row under the segment's mask. Full attention only."""
+        _, S, _ = x.shape
+        q, k, v, gate = self._project(x, cos, sin)
+        kv = ctx.state.kv
+        gqa = self.n_kv != self.n_heads
+        ys = []
+        for row, start, o, t, mask in ctx.parts:
+            kv.k[row, self.slot, :, start:start + t] = k[0, :, o:o + t]
+            kv.v[row, self.slot, :, start:start + t] = v[0, :, o:o + t]
+            ys.append(F.scaled_dot_product_attention(q[:, :, o:o + t], kv.k[row:row + 1, self.slot],
+                                                     kv.v[row:row + 1, self.slot], attn_mask=mask, enable_gqa=gqa))
+        return self._out(torch.cat(ys, 2), gate, 1, S)
+
 
 __all__ = ["Attention", "apply_partial_rope", "block_mask"]

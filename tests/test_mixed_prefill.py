@@ -1,0 +1,165 @@
+"""The mixed prefill step (engine.mixed, models.ragged): decode rows and newcomers' prompt chunks
+in one ragged forward of a token budget. Outputs equal AR at c4 with prefills arriving mid-decode,
+the records show chunks sharing decode steps and token forcing passes on them, the running
+requests' prefill stall drops against the same run without it, and every path that cannot run it
+refuses it by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specpilot.agent.directions import REGISTRY, plan_directions
+from specpilot.cli import main
+from specpilot.deployment import Deployment
+from specpilot.engine.backend import choose_backend
+from specpilot.engine.config import EngineConfig, EngineSpec
+from specpilot.engine.loop import generate_ar
+from specpilot.engine.proposers import make_proposer
+from specpilot.engine.runner import TargetRunner
+from specpilot.engine.scheduler import Request, Scheduler, slots_needed
+from specpilot.engine.serve import ServeOptions, serve
+from specpilot.errors import SpecpilotError
+from specpilot.io import write_jsonl
+from specpilot.models.loading import load_drafter, load_target
+from specpilot.records import write_records
+
+META = {"deployment": "quick", "target": "t", "drafter": "dflash", "gpu": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def pair(quick_deployment):
+    return load_target(quick_deployment / "target"), load_drafter(quick_deployment / "drafter-dflash")
+
+
+@pytest.fixture(scope="module")
+def workload(pair, quick_prompts):
+    """8 requests with ragged prompts (12 .. 75 tokens) and budgets, each one's AR output decoded alone."""
+    target, _ = pair
+    reqs = [Request(p["prompt_ids"][: 12 + 9 * i], 5 + (7 * i) % 13) for i, p in enumerate(quick_prompts[:8])]
+    ref = []
+    for r in reqs:
+        runner = TargetRunner(target, 1, len(r.prompt_ids) + r.max_new_tokens + 2)
+        ref.append(generate_ar(runner, [r.prompt_ids], r.max_new_tokens)[0].output_ids)
+    return reqs, ref
+
+
+@pytest.mark.parametrize("kind", ["ar", "stock", "tree"])
+def test_mixed_step_outputs_equal_ar_at_c4(pair, workload, kind):
+    """8 requests through 4 slots: every refill's prompt rides in chunks of a 16-token room in the
+    running rows' decode steps (several chunks per prompt), and every output equals AR's."""
+    target, drafter = pair
+    reqs, ref = workload
+    prop = None if kind == "ar" else make_proposer(drafter, 4, {"tree_branch": 2, "tree_depth": 2} if kind == "tree" else {})
+    width = prop.verify_width if prop is not None else 1
+    runner = TargetRunner(target, 4, slots_needed(reqs, width), prop.capture if prop is not None else ())
+    sched = Scheduler(runner, prop, mixed_prefill=4 * width + 16)
+    out = sched.run(reqs)
+    assert [o.output_ids for o in out] == ref
+    assert sched.prefill_steps == 1 or sched.prefill_steps < sched.mixed_steps  # refills ride in decode steps
+    assert sched.mixed_steps >= 4 + 1  # 4 refills, the longer prompts in several chunks
+    assert all(o.mixed_steps is not None for o in out) and sum(o.mixed_steps for o in out) >= sched.mixed_steps
+    assert all(o.prefill_s >= 0 and o.first_token_s > o.arrival_s for o in out[4:])
+
+
+def test_mixed_records_pass_token_forcing(pair, quick_prompts, quick_deployment, tmp_path):
+    """Records of stock at c4 over 8 prompts with and without ``mixed_prefill``: the same tokens
+    as AR, the mixed run's records show decode steps that carried newcomers' chunks, and token
+    forcing (teacher-forced pass and spot re-execution) passes on them."""
+    target, drafter = pair
+    rows = quick_prompts[:8]
+    dep = Deployment.of(target, drafter)
+    opts = ServeOptions(progress=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), rows, 12, 4, META, opts)
+    plain = serve(EngineSpec("stock", 4), dep, rows, 12, 4, META, opts)
+    mixed = serve(EngineSpec("stock", 4, {"mixed_prefill": 64}), dep, rows, 12, 4, META, opts)
+    assert [r.output_ids for r in mixed] == [r.output_ids for r in plain] == [r.output_ids for r in ar]
+    assert all(r.mixed_steps is None for r in plain)
+    assert sum(r.mixed_steps for r in mixed) > 0 and mixed[0].engine_config["mixed_prefill"] == 64
+    prompts = tmp_path / "prompts.jsonl"
+    write_jsonl(prompts, rows)
+    write_records(tmp_path / "ar.jsonl", ar)
+    write_records(tmp_path / "mixed.jsonl", mixed)
+    out = tmp_path / "v.json"
+    main(["force", "--candidate", str(tmp_path / "mixed.jsonl"), "--reference", str(tmp_path / "ar.jsonl"),
+          "--target", str(quick_deployment / "target"), "--drafter", str(quick_deployment / "drafter-dflash"),
+          "--prompts", str(prompts), "--tolerance", "0.001", "--max-new-tokens", "12", "--out", str(out)])
+    v = json.loads(out.read_text())
+    assert v["passed"], v
+
+
+def test_mixed_step_cuts_the_prefill_stall(pair, workload):
+    """The same 8 requests at c4 with and without the mixed step: without it every refill stops the
+    running requests for a prefill step over every row (a block as wide as the prompt); with it the
+    running requests wait only for what the chunks add to a step they run anyway, so their summed
+    prefill stall drops (the cost model's prefill_stall term), and the outputs stay AR's."""
+    target, _ = pair
+    reqs, ref = workload
+    stall = {}
+    for budget in (0, 68):
+        runner = TargetRunner(target, 4, slots_needed(reqs, 1))
+        sched = Scheduler(runner, mixed_prefill=budget)
+        out = sched.run(reqs)
+        assert [o.output_ids for o in out] == ref
+        stall[budget] = sum(o.prefill_stall_s for o in out)
+        assert (sched.mixed_steps > 0) == (budget > 0)
+    assert 0 < stall[68] < stall[0], stall
+
+
+def test_mixed_prefill_refused_where_it_cannot_run(pair, workload):
+    """One clear error naming the setting (and the path) wherever the mixed step cannot run."""
+    target, drafter = pair
+    reqs, _ = workload
+    for bad in (-1, "256", 1.5, True):
+        with pytest.raises(SpecpilotError, match="mixed_prefill"):
+            EngineConfig.parse({"mixed_prefill": bad})
+    need = slots_needed(reqs, 1)
+    fast = dataclasses.replace(choose_backend(target), path="triton-dense", reason="the Triton step")  # as a GPU reports it
+    with pytest.raises(SpecpilotError, match=r"mixed_prefill: the triton-dense path .*needs the eager path"):
+        Scheduler(TargetRunner(target, 2, need, backend=fast), mixed_prefill=64)
+    with pytest.raises(SpecpilotError, match="mixed_prefill: the fused CPU step .*verify_path: plain"):
+        Scheduler(TargetRunner(target, 2, need, fused=True), mixed_prefill=64)
+    runner = TargetRunner(target, 4, need)
+    with pytest.raises(SpecpilotError, match=r"mixed_prefill = 4 .*4 x 1 .*= 4"):
+        Scheduler(runner, mixed_prefill=4)
+    for kw in ({"prefill_chunk": 8}, {"overlap": True}, {"prefill_beside": True}):
+        with pytest.raises(SpecpilotError, match=f"mixed_prefill cannot be combined with {next(iter(kw))}"):
+            Scheduler(runner, mixed_prefill=64, **kw)
+    with pytest.raises(SpecpilotError, match="mixed_prefill = 64 needs the continuous regime"):
+        serve(EngineSpec("ar", 1, {"mixed_prefill": 64}), Deployment.of(target, None),
+              [{"request_id": "a", "benchmark": "b", "prompt_ids": reqs[0].prompt_ids}], 4, 2, META,
+              ServeOptions(progress=False, regime="static"))
+
+
+def test_ragged_forward_refuses_stateful_layers(pair):
+    """A target with sliding-window or linear-attention layers refuses the ragged forward."""
+    from specpilot.models.ragged import Segment, forward_ragged
+    target, _ = pair
+    runner = TargetRunner(target, 2, 32)
+    cfg = target.config
+    saved = cfg.layer_types
+    try:
+        cfg.layer_types = ["linear_attention"] + list(saved[1:])
+        assert "full-attention targets only" in runner.mix_refusal()
+        seg = Segment(0, torch.tensor([1, 2]), 0, torch.ones(2, 2, dtype=torch.bool).tril())
+        with pytest.raises(SpecpilotError, match="full-attention layers only"):
+            forward_ragged(target, [seg])
+    finally:
+        cfg.layer_types = saved
+
+
+def test_mixed_prefill_direction_ranked_by_prefill_stall():
+    """The batched regime's direction for the prefill_stall term: planned when that gap leads,
+    applies only where the mixed step runs (batched, the CPU's eager path), switches off the
+    fused verify step and overlap it cannot combine with."""
+    d = REGISTRY["mixed_prefill"]
+    assert d.cost_term == "prefill_stall"
+    ctx = {"gpu": "cpu", "concurrency": 4, "drafter": "dflash", "dense": True}
+    assert plan_directions(ctx, {"prefill_stall": 2e-3, "verify": 1e-3}, {}, 1) == ["mixed_prefill"]
+    assert not d.applies({**ctx, "concurrency": 1}) and not d.applies({**ctx, "gpu": "h100"})
+    assert d.apply({"verify_path": "fused", "block_size": 8}, {"mixed_prefill": 256}) == \
+        {"block_size": 8, "mixed_prefill": 256}
+    assert d.apply({"mixed_prefill": 256}, {"mixed_prefill": 0}) == {}
