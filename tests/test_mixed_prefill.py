@@ -66,18 +66,17 @@ def test_mixed_step_outputs_equal_ar_at_c4(pair, workload, kind):
 
 
 def test_mixed_records_pass_token_forcing(pair, quick_prompts, quick_deployment, tmp_path):
-    """Records of stock at c4 over 8 prompts with and without ``mixed_prefill``: the same tokens
-    as AR, the mixed run's records show decode steps that carried newcomers' chunks, and token
-    forcing (teacher-forced pass and spot re-execution) passes on them."""
+    """Records of stock at c4 over 6 prompts with ``mixed_prefill`` (``specpilot run``'s path):
+    AR's tokens, records that show decode steps which carried newcomers' chunks, and token forcing
+    (teacher-forced pass and spot re-execution, which serves the records' engine config again)
+    passes on them."""
     target, drafter = pair
-    rows = quick_prompts[:8]
-    dep = Deployment.of(target, drafter)
-    opts = ServeOptions(progress=False)
-    ar = serve(EngineSpec("ar"), Deployment.of(target, None), rows, 12, 4, META, opts)
-    plain = serve(EngineSpec("stock", 4), dep, rows, 12, 4, META, opts)
-    mixed = serve(EngineSpec("stock", 4, {"mixed_prefill": 64}), dep, rows, 12, 4, META, opts)
-    assert [r.output_ids for r in mixed] == [r.output_ids for r in plain] == [r.output_ids for r in ar]
-    assert all(r.mixed_steps is None for r in plain)
+    rows = quick_prompts[:6]
+    opts = ServeOptions(progress=False, warmup=False)
+    ar = serve(EngineSpec("ar"), Deployment.of(target, None), rows, 10, 4, META, opts)
+    assert all(r.mixed_steps is None for r in ar)
+    mixed = serve(EngineSpec("stock", 4, {"mixed_prefill": 64}), Deployment.of(target, drafter), rows, 10, 4, META, opts)
+    assert [r.output_ids for r in mixed] == [r.output_ids for r in ar]
     assert sum(r.mixed_steps for r in mixed) > 0 and mixed[0].engine_config["mixed_prefill"] == 64
     prompts = tmp_path / "prompts.jsonl"
     write_jsonl(prompts, rows)
@@ -86,7 +85,7 @@ def test_mixed_records_pass_token_forcing(pair, quick_prompts, quick_deployment,
     out = tmp_path / "v.json"
     main(["force", "--candidate", str(tmp_path / "mixed.jsonl"), "--reference", str(tmp_path / "ar.jsonl"),
           "--target", str(quick_deployment / "target"), "--drafter", str(quick_deployment / "drafter-dflash"),
-          "--prompts", str(prompts), "--tolerance", "0.001", "--max-new-tokens", "12", "--out", str(out)])
+          "--prompts", str(prompts), "--tolerance", "0.001", "--max-new-tokens", "10", "--out", str(out)])
     v = json.loads(out.read_text())
     assert v["passed"], v
 
