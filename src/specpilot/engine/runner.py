@@ -275,8 +275,8 @@ class TargetRunner:
         width per forward; targets with sliding-window or linear-attention layers keep per-row
         state a ragged segment would have to advance on its own."""
         if self.steps is not None or self.backend.path != "eager":
-            return (f"the {self.backend.path} path (Triton step / CUDA graphs keyed by uniform (rows, width) "
-                    f"blocks) cannot run a mixed prefill step; it needs the eager path")
+            return (f"the {self.backend.path} path (its steps are Triton kernels or CUDA graphs captured per "
+                    f"uniform (rows, width) block) cannot run a mixed prefill step; it needs the eager path")
         if self.fused is not None:
             return "the fused CPU step (verify_path: fused) cannot run a mixed prefill step; it needs verify_path: plain"
         if not ragged_supported(self.model.config):

@@ -377,7 +377,8 @@ class Scheduler:
     def _iteration_mixed(self, queue, slot: list, length: list[int], last: torch.Tensor, requests, out,
                          t0: float) -> torch.Tensor:
         """One mixed step (:mod:`specpilot.engine.mixed`): every running row's verify block and the
-        filling slots' next prompt chunks (within the token budget) in one forward; the decode rows
+        filling slots' next prompt chunks (within the token budget) in one forward (with no slot to
+        fill, the plain step of :meth:`_iteration`); the decode rows
         committed as in :meth:`_iteration`, then the chunks; a newcomer whose prompt is complete is
         admitted with its first token, the slots freed get the next queued requests."""
         runner, drafter, dev = self.runner, self.drafter, self.runner.device
@@ -385,7 +386,10 @@ class Scheduler:
         prompts = {b: requests[f.request].prompt_ids for b, f in self._filling.items()}
         pieces = plan_pieces(self._filling, prompts, self.mixed - len(rows) * self.verify_width)
         ta = clock(dev)
-        st, outs = mixed_step(runner, drafter, last, rows, pieces, self.accept, self.profile)
+        if pieces:
+            st, outs = mixed_step(runner, drafter, last, rows, pieces, self.accept, self.profile)
+        else:  # nothing to fill: the plain batched step (a uniform block runs faster than ragged rows)
+            st, outs = step(runner, drafter, last, self.accept, self.profile), []
         if rows:
             self.steps += 1
             if self.on_step is not None:
