@@ -46,21 +46,32 @@ class Segment:
 
 
 class RaggedContext:
-    """What the attention layers of a ragged forward read: the state and, per segment, its row,
-    start, token offset in the packed sequence and cache mask bool [1, 1, t, max_seq]."""
+    """What the attention layers of a ragged forward read: the state and its groups, each a run of
+    consecutive segments of one width t (the decode rows' verify blocks form one): rows int64 [R],
+    slots int64 [R, t] (start + j), the token offset of the run in the packed sequence, t, and the
+    cache mask bool [R, 1, t, max_seq]. A group's attention is one batched call over its rows."""
 
     ragged = True  # DecoderLayer routes attention to Attention.forward_ragged
 
     def __init__(self, state, segments: list[Segment]):
         self.state = state
-        self.parts = []
-        offset = 0
-        S = state.kv.max_seq
+        runs: list[list[Segment]] = []
         for seg in segments:
-            t = int(seg.tokens.shape[0])
-            start = torch.tensor([seg.start], dtype=torch.long, device=seg.tokens.device)
-            self.parts.append((seg.row, seg.start, offset, t, block_mask(start, seg.ancestors[None], S)))
-            offset += t
+            if runs and runs[-1][0].tokens.shape[0] == seg.tokens.shape[0]:
+                runs[-1].append(seg)
+            else:
+                runs.append([seg])
+        S = state.kv.max_seq
+        self.groups = []
+        offset = 0
+        for run in runs:
+            dev, t = run[0].tokens.device, int(run[0].tokens.shape[0])
+            rows = torch.tensor([g.row for g in run], dtype=torch.long, device=dev)
+            start = torch.tensor([g.start for g in run], dtype=torch.long, device=dev)
+            mask = block_mask(start, torch.stack([g.ancestors for g in run]), S)
+            slots = start[:, None] + torch.arange(t, device=dev)[None, :]
+            self.groups.append((rows, slots, offset, t, mask))
+            offset += t * len(run)
 
 
 def ragged_supported(cfg) -> bool:
