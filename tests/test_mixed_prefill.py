@@ -162,3 +162,30 @@ def test_mixed_prefill_direction_ranked_by_prefill_stall():
     assert d.apply({"verify_path": "fused", "block_size": 8}, {"mixed_prefill": 256}) == \
         {"block_size": 8, "mixed_prefill": 256}
     assert d.apply({"mixed_prefill": 256}, {"mixed_prefill": 0}) == {}
+
+
+def test_ragged_forward_matches_the_uniform_block(pair):
+    """verify_mixed's decode rows (a tree) and a prompt chunk give the logits and KV-cache entries
+    the uniform-block verify gives the same rows (fp32, to rounding)."""
+    target, _ = pair
+    prompts = [list(range(5, 30)), list(range(40, 52)), list(range(60, 97)), list(range(100, 118))]
+    block = torch.tensor([[7, 8, 9, 10, 11]] * 4)
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * 4)
+    runner = TargetRunner(target, 4, 64)
+
+    def fresh():
+        runner.prefill(prompts)
+
+    fresh()
+    want, _ = runner.verify(block, parents)
+    k_want = runner.model.state.kv.k.clone()
+    fresh()
+    got, _, _ = runner.verify_mixed(block, [0, 1, 2, 3], [], parents)
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(runner.model.state.kv.k, k_want, atol=1e-6)
+    chunk = list(range(200, 213))
+    fresh()
+    uniform, _ = runner.verify(torch.tensor([chunk] * 4))
+    fresh()
+    _, _, pieces = runner.verify_mixed(block, [0, 1, 2], [(3, chunk)], parents)
+    assert pieces[0][0].shape == (13, target.config.vocab_size)
+    assert torch.allclose(pieces[0][0], uniform[3], atol=1e-5)
