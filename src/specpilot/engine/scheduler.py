@@ -410,6 +410,8 @@ class Scheduler:
             extra = prefill_cost(tb - ta, self._decode_times, chunk, len(rows) * st.proposal.tokens.shape[1])
             for i in running:  # what this row's step took beyond a decode step: the chunks' cost
                 out[i].prefill_stall_s += extra
+                if self.profile:  # counted once: as stall, not also as verify time (the cost model adds them)
+                    out[i].verify_s -= min(extra, st.t_end - st.t_verify)
                 out[i].mixed_steps = (out[i].mixed_steps or 0) + 1
             done = []
             for (b, toks), (lg, _) in zip(pieces, outs):
