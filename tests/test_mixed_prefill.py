@@ -37,26 +37,35 @@ def pair(quick_deployment):
 
 @pytest.fixture(scope="module")
 def workload(pair, quick_prompts):
-    """8 requests with ragged prompts (12 .. 75 tokens) and budgets, each one's AR output decoded alone."""
+    """8 requests with ragged prompts (12 .. 75 tokens) and budgets, each one's AR output decoded
+    alone, and an EOS id some of those outputs hold mid-way with the AR outputs it cuts."""
     target, _ = pair
     reqs = [Request(p["prompt_ids"][: 12 + 9 * i], 5 + (7 * i) % 13) for i, p in enumerate(quick_prompts[:8])]
-    ref = []
-    for r in reqs:
+
+    def alone(r, eos=None):
         runner = TargetRunner(target, 1, len(r.prompt_ids) + r.max_new_tokens + 2)
-        ref.append(generate_ar(runner, [r.prompt_ids], r.max_new_tokens)[0].output_ids)
-    return reqs, ref
+        return generate_ar(runner, [r.prompt_ids], r.max_new_tokens, eos_id=eos)[0].output_ids
+
+    ref = [alone(r) for r in reqs]
+    mid = {t for o in ref for t in o[1:-1]}
+    eos = min(mid, key=lambda t: (abs(sum(t in o[1:-1] for o in ref) - 3), t))
+    return reqs, ref, eos, [alone(r, eos) for r in reqs]
 
 
-@pytest.mark.parametrize("kind", ["ar", "stock", "tree"])
+@pytest.mark.parametrize("kind", ["ar", "stock", "tree", "stock-eos"])
 def test_mixed_step_outputs_equal_ar_at_c4(pair, workload, kind):
     """8 requests through 4 slots: every refill's prompt rides in chunks of a 16-token room in the
-    running rows' decode steps (several chunks per prompt), and every output equals AR's."""
+    running rows' decode steps (several chunks per prompt), and every output equals AR's (with an
+    EOS id too: requests end mid-budget and free their slots at other steps)."""
     target, drafter = pair
-    reqs, ref = workload
+    reqs, ref, eos, ref_eos = workload
+    if kind == "stock-eos":
+        ref = ref_eos
+    assert kind != "stock-eos" or any(len(o) < r.max_new_tokens for o, r in zip(ref, reqs))
     prop = None if kind == "ar" else make_proposer(drafter, 4, {"tree_branch": 2, "tree_depth": 2} if kind == "tree" else {})
     width = prop.verify_width if prop is not None else 1
     runner = TargetRunner(target, 4, slots_needed(reqs, width), prop.capture if prop is not None else ())
-    sched = Scheduler(runner, prop, mixed_prefill=4 * width + 16)
+    sched = Scheduler(runner, prop, mixed_prefill=4 * width + 16, eos_id=eos if kind == "stock-eos" else None)
     out = sched.run(reqs)
     assert [o.output_ids for o in out] == ref
     assert sched.prefill_steps == 1 or sched.prefill_steps < sched.mixed_steps  # refills ride in decode steps
@@ -96,7 +105,7 @@ def test_mixed_step_cuts_the_prefill_stall(pair, workload):
     running requests wait only for what the chunks add to a step they run anyway, so their summed
     prefill stall drops (the cost model's prefill_stall term), and the outputs stay AR's."""
     target, _ = pair
-    reqs, ref = workload
+    reqs, ref = workload[:2]
     stall = {}
     for budget in (0, 68):
         runner = TargetRunner(target, 4, slots_needed(reqs, 1))
@@ -111,7 +120,7 @@ def test_mixed_step_cuts_the_prefill_stall(pair, workload):
 def test_mixed_prefill_refused_where_it_cannot_run(pair, workload):
     """One clear error naming the setting (and the path) wherever the mixed step cannot run."""
     target, drafter = pair
-    reqs, _ = workload
+    reqs = workload[0]
     for bad in (-1, "256", 1.5, True):
         with pytest.raises(SpecpilotError, match="mixed_prefill"):
             EngineConfig.parse({"mixed_prefill": bad})
