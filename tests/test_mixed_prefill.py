@@ -103,18 +103,25 @@ def test_mixed_step_cuts_the_prefill_stall(pair, workload):
     """The same 8 requests at c4 with and without the mixed step: without it every refill stops the
     running requests for a prefill step over every row (a block as wide as the prompt); with it the
     running requests wait only for what the chunks add to a step they run anyway, so their summed
-    prefill stall drops (the cost model's prefill_stall term), and the outputs stay AR's."""
+    prefill stall drops (the cost model's prefill_stall term), and the outputs stay AR's. Timed
+    three times each, interleaved, the least kept (a loaded machine's preemptions only add)."""
     target, _ = pair
     reqs, ref = workload[:2]
-    stall = {}
-    for budget in (0, 68):
-        runner = TargetRunner(target, 4, slots_needed(reqs, 1))
-        sched = Scheduler(runner, mixed_prefill=budget)
-        out = sched.run(reqs)
-        assert [o.output_ids for o in out] == ref
-        stall[budget] = sum(o.prefill_stall_s for o in out)
-        assert (sched.mixed_steps > 0) == (budget > 0)
-    assert 0 < stall[68] < stall[0], stall
+    stall = {0: [], 68: []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):
+            for budget in stall:
+                runner = TargetRunner(target, 4, slots_needed(reqs, 1))
+                sched = Scheduler(runner, mixed_prefill=budget)
+                out = sched.run(reqs)
+                assert [o.output_ids for o in out] == ref
+                assert (sched.mixed_steps > 0) == (budget > 0)
+                stall[budget].append(sum(o.prefill_stall_s for o in out))
+    finally:
+        torch.set_num_threads(threads)
+    assert min(stall[68]) < min(stall[0]) and min(stall[0]) > 0, stall
 
 
 def test_mixed_prefill_refused_where_it_cannot_run(pair, workload):
