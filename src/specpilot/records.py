@@ -55,6 +55,8 @@ class Record:
             (:mod:`specpilot.engine.scheduler`); None from the static-batch regime.
         prefill_stall_s: seconds of the decode spent in other requests' prefill steps
             (continuous batching; part of ``decode_s``).
+        mixed_steps: decode steps of the request that also carried a newcomer's prompt chunk (engine
+            config ``mixed_prefill``, :mod:`specpilot.engine.mixed`); None without it.
         device_index, device_uuid, device_name: the physical device that timed the request
             (:func:`specpilot.devices.device_identity`: index and UUID on a GPU host, ``cpu``
             otherwise); None in records written before they existed.
@@ -100,6 +102,7 @@ class Record:
     first_token_s: float | None = None
     finish_s: float | None = None
     prefill_stall_s: float = 0.0
+    mixed_steps: int | None = None
     device_index: int | None = None
     device_uuid: str | None = None
     device_name: str | None = None

@@ -14,7 +14,9 @@ Terms reported, each in seconds per committed token (divide per-step seconds by 
 Batched terms (continuous batching, records with times; the verify floor above is already at
 M = batch x block rows):
 - ``prefill_stall``: neighbours' prefill steps a running request waited through
-  (``prefill_stall_s``; taken out of ``host``), floor 0;
+  (``prefill_stall_s``; taken out of ``host``), floor 0; with the mixed prefill step
+  (``mixed_prefill``, :mod:`specpilot.engine.mixed`, the direction that attacks this term) what
+  the newcomers' chunks added to the steps it ran (taken out of its ``verify_s`` there);
 - ``idle_slots``: the share f of slot-time without a running request (1 - sum of the requests'
   time in flight / (c x wall time of the cell)); gap = f x the step's per-token cost, the
   throughput the empty slots forgo;

@@ -71,7 +71,7 @@ class Direction:
 DEFAULTS = {"weight_format": ("bf16", "fp32", "native"), "tree_branch": (0,), "accept": ("greedy",),
             "verify_budget": ("off",), "overlap": (False,), "second_level": (0,),
             "tree_nodes": (0,), "tree_lattice": (0,), "verify_path": ("plain",), "draft_path": ("plain",),
-            "context_path": ("plain",)}
+            "context_path": ("plain",), "mixed_prefill": (0,)}
 
 
 def normalize(config: dict) -> dict:
@@ -252,3 +252,14 @@ register(Direction(
     "verify phases) through its fused CPU step: every layer's context K/V in one matmul and one write "
     "(fastpath.cpu_drafter), as the kernel sub-agent checked and chose it",
     applies=lambda ctx: _cpu_path("context_path")(ctx) and ctx.get("drafter") not in (None, "none", "lookup")))
+
+
+register(Direction(
+    "mixed_prefill", "prefill_stall", {"mixed_prefill": [0, 256, 512, 1024]},
+    "mixed prefill step (chunked prefill, Sarathi-Serve; vLLM's and SGLang's scheduler): a newcomer's prompt rides "
+    "in chunks in the decode steps, one ragged forward of at most N tokens (the running rows' verify blocks + the "
+    "chunks), instead of stopping every running request for a prefill step of its own (engine.mixed); outputs "
+    "unchanged. Continuous batching on the eager path (full-attention targets); a budget <= concurrency x verify "
+    "width is refused",
+    applies=lambda ctx: _batched(ctx) and ctx.get("gpu", "cpu") == "cpu" and ctx.get("dense", True),
+    excludes=("verify_path", "overlap")))

@@ -83,6 +83,8 @@ FIELDS: dict[str, tuple[Any, tuple, str]] = {
     "replay_profile": (None, _name(), "the replay drafter's acceptance profile (set by the CLI)"),
     "max_ngram": (3, _int(1), "prompt lookup: longest n-gram matched"),
     "confidence_threshold": (0.0, _fraction(), "DSpark: stop a row's chain below this survival (0: off)"),
+    "mixed_prefill": (0, _int(0), "mixed prefill step: token budget of a decode step that also carries newcomers' "
+                      "prompt chunks (continuous batching, eager path; 0: off)"),
     "verify_path": ("plain", _choice(STEP_PATHS), "the target's verify/decode step: plain, or fused (CPU, dense)"),
     "draft_path": ("plain", _choice(STEP_PATHS), "the drafter's draft forward: plain, or fused (CPU)"),
     "context_path": ("plain", _choice(STEP_PATHS), "the drafter's context injection: plain, or fused (CPU)"),

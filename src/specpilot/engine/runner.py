@@ -12,6 +12,7 @@ import torch
 
 from ..errors import SpecpilotError
 from ..models.layers import chain_ancestors, tree_ancestors
+from ..models.ragged import Segment, forward_ragged, ragged_supported
 from ..models.state import check_width
 from ..models.target import PREFILL_PIECE, Transformer, ring_reserve
 from .backend import Backend, choose_backend
@@ -266,6 +267,73 @@ class TargetRunner:
             return out
         anc, depth = self._tree
         return self.model(block, self.length, anc, depth, capture=self.capture, parents=parents)
+
+    def mix_refusal(self) -> str | None:
+        """Why this runner cannot run a mixed prefill step (:meth:`verify_mixed`), naming the path
+        that cannot; None when it can. Only the eager forward runs ragged rows: the Triton step's
+        CUDA graphs are captured per uniform (rows, width) block and the fused CPU step takes one
+        width per forward; targets with sliding-window or linear-attention layers keep per-row
+        state a ragged segment would have to advance on its own."""
+        if self.steps is not None or self.backend.path != "eager":
+            return (f"the {self.backend.path} path (its steps are Triton kernels or CUDA graphs captured per "
+                    f"uniform (rows, width) block) cannot run a mixed prefill step; it needs the eager path")
+        if self.fused is not None:
+            return "the fused CPU step (verify_path: fused) cannot run a mixed prefill step; it needs verify_path: plain"
+        if not ragged_supported(self.model.config):
+            return (f"a target with {sorted(set(self.model.config.layer_types) - {'full_attention'})} layers cannot run "
+                    f"a mixed prefill step (full-attention targets only)")
+        return None
+
+    @torch.inference_mode()
+    def verify_mixed(self, block: torch.Tensor, rows: list[int], pieces: list[tuple[int, list[int]]],
+                     parents: torch.Tensor | None = None, max_depth: int | None = None):
+        """One mixed step (:mod:`specpilot.models.ragged`): the candidates of ``rows`` (of block
+        [B, N], a chain or a tree given parents [B, N], at the committed lengths, as :meth:`verify`)
+        and each piece ``(b, tokens)``'s prompt chunk at row b's committed length, in one ragged
+        forward. Rows in neither list are not run. Nothing is committed: :meth:`commit` the decode
+        rows' counts, then :meth:`commit` the pieces' lengths.
+
+        Returns:
+            logits [B, N, vocab] and features [B, N, F] (or None) of the decode rows (zeros in the
+            other rows), and per piece its logits [t, vocab] and features [t, F] (or None).
+        Raises:
+            SpecpilotError: :meth:`mix_refusal`; a row in both lists; a block or chunk beyond the cache.
+        """
+        why = self.mix_refusal()
+        if why is not None:
+            raise SpecpilotError(f"mixed_prefill: {why}")
+        B, N = block.shape
+        if set(rows) & {b for b, _ in pieces}:
+            raise SpecpilotError(f"mixed step: rows {sorted(set(rows) & {b for b, _ in pieces})} both decode and prefill")
+        if rows:
+            self._check_room(N)
+        self._pending = N
+        self.model.state.discard()
+        if parents is None:
+            anc, depth = chain_ancestors(B, N, self.device), None
+        else:
+            anc, depth = tree_ancestors(parents, max_depth)
+        starts = self.length.tolist()
+        segs = [Segment(b, block[b], starts[b], anc[b], None if depth is None else depth[b]) for b in rows]
+        for b, toks in pieces:
+            t = len(toks)
+            segs.append(Segment(b, torch.tensor(toks, dtype=torch.long, device=self.device), starts[b],
+                                torch.ones(t, t, dtype=torch.bool, device=self.device).tril()))
+        flat, feats_flat = forward_ragged(self.model, segs, self.capture)
+        logits = flat.new_zeros(B, N, flat.shape[-1])
+        feats = None if feats_flat is None else feats_flat.new_zeros(B, N, feats_flat.shape[-1])
+        o = 0
+        for b in rows:
+            logits[b] = flat[o:o + N]
+            if feats is not None:
+                feats[b] = feats_flat[o:o + N]
+            o += N
+        out = []
+        for _, toks in pieces:
+            t = len(toks)
+            out.append((flat[o:o + t], None if feats_flat is None else feats_flat[o:o + t]))
+            o += t
+        return logits, feats, out
 
     @property
     def tree_fast(self) -> bool:

@@ -30,6 +30,15 @@ that is the same ``prefill_row`` calls (same chunks) a refill makes, so every pr
 run takes one batch-invariant path: a request's outputs do not depend on the concurrency or on
 whether it arrived first or as a refill (AR at c1 equals AR at c16 token for token).
 
+With engine config ``mixed_prefill`` (a token budget, :mod:`specpilot.engine.mixed`) a freed slot's
+newcomer is not prefilled in a step of its own: its prompt rides in chunks in the next decode
+steps (one ragged forward of the running rows' verify blocks and the chunks, at most the budget's
+tokens), and it decodes from the step after its last chunk. A request's ``prefill_stall_s`` is
+then what the mixed steps it decoded through took beyond a decode step
+(:func:`~specpilot.engine.mixed.prefill_cost`), its ``prefill_s`` its chunks' part of that in the
+steps that carried them, and ``mixed_steps`` counts the steps of its
+decode that carried a chunk. Eager path only (:meth:`TargetRunner.mix_refusal`).
+
 AR runs through the same loop with :class:`ARProposer` (a proposal of width 1: no drafts, the
 bonus token is the AR token). Outputs equal AR token for token at every concurrency (tests).
 
@@ -56,6 +65,7 @@ from ..drafters.proposal import chain
 from ..errors import SpecpilotError
 from ..tuning.timing import clock
 from .loop import RowResult, take_tokens
+from .mixed import Fill, check_budget, commit_pieces, mixed_step, plan_pieces, prefill_cost
 from .overlap import OverlapStepper
 from .runner import TargetRunner
 from .verify import accept_greedy, advance, step
@@ -81,6 +91,7 @@ class RequestResult(RowResult):
     first_token_s: float = 0.0
     finish_s: float = 0.0
     prefill_stall_s: float = 0.0  # seconds of neighbours' prefill steps while this request decoded
+    mixed_steps: int | None = None  # decode steps that carried a newcomer's prompt chunk (None: mixed_prefill off)
 
 
 @dataclass
@@ -153,14 +164,19 @@ class Scheduler:
             :meth:`can_prefill_beside`). Off by default: on the H200 at concurrency 16-24 the
             verify steps already keep the GPU busy, so the prefill only slowed them (BENCHMARKS.md,
             issue 15: stock 1.60x -> 1.44x AR at c24, 1.76x -> 1.72x at c16).
+        mixed_prefill: token budget of a mixed step (:mod:`specpilot.engine.mixed`): newcomers'
+            prompts ride in chunks in the decode steps instead of prefill steps of their own; 0 =
+            off. Needs the eager path (:meth:`TargetRunner.mix_refusal`) and a budget above
+            concurrency x verify width; not with ``prefill_chunk``, ``prefill_beside`` or ``overlap``.
     Raises:
-        SpecpilotError: ``prefill_beside=True`` where it cannot run; bad bucket or chunk.
+        SpecpilotError: ``prefill_beside=True`` where it cannot run; bad bucket or chunk; a
+            ``mixed_prefill`` this runner cannot run or combined with the settings above.
     """
 
     def __init__(self, runner: TargetRunner, drafter=None, accept: Callable = accept_greedy,
                  eos_id: int | None = None, profile: bool = True, prefill_bucket: int | None = None,
                  on_step: Callable | None = None, prefill_chunk: int | None = None, overlap: bool = False,
-                 prefill_beside: bool = False):
+                 prefill_beside: bool = False, mixed_prefill: int = 0):
         self.runner = runner
         self.overlap = bool(overlap)
         self.prefill_beside = prefill_beside
@@ -183,6 +199,23 @@ class Scheduler:
         self._pending: dict[int, _Beside] = {}  # slot -> its newcomer's prefill in flight
         self._side = None  # the prefill stream (CUDA)
         self._beside_delay = 0  # tests: polls a finished CPU prefill waits before it is admitted
+        self.mixed = int(mixed_prefill or 0)
+        self.mixed_steps = 0  # decode steps of the last run that carried prompt chunks
+        self._filling: dict[int, Fill] = {}  # slot -> its newcomer being prefilled in mixed steps
+        if self.mixed:
+            self._check_mixed()
+
+    def _check_mixed(self) -> None:
+        """Refuse a ``mixed_prefill`` this scheduler cannot run (one message naming the setting)."""
+        why = self.runner.mix_refusal()
+        if why is not None:
+            raise SpecpilotError(f"mixed_prefill: {why}")
+        for name, on in (("prefill_chunk", self.chunk is not None), ("prefill_beside", self.prefill_beside),
+                         ("overlap", self.overlap)):
+            if on:
+                raise SpecpilotError(f"mixed_prefill cannot be combined with {name}: the mixed step chunks prompts "
+                                     f"by its token budget inside the decode steps")
+        check_budget(self.mixed, self.runner.batch, self.verify_width)
 
     @property
     def verify_width(self) -> int:
@@ -234,11 +267,13 @@ class Scheduler:
         out = [RequestResult() for _ in requests]
         slot: list[int | None] = [None] * B  # request index per slot (None = idle)
         length = [0] * B  # committed entries per row, known on the host
-        self.steps = self.prefill_steps = 0
+        self.steps = self.prefill_steps = self.mixed_steps = 0
+        self._filling.clear()
+        self._decode_times: list[float] = []  # seconds of this run's decode steps that carried no chunk
         queue = deque(range(len(requests)))
         t0 = clock(self.runner.device)
         last = self._start(queue, slot, length, requests, out, t0)
-        if isinstance(self.drafter, ARProposer) and self.eos_id is None and self.on_step is None:
+        if isinstance(self.drafter, ARProposer) and self.eos_id is None and self.on_step is None and not self.mixed:
             self._loop_ar(queue, slot, length, last, requests, out, t0)
         else:
             self._loop(queue, slot, length, last, requests, out, t0)
@@ -273,6 +308,9 @@ class Scheduler:
                 freed.append(b)
         self.beside = self._use_beside()
         self._pending.clear()
+        if self.mixed:
+            self._fill(freed, t1 - t0, queue, length)
+            return last
         if self.beside:
             self._launch_beside(freed, t1 - t0, queue, slot, length, requests, out)
             return last
@@ -282,7 +320,7 @@ class Scheduler:
               out: list[RequestResult], t0: float) -> None:
         """Decode steps (and the refills between them) until the queue and every slot are empty."""
         pipe = self._pipe()
-        while any(s is not None for s in slot) or self._pending:
+        while any(s is not None for s in slot) or self._pending or self._filling:
             last = self._iteration(pipe, queue, slot, length, last, requests, out, t0)
 
     def _pipe(self) -> OverlapStepper | None:
@@ -299,6 +337,8 @@ class Scheduler:
         ``queue``, ``requests`` and ``out`` may be any containers indexed by request id (the online
         scheduler, :mod:`specpilot.engine.online`, keys them by id)."""
         runner, drafter = self.runner, self.drafter
+        if self.mixed:
+            return self._iteration_mixed(queue, slot, length, last, requests, out, t0)
         if self._pending:  # admit the newcomers whose prefill finished beside the last steps
             last, _ = self._poll(queue, slot, length, last, requests, out, t0)
             if not any(s is not None for s in slot):
@@ -320,6 +360,78 @@ class Scheduler:
             self._launch_beside(freed, now, queue, slot, length, requests, out)
             return last
         return self._refill(freed, now, queue, slot, length, last, requests, out, t0)
+
+    def _fill(self, freed: list[int], now: float, queue, length: list[int]) -> None:
+        """Mixed prefill: give each freed slot the next queued request to fill in the coming mixed
+        steps (its cache row emptied: ``runner.rollback`` to length 0)."""
+        new = False
+        for b in freed:
+            if not queue:
+                break
+            self._filling[b] = Fill(queue.popleft(), 0, now)
+            length[b] = 0
+            new = True
+        if new:
+            self.runner.rollback(torch.tensor(length, dtype=torch.long))
+
+    def _iteration_mixed(self, queue, slot: list, length: list[int], last: torch.Tensor, requests, out,
+                         t0: float) -> torch.Tensor:
+        """One mixed step (:mod:`specpilot.engine.mixed`): every running row's verify block and the
+        filling slots' next prompt chunks (within the token budget) in one forward (with no slot to
+        fill, the plain step of :meth:`_iteration`); the decode rows
+        committed as in :meth:`_iteration`, then the chunks; a newcomer whose prompt is complete is
+        admitted with its first token, the slots freed get the next queued requests."""
+        runner, drafter, dev = self.runner, self.drafter, self.runner.device
+        rows = [b for b, i in enumerate(slot) if i is not None]
+        prompts = {b: requests[f.request].prompt_ids for b, f in self._filling.items()}
+        pieces = plan_pieces(self._filling, prompts, self.mixed - len(rows) * self.verify_width)
+        ta = clock(dev)
+        if pieces:
+            st, outs = mixed_step(runner, drafter, last, rows, pieces, self.accept, self.profile)
+        else:  # nothing to fill: the plain batched step (a uniform block runs faster than ragged rows)
+            st, outs = step(runner, drafter, last, self.accept, self.profile), []
+        if rows:
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(st.proposal, st.paths)
+        running = [slot[b] for b in rows]
+        counts, committed, freed = self._record(st, slot, requests, out, st.t_end - t0)
+        last = advance(runner, drafter, st, counts, committed)
+        for b in range(runner.batch):
+            length[b] += counts[b]
+        commit_pieces(runner, drafter, pieces, outs)
+        tb = clock(dev)
+        if rows and not pieces:
+            self._decode_times.append(tb - ta)
+        if pieces:
+            self.prefill_steps += 0 if rows else 1
+            self.mixed_steps += 1 if rows else 0
+            chunk = sum(len(t) for _, t in pieces)
+            extra = prefill_cost(tb - ta, self._decode_times, chunk, len(rows) * st.proposal.tokens.shape[1])
+            for i in running:  # what this row's step took beyond a decode step: the chunks' cost
+                out[i].prefill_stall_s += extra
+                if self.profile:  # counted once: as stall, not also as verify time (the cost model adds them)
+                    out[i].verify_s -= min(extra, st.t_end - st.t_verify)
+                out[i].mixed_steps = (out[i].mixed_steps or 0) + 1
+            done = []
+            for (b, toks), (lg, _) in zip(pieces, outs):
+                f = self._filling[b]
+                f.pos += len(toks)
+                f.prefill_s += extra * len(toks) / chunk
+                length[b] += len(toks)
+                if f.pos == len(prompts[b]):
+                    done.append((b, int(lg[-1].argmax(-1))))
+            if done:
+                last = last.clone()
+            for b, tok in done:
+                f = self._filling.pop(b)
+                last[b] = tok
+                slot[b] = f.request
+                if self._admit(b, f.request, tok, f.arrival, f.prefill_s, tb - t0, requests, out):
+                    slot[b] = None
+                    freed.append(b)
+        self._fill(freed, tb - t0, queue, length)
+        return last
 
     def _record(self, st, slot: list, requests: list[Request], out: list[RequestResult], now: float):
         """Commit one step's tokens to each running request (budgets, EOS); returns (counts kept per
@@ -515,6 +627,8 @@ class Scheduler:
         req, r = requests[i], out[i]
         r.arrival_s, r.prefill_s, r.first_token_s = arrival, prefill_s, first_s
         r.output_ids.append(first)
+        if self.mixed and r.mixed_steps is None:
+            r.mixed_steps = 0
         self.drafter.reset_slot(b, list(req.prompt_ids), first, req.reference)
         done = req.max_new_tokens <= 1 or first == self._eos(req)
         if done:

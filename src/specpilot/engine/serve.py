@@ -145,6 +145,9 @@ def _check_serving(spec: EngineSpec, dep: Deployment, prompts: list[dict], max_n
         raise SpecpilotError(f"concurrency must be >= 1, got {concurrency}")
     if opts.regime not in REGIMES:
         raise SpecpilotError(f"unknown serving regime {opts.regime!r}; use continuous or static")
+    if spec.config.mixed_prefill and opts.regime != "continuous":
+        raise SpecpilotError(f"mixed_prefill = {spec.config.mixed_prefill} needs the continuous regime (newcomers' "
+                             f"prompts ride in the decode steps); the {opts.regime} regime has no newcomers")
     for p in prompts:
         if not p.get("prompt_ids"):
             raise SpecpilotError(f"request {p.get('request_id')!r} has an empty prompt")
@@ -220,6 +223,7 @@ def to_record(spec: EngineSpec, p: dict, r: RowResult, concurrency: int, meta: d
         drafter=meta["drafter"] if spec.engine != "ar" else "none", gpu=meta["gpu"],
         arrival_s=getattr(r, "arrival_s", None), first_token_s=getattr(r, "first_token_s", None),
         finish_s=getattr(r, "finish_s", None), prefill_stall_s=getattr(r, "prefill_stall_s", 0.0),
+        mixed_steps=getattr(r, "mixed_steps", None),
         threads=torch.get_num_threads())
 
 
@@ -253,7 +257,8 @@ def _serve_continuous(spec: EngineSpec, dep: Deployment, prompts: list[dict], ma
     # (a sliding-window target's prompts go in the runner's fixed pieces, TargetRunner.prefill_piece,
     # and a refill block over every row is cut to its widest block, TargetRunner.max_block)
     sched = Scheduler(runner, proposer, accept=spec.accept, eos_id=opts.eos_id, profile=opts.profile,
-                      prefill_chunk=opts.prefill_chunk, overlap=spec.overlap, prefill_beside=opts.prefill_beside)
+                      prefill_chunk=opts.prefill_chunk, overlap=spec.overlap, prefill_beside=opts.prefill_beside,
+                      mixed_prefill=spec.config.mixed_prefill)
     if opts.warmup:  # first forwards pay one-time allocation costs (and graph captures); keep them out of the timings
         sched.run([Request(r.prompt_ids, min(8, r.max_new_tokens), r.reference) for r in requests[:B]])
     sched.on_finish = lambda i: bar.update(1)

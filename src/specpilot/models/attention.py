@@ -122,5 +122,28 @@ class Attention(nn.Module):
             ring.write(self.slot, ctx, k, v)
         return self._out(y, gate, B, T)
 
+    def forward_ragged(self, x, cos, sin, ctx):
+        """Packed segments [1, S, hidden] of a ragged forward (:mod:`specpilot.models.ragged`):
+        projections over all S tokens at once; per group of equal-width segments their K/V
+        written into their cache rows and their queries attended against those rows under the
+        segments' masks, one batched call. Full attention only."""
+        _, S, _ = x.shape
+        q, k, v, gate = self._project(x, cos, sin)  # [1, heads, S, D]
+        kc, vc = ctx.state.kv.k[:, self.slot], ctx.state.kv.v[:, self.slot]  # [B, kv_heads, max_seq, D]
+        gqa = self.n_kv != self.n_heads
+        ys = []
+        for rows, slots, o, t, mask in ctx.groups:
+            R = rows.shape[0]
+
+            def split(z):  # [1, H, R * t, D] -> [R, H, t, D]
+                return z[0, :, o:o + R * t].unflatten(1, (R, t)).transpose(0, 1)
+
+            qg, kg, vg = split(q), split(k), split(v)
+            at = rows[:, None].expand(R, t)
+            kc[at, :, slots] = kg.transpose(1, 2)
+            vc[at, :, slots] = vg.transpose(1, 2)
+            y = F.scaled_dot_product_attention(qg, kc[rows], vc[rows], attn_mask=mask, enable_gqa=gqa)
+            ys.append(y.transpose(0, 1).flatten(1, 2))  # [H, R * t, D]
+        return self._out(torch.cat(ys, 1)[None], gate, 1, S)
 
 __all__ = ["Attention", "apply_partial_rope", "block_mask"]

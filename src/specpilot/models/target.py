@@ -87,6 +87,8 @@ class DecoderLayer(nn.Module):
             return self.linear_attn.forward_causal(h) if ctx is None else self.linear_attn(h, ctx)
         if ctx is None:
             return self.self_attn.forward_causal(h, cos, sin)
+        if getattr(ctx, "ragged", False):  # packed rows of a mixed step (models.ragged)
+            return self.self_attn.forward_ragged(h, cos, sin, ctx)
         return self.self_attn(h, cos, sin, ctx, slots, mask)
 
     def forward(self, x, cos, sin, ctx=None, slots=None, mask=None):

@@ -157,6 +157,9 @@ class ServedEngine:
             raise SpecpilotError(f"--max-seq must be in 1..{limit} (the target's max_position_embeddings), got {max_seq}")
         self.max_seq = max_seq or min(DEFAULT_MAX_SEQ, limit)
         self.slots = slots
+        if self.spec.config.mixed_prefill:
+            raise SpecpilotError("mixed_prefill is not served by specpilot serve's online scheduler (it prefills "
+                                 "newcomers in steps of their own); drop it from the engine config")
         proposer, runner = continuous_engine(self.spec, self.dep, slots, self.max_seq)
         self.scheduler = OnlineScheduler(runner, proposer, accept=self.spec.accept, eos_id=self.dep.eos_id,
                                          max_queue=max_queue, prefill_chunk=prefill_chunk, overlap=self.spec.overlap)
