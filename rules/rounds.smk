@@ -29,7 +29,7 @@ rule calibration_prompts:
         "logs/prompts/{deployment}/{regime}/calibration/prompts.log",
     params:
         tokenizer=target_dir,
-        n_prompts=calibration_prompts,
+        n_prompts=calibration_pool_count,
         seed=config.get("seed", 0),
         data=data_dir_opt(),
         benchmarks=",".join(config["benchmarks"]),
@@ -46,19 +46,23 @@ rule calibration_gather:
     input:
         calibration_parts,
     output:
-        "results/prompts/{deployment}/{regime}/calibration.jsonl",
+        first="results/prompts/{deployment}/{regime}/calibration.jsonl",
+        pool="results/prompts/{deployment}/{regime}/calibration-pool.jsonl",
     log:
         "logs/prompts/{deployment}/{regime}/calibration.log",
+    params:
+        first=calibration_prompts,  # rung 0: the first of each benchmark's (a prefix: specpilot.prompts.select)
     conda:
         "../envs/report.yaml"
     shell:
-        "(cat {input} > {output}.tmp && mv {output}.tmp {output}) > {log} 2>&1"
+        "(for f in {input}; do head -n {params.first} $f; done > {output.first}.tmp && cat {input} > {output.pool}.tmp"
+        " && mv {output.first}.tmp {output.first} && mv {output.pool}.tmp {output.pool}) > {log} 2>&1"
 
 
 rule round_references:
     input:
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
     output:
@@ -78,6 +82,7 @@ rule round_references:
         max_new_tokens=ROUNDS["max_new_tokens"],
         concurrency=tune_concurrency,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
     threads: timing_threads
     resources:
@@ -92,7 +97,7 @@ rule round_references:
         " --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --repeats {params.repeats} {params.replay} --prompts {input.prompts}"
+        " --concurrency {params.concurrency} --repeats {params.repeats} {params.rungs} {params.replay} --prompts {input.prompts}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --threads {threads} --out {output.ar} --out-stock {output.stock} 2>&1 | tee {log}"
 
@@ -115,7 +120,7 @@ checkpoint round_plan:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         ceilings="results/{gpu}/ceilings.json",
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
@@ -141,6 +146,7 @@ checkpoint round_plan:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         agents=ROUNDS["agents_per_round"],
@@ -159,7 +165,7 @@ checkpoint round_plan:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay}"
         " --min-gain {params.min_gain} --agents {params.agents} {params.directions} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock} --ceilings {input.ceilings}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -172,7 +178,7 @@ rule round_agent:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -198,6 +204,7 @@ rule round_agent:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         budget=ROUNDS["budget"],
@@ -216,7 +223,7 @@ rule round_agent:
         " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu}"
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
         " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
-        " --tolerance {params.tolerance} --repeats {params.repeats} {params.replay} --min-gain {params.min_gain}"
+        " --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay} --min-gain {params.min_gain}"
         " --budget {params.budget} {params.llm} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -228,7 +235,7 @@ rule round_integrate:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -256,6 +263,7 @@ rule round_integrate:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         confirm_factor=ROUNDS["confirm_factor"],
@@ -272,7 +280,7 @@ rule round_integrate:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay}"
         " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"

@@ -4,6 +4,9 @@ A trial (:meth:`specpilot.agent.trial.Evaluator.trial`) measures a candidate's g
 with the interval the study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`:
 a seeded percentile bootstrap over requests and repeats, 95 %). Here:
 
+- :func:`settle`: where a sequential trial stops (:meth:`specpilot.agent.trial.Evaluator.trial`
+  measures a trial whose interval straddles ``min_gain`` on the next rung of calibration prompts,
+  up to a cap; one still straddling there is "undecided at the cap" and does not clear);
 - :func:`clears`: a candidate counts only when the lower end of that interval is at least
   ``min_gain``, so a gain that timing noise alone could explain never changes the engine;
 - :func:`rank`: among candidates the measurement cannot tell apart (intervals overlapping the best
@@ -26,6 +29,21 @@ def _lo(r: dict) -> float:
 
 def _hi(r: dict) -> float:
     return r["gain_hi"] if r.get("gain_hi") is not None else r["gain"]
+
+
+def settle(lo: float, hi: float, min_gain: float, gain: float | None = None) -> str:
+    """Where a trial's 95 % gain interval ``[lo, hi]`` (and point ``gain``) stands against
+    ``min_gain``: ``"clears"`` (``lo >= min_gain``: a win), ``"below"`` (``hi < min_gain``: the
+    gain, if any, is smaller than asked; or the point ``gain`` at most 1: the candidate measured no
+    faster than its base, where more requests would only narrow an interval around no gain -- the
+    futility bound of a group-sequential design, Jennison & Turnbull, Group Sequential Methods,
+    2000, ch. 10) or ``"straddles"`` (the measurement cannot tell yet: measure more requests). A
+    NaN interval (no requests) straddles."""
+    if lo >= min_gain:
+        return "clears"
+    if hi < min_gain or (gain is not None and gain <= 1.0):
+        return "below"
+    return "straddles"
 
 
 def clears(result: dict, min_gain: float) -> bool:
