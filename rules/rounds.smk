@@ -2,6 +2,8 @@
 #
 #   calibration prompts (per benchmark, gathered; at least 2 x the regime's tuned concurrency)
 #                                                          results/prompts/{deployment}/{regime}/calibration.jsonl
+#      and every rung's (rounds.calibration_cap: a trial straddling min_gain measures more of them;
+#      docs/decisions.md)                                   results/prompts/{deployment}/{regime}/calibration-pool.jsonl
 #   -> references: AR and stock on them (once)             rounds/references/{ar,stock}.jsonl
 #   -> round-0 memory: merge of what this (deployment, regime) starts from (seed memory, with
 #      rounds.transfer = chain the last memory of the deployment before it in the same regime, and

@@ -26,6 +26,9 @@ fraction of the best single winner's), ``repeats`` (alternating timing repeats p
 integration confirms its choice on a fresh measurement with one more repeat (the winners' own
 trials picked them, so their timings are biased upwards) and keeps it only when that interval is
 clear of ``min_gain`` too; otherwise the base stays. Every decision records its interval.
+``calibration_rungs`` (config ``rounds.calibration_cap``): every trial that decides something is
+sequential (:meth:`specpilot.agent.trial.Evaluator.trial`): measured on more calibration prompts
+while its interval straddles ``min_gain``, each rung recorded (docs/decisions.md).
 """
 
 from __future__ import annotations
