@@ -276,3 +276,36 @@ def test_settle_and_rungs():
         rung_prompts(prompts, [1, 8])
     with pytest.raises(SpecpilotError, match="rising"):
         rung_prompts(prompts, [2, 2])
+
+
+def test_references_cover_every_rung_and_a_later_rung_is_gated_against_its_own():
+    """The round references: rung 0's prompts timed ``repeats`` times, the later rungs' once; a
+    trial's later rung passes the gate against those references (its own request ids)."""
+    runs, gated = [], []
+
+    class Counting(SyntheticTiming):
+        def __init__(self):
+            self.gain, self.rng, self.noise, self.base_s, self.effect = block_gain({10: 1.0}), random.Random(0), 0.05, {}, {}
+            prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
+            self.base_s = {p["request_id"]: 0.5 for p in prompts}
+            self.effect = {p["request_id"]: 1.0 for p in prompts}
+            Evaluator.__init__(self, None, prompts, 3, 1, {}, 8, 1e-3, repeats=2, rungs=[1, 2, 4], min_gain=MIN_GAIN)
+
+        def run(self, engine, config, prompts=None):
+            runs.append((engine, [p["request_id"] for p in (prompts or self.prompts)]))
+            return super().run(engine, config, prompts)
+
+        def gate(self, records, prompts=None):
+            ids = [p["request_id"] for p in (prompts or self.prompts)]
+            assert sorted(r.request_id for r in records) == sorted(ids)
+            assert {i for i in ids} <= {r.request_id for r in self.pool_ar}
+            gated.append(ids)
+            return {"passed": True, "violations": 0}
+
+    ev = Counting()
+    first = ["b0/0000", "b1/0000"]
+    assert [r.request_id for r in ev.ar] == first and len(ev.pool_ar) == len(ev.pool_stock) == 8
+    rest = ["b0/0001", "b0/0002", "b0/0003", "b1/0001", "b1/0002", "b1/0003"]
+    assert runs == [("ar", first), ("ar", first), ("ar", rest), ("stock", first), ("stock", first), ("stock", rest)]
+    r = ev.trial({"block_size": 10}, {"block_size": 8})  # no gain: the point gain <= 1 stops it at some rung
+    assert gated[0] == first and all(len(g) for g in gated) and r["requests"] == sum(len(g) for g in gated)
