@@ -257,7 +257,8 @@ class Evaluator:
         measurement (``decision`` ``one measurement`` for the first two). Otherwise rung 0's
         prompts first; while the gain's interval straddles ``min_gain``
         (:func:`specpilot.agent.decide.settle`) the next rung's prompts are measured too, until the
-        interval clears ``min_gain``, falls below it, or the last rung (the cap) is reached: then
+        interval clears ``min_gain``, falls below it, the point gain is at most ``min_gain``
+        (futile: more requests would not lift the interval above it), or the last rung (the cap) is reached: then
         ``decision`` is ``"undecided at the cap"`` (the trial does not clear, so it is rejected).
         At concurrency 1 a rung measures only its new prompts and the interval pools every rung's
         requests (requests are independent there); at a batched concurrency a rung re-measures all
@@ -269,7 +270,7 @@ class Evaluator:
         and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup over
         AR and tau, ``requests``, ``rungs`` (one ``{rung, requests, gain, gain_lo, gain_hi}`` per
         rung measured) and ``decision`` (``clears min_gain``, ``below min_gain``, ``undecided at the
-        cap``, ``failed token forcing``, ``one measurement``). A candidate the engine refuses
+        cap``, ``futile: point gain at most min_gain``, ``failed token forcing``, ``one measurement``). A candidate the engine refuses
         to run (a :class:`SpecpilotError` naming the setting, or the device running out of memory)
         is a rejected trial with ``gate.refused`` = the reason (:func:`refused_trial`), not a
         failed job."""
@@ -301,6 +302,8 @@ class Evaluator:
             state = settle(lo, hi, self.min_gain, gain)
             if not verdicts[-1]["passed"]:
                 decision = "failed token forcing"
+            elif state == "futile":
+                decision = "futile: point gain at most min_gain"
             elif state != "straddles":
                 decision = f"{state} min_gain"
             elif k == len(sets) - 1:
