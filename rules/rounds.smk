@@ -31,7 +31,8 @@ rule calibration_prompts:
         "logs/prompts/{deployment}/{regime}/calibration/prompts.log",
     params:
         tokenizer=target_dir,
-        n_prompts=calibration_pool_count,
+        n_prompts=calibration_pool_count,  # the last rung's (clipped to a smaller reserve)
+        first=calibration_prompts,
         seed=config.get("seed", 0),
         data=data_dir_opt(),
         benchmarks=",".join(config["benchmarks"]),
@@ -40,7 +41,7 @@ rule calibration_prompts:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {params.benchmarks}"
-        " --role calibration --n-prompts {params.n_prompts} --seed {params.seed}"
+        " --role calibration --n-prompts {params.n_prompts} --at-least {params.first} --seed {params.seed}"
         " {params.data} --out {params.outs} > {log} 2>&1"
 
 

@@ -288,8 +288,10 @@ def test_settle_and_rungs():
     assert [[p["request_id"] for p in s] for s in sets[:2]] == [["gsm8k/0", "mbpp/0"],
                                                                  ["gsm8k/0", "gsm8k/1", "mbpp/0", "mbpp/1"]]
     assert sets[2] == prompts and rung_prompts(prompts, None) == [prompts]
-    with pytest.raises(SpecpilotError, match="calibration_cap"):
-        rung_prompts(prompts, [1, 8])
+    # a benchmark whose reserve is smaller than the cap gives all it has to the later rungs
+    assert rung_prompts(prompts[:5], [1, 2, 4])[2] == prompts[:5]
+    with pytest.raises(SpecpilotError, match="calibration_prompts"):
+        rung_prompts(prompts, [5, 8])
     with pytest.raises(SpecpilotError, match="rising"):
         rung_prompts(prompts, [2, 2])
 

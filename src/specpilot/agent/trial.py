@@ -379,14 +379,14 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
 
 def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict]]:
     """The calibration prompts of each rung: rung k holds the first ``rungs[k]`` prompts of every
-    benchmark (the benchmark: a request id's part before ``/``), in file order; ``None``: one rung
-    of every prompt. A smaller calibration subset is a prefix of a larger one
+    benchmark (the benchmark: a request id's part before ``/``; all of them where its reserve is
+    smaller), in file order; ``None``: one rung of every prompt. A smaller calibration subset is a prefix of a larger one
     (:func:`specpilot.prompts.select`), so rung 0 of a file written for the cap is the file the
     rung-0 count alone would have written.
 
     Raises:
         SpecpilotError: rungs not rising positive integers, or a benchmark with fewer prompts than
-            the last rung (``--calibration-rungs`` asks for more than the file holds).
+            rung 0.
     """
     if not rungs:
         return [list(prompts)]
@@ -396,10 +396,10 @@ def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict
     by: dict[str, list[dict]] = {}
     for p in prompts:
         by.setdefault(p["request_id"].split("/")[0], []).append(p)
-    short = {b: len(ps) for b, ps in by.items() if len(ps) < rungs[-1]}
+    short = {b: len(ps) for b, ps in by.items() if len(ps) < rungs[0]}
     if short:
         raise SpecpilotError(f"--calibration-rungs {','.join(map(str, rungs))}: the calibration file holds fewer "
-                             f"prompts than the last rung for {short} (config rounds.calibration_cap)")
+                             f"prompts than rung 0 for {short} (config rounds.calibration_prompts)")
     sets = []
     for n in rungs:
         keep = {id(p) for ps in by.values() for p in ps[:n]}
