@@ -43,7 +43,8 @@ def test_two_runs_of_the_rounds_keep_the_same_decisions(tmp_path, quick_deployme
         work = make_workdir(tmp_path / f"run{i}", quick_deployment)  # the quick build copied in: no build job
         cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
         cfg["engines"] = ["ar", "stock", "specpilot"]
-        cfg["rounds"].update(count=1, agents_per_round=2, budget=2, calibration_prompts=1, calibration_cap=4)
+        cfg["rounds"].update(count=1, agents_per_round=2, budget=2, calibration_prompts=1, calibration_cap=4,
+                             max_new_tokens=16)
         (work / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         log = tmp_path / f"run{i}.log"
         with open(log, "w") as f:
