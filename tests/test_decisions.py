@@ -303,7 +303,7 @@ def test_references_cover_every_rung_and_a_later_rung_is_gated_against_its_own()
 
     class Counting(SyntheticTiming):
         def __init__(self):
-            self.gain, self.rng, self.noise, self.base_s, self.effect = block_gain({10: 1.0}), random.Random(0), 0.05, {}, {}
+            self.gain, self.rng, self.noise = block_gain({10: 1.0}), random.Random(0), 0.05
             prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
             self.base_s = {p["request_id"]: 0.5 for p in prompts}
             self.effect = {p["request_id"]: 1.0 for p in prompts}

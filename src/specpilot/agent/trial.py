@@ -258,8 +258,8 @@ class Evaluator:
         prompts first; while the gain's interval straddles ``min_gain``
         (:func:`specpilot.agent.decide.settle`) the next rung's prompts are measured too, until the
         interval clears ``min_gain``, falls below it, the point gain is at most ``min_gain``
-        (futile: more requests would not lift the interval above it), or the last rung (the cap) is reached: then
-        ``decision`` is ``"undecided at the cap"`` (the trial does not clear, so it is rejected).
+        (futile: more requests would not lift the interval above it), or the last rung (the cap)
+        is reached: then ``decision`` is ``"undecided at the cap"`` (the trial does not clear, so it is rejected).
         At concurrency 1 a rung measures only its new prompts and the interval pools every rung's
         requests (requests are independent there); at a batched concurrency a rung re-measures all
         its prompts, so every measurement runs at the regime's batch. Each rung's gate covers the
@@ -270,8 +270,8 @@ class Evaluator:
         and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup over
         AR and tau, ``requests``, ``rungs`` (one ``{rung, requests, gain, gain_lo, gain_hi}`` per
         rung measured) and ``decision`` (``clears min_gain``, ``below min_gain``, ``undecided at the
-        cap``, ``futile: point gain at most min_gain``, ``failed token forcing``, ``one measurement``). A candidate the engine refuses
-        to run (a :class:`SpecpilotError` naming the setting, or the device running out of memory)
+        cap``, ``futile: point gain at most min_gain``, ``failed token forcing``, ``one
+        measurement``). A candidate the engine refuses to run (a :class:`SpecpilotError` naming the setting, or the device running out of memory)
         is a rejected trial with ``gate.refused`` = the reason (:func:`refused_trial`), not a
         failed job."""
         once = prompts is not None or not sequential
@@ -380,9 +380,9 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
 def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict]]:
     """The calibration prompts of each rung: rung k holds the first ``rungs[k]`` prompts of every
     benchmark (the benchmark: a request id's part before ``/``; all of them where its reserve is
-    smaller), in file order; ``None``: one rung of every prompt. A smaller calibration subset is a prefix of a larger one
-    (:func:`specpilot.prompts.select`), so rung 0 of a file written for the cap is the file the
-    rung-0 count alone would have written.
+    smaller), in file order; ``None``: one rung of every prompt. A smaller calibration subset is
+    a prefix of a larger one (:func:`specpilot.prompts.select`), so rung 0 of a file written for
+    the cap is the file the rung-0 count alone would have written.
 
     Raises:
         SpecpilotError: rungs not rising positive integers, or a benchmark with fewer prompts than
