@@ -327,3 +327,20 @@ def test_references_cover_every_rung_and_a_later_rung_is_gated_against_its_own()
     assert runs == [("ar", first), ("ar", first), ("ar", rest), ("stock", first), ("stock", first), ("stock", rest)]
     r = ev.trial({"block_size": 10}, {"block_size": 8})  # no gain: futile or below at some rung
     assert gated[0] == first and all(len(g) for g in gated) and r["requests"] == sum(len(g) for g in gated)
+
+
+def test_the_calibration_pool_is_clipped_to_a_smaller_reserve(tmp_path, quick_deployment, data_dir, capsys):
+    """`specpilot prompts --role calibration --n-prompts CAP --at-least N`: humaneval reserves 8
+    rows, so a cap of 9 writes its 8 (gsm8k's train split gives 9); rung 0 above the reserve is refused."""
+    from specpilot.cli import main
+    from specpilot.io import read_prompts
+
+    outs = [tmp_path / "h.jsonl", tmp_path / "g.jsonl"]
+    args = ["prompts", "--tokenizer", str(quick_deployment / "target"), "--benchmark", "humaneval,gsm8k",
+            "--role", "calibration", "--data-dir", str(data_dir), "--out", ",".join(map(str, outs))]
+    assert main(args + ["--n-prompts", "9", "--at-least", "1"]) == 0
+    h, g = (read_prompts(o) for o in outs)
+    assert (len(h), len(g)) == (8, 9)
+    assert main(args + ["--n-prompts", "1"]) == 0 and read_prompts(outs[0])[0] == h[0]  # rung 0: a prefix
+    assert main(args + ["--n-prompts", "9", "--at-least", "9"]) == 2
+    assert "9 calibration prompts asked for 'humaneval', but 8 are reserved" in capsys.readouterr().err
