@@ -288,8 +288,10 @@ def test_settle_and_rungs():
     assert [[p["request_id"] for p in s] for s in sets[:2]] == [["gsm8k/0", "mbpp/0"],
                                                                  ["gsm8k/0", "gsm8k/1", "mbpp/0", "mbpp/1"]]
     assert sets[2] == prompts and rung_prompts(prompts, None) == [prompts]
-    # a benchmark whose reserve is smaller than the cap gives all it has to the later rungs
+    # a benchmark whose reserve is smaller than the cap gives all it has to the later rungs; a rung
+    # that adds nothing is dropped
     assert rung_prompts(prompts[:5], [1, 2, 4])[2] == prompts[:5]
+    assert rung_prompts(prompts[:5], [1, 2, 4, 8]) == rung_prompts(prompts[:5], [1, 2, 4])
     with pytest.raises(SpecpilotError, match="calibration_prompts"):
         rung_prompts(prompts, [5, 8])
     with pytest.raises(SpecpilotError, match="rising"):
@@ -344,3 +346,32 @@ def test_the_calibration_pool_is_clipped_to_a_smaller_reserve(tmp_path, quick_de
     assert main(args + ["--n-prompts", "1"]) == 0 and read_prompts(outs[0])[0] == h[0]  # rung 0: a prefix
     assert main(args + ["--n-prompts", "9", "--at-least", "9"]) == 2
     assert "9 calibration prompts asked for 'humaneval', but 8 are reserved" in capsys.readouterr().err
+
+
+def test_sequential_trials_with_the_replay_drafter(tmp_path, monkeypatch):
+    """The GPU rounds' path on the CPU: a random deployment, the replay drafter over AR references
+    of every rung (the references cover the pool), a trial measured over rungs and gated on each."""
+    import json as _json
+
+    import torch
+
+    import specpilot.agent.trial as trial_mod
+    from specpilot.deployment import load_deployment
+    from specpilot.deployment_random import write_random_deployment
+    from specpilot.drafters.replay import load_profile
+    from test_gpu_study import _prompts
+
+    dep_dir = tmp_path / "dep"
+    write_random_deployment(dep_dir, "tiny", seed=3, block_size=8, weight_format="fp32", name="r",
+                            replay_profile="study_stock")
+    dep = load_deployment(dep_dir / "target", dep_dir / "drafter-dflash", torch.device("cpu"), torch.float32)
+    prompts = [{**_json.loads(line), "benchmark": "gsm8k"}
+               for line in _prompts(tmp_path / "c.jsonl", 2).read_text().splitlines()]
+    ev = Evaluator(dep, prompts, 8, 1, {"deployment": "r", "target": "t", "drafter": "dflash", "gpu": "cpu"}, 8,
+                   1e-3, repeats=1, replay=load_profile("study_stock"), rungs=[1, 2], min_gain=MIN_GAIN)
+    assert len(ev.pool_ar) == len(ev.pool_stock) == 2 and len(ev.ar) == 1
+    assert [r.output_ids for r in ev.pool_stock] == [r.output_ids for r in ev.pool_ar]
+    monkeypatch.setattr(trial_mod, "settle", lambda *a: "straddles")  # timing aside: every rung, to the cap
+    r = ev.trial({"block_size": 6}, {"block_size": 8})
+    assert r["gate"]["passed"] and [x["requests"] for x in r["rungs"]] == [1, 2] and r["requests"] == 2
+    assert r["decision"] == "undecided at the cap" and r["gate"]["tokens_checked"] > 0

@@ -379,8 +379,8 @@ def merge_verdicts(verdicts: list[dict]) -> dict:
 
 def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict]]:
     """The calibration prompts of each rung: rung k holds the first ``rungs[k]`` prompts of every
-    benchmark (the benchmark: a request id's part before ``/``; all of them where its reserve is
-    smaller), in file order; ``None``: one rung of every prompt. A smaller calibration subset is
+    benchmark (a prompt's ``benchmark``, else its request id's part before ``/``; all of them
+    where its reserve is smaller; a rung adding none is dropped), in file order; ``None``: one rung of every prompt. A smaller calibration subset is
     a prefix of a larger one (:func:`specpilot.prompts.select`), so rung 0 of a file written for
     the cap is the file the rung-0 count alone would have written.
 
@@ -395,15 +395,17 @@ def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict
                              f"(prompts per benchmark at each rung)")
     by: dict[str, list[dict]] = {}
     for p in prompts:
-        by.setdefault(p["request_id"].split("/")[0], []).append(p)
+        by.setdefault(p.get("benchmark") or p["request_id"].split("/")[0], []).append(p)
     short = {b: len(ps) for b, ps in by.items() if len(ps) < rungs[0]}
     if short:
         raise SpecpilotError(f"--calibration-rungs {','.join(map(str, rungs))}: the calibration file holds fewer "
                              f"prompts than rung 0 for {short} (config rounds.calibration_prompts)")
-    sets = []
+    sets: list[list[dict]] = []
     for n in rungs:
         keep = {id(p) for ps in by.values() for p in ps[:n]}
-        sets.append([p for p in prompts if id(p) in keep])
+        rung = [p for p in prompts if id(p) in keep]
+        if not sets or len(rung) > len(sets[-1]):  # a rung no benchmark has more prompts for is none
+            sets.append(rung)
     return sets
 
 
