@@ -67,7 +67,7 @@ RANDOM_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] == RANDOM
 LINKED_DEPLOYMENTS = [d for d, v in DEPLOYMENTS.items() if v["target"] not in (TINY_TARGET, RANDOM_TARGET)]
 
 # The agent rounds' settings, with the schema's defaults (config/schema.yaml) for absent keys.
-ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2,
+ROUNDS = {"count": 2, "agents_per_round": 2, "budget": 6, "calibration_prompts": 2, "calibration_cap": None,
           "min_gain": 1.02, "confirm_factor": 0.98, "timing_repeats": 2, "transfer": "chain",
           "chain": [], "seed_memory": None, "llm": {}, "directions": None, "reuse_base": False,
           **config.get("rounds", {})}
@@ -76,7 +76,7 @@ ROUNDS.setdefault("max_new_tokens", config["max_new_tokens"])
 # Serving regimes (specpilot.regimes; resolved by rules/config.smk): name -> {tune, cells}, in memory
 # order (single first). Each (deployment, regime) has its own calibration prompts, kernel sub-agent,
 # rounds, engine config and cells; a cell concurrency belongs to one regime (REGIME_OF).
-from specpilot.regimes import calibration_count, calibration_tokens, regime_of, table_option
+from specpilot.regimes import calibration_count, calibration_rungs, calibration_tokens, regime_of, table_option
 
 REGIMES = config["regimes"]
 REGIME_OF = regime_of(REGIMES)
@@ -585,8 +585,32 @@ def calibration_prompts(wildcards):
     return calibration_count(REGIMES[wildcards.regime], ROUNDS["calibration_prompts"], len(config["benchmarks"]))
 
 
+def calibration_rung_counts(wildcards):
+    """Calibration prompts per benchmark at each rung of the regime's sequential trials (config
+    rounds.calibration_prompts, raised for a batched regime, doubling up to rounds.calibration_cap)."""
+    return calibration_rungs(REGIMES[wildcards.regime], ROUNDS["calibration_prompts"], ROUNDS["calibration_cap"],
+                             len(config["benchmarks"]))
+
+
+def calibration_pool_count(wildcards):
+    """Calibration prompts per benchmark the regime's pool file holds (its last rung)."""
+    return calibration_rung_counts(wildcards)[-1]
+
+
+def rungs_opt(wildcards):
+    """`--calibration-rungs` of the round steps (empty with one rung: every trial measured once)."""
+    rungs = calibration_rung_counts(wildcards)
+    return f"--calibration-rungs {','.join(map(str, rungs))}" if len(rungs) > 1 else ""
+
+
 def calibration_file(wildcards):
+    """Rung 0's calibration prompts (the kernel sub-agent's; the rounds' first measurement)."""
     return f"results/prompts/{wildcards.deployment}/{wildcards.regime}/calibration.jsonl"
+
+
+def calibration_pool_file(wildcards):
+    """Every rung's calibration prompts (the rounds' steps: a straddling trial measures more of them)."""
+    return f"results/prompts/{wildcards.deployment}/{wildcards.regime}/calibration-pool.jsonl"
 
 
 # The kernel sub-agent's effort (config kernel_agent; specpilot.agent.kernel_agent.tune's defaults)

@@ -2,6 +2,8 @@
 #
 #   calibration prompts (per benchmark, gathered; at least 2 x the regime's tuned concurrency)
 #                                                          results/prompts/{deployment}/{regime}/calibration.jsonl
+#      and every rung's (rounds.calibration_cap: a trial straddling min_gain measures more of them;
+#      docs/decisions.md)                                   results/prompts/{deployment}/{regime}/calibration-pool.jsonl
 #   -> references: AR and stock on them (once)             rounds/references/{ar,stock}.jsonl
 #   -> round-0 memory: merge of what this (deployment, regime) starts from (seed memory, with
 #      rounds.transfer = chain the last memory of the deployment before it in the same regime, and
@@ -31,7 +33,8 @@ rule calibration_prompts:
         "logs/prompts/{deployment}/{regime}/calibration/prompts.log",
     params:
         tokenizer=target_dir,
-        n_prompts=calibration_prompts,
+        n_prompts=calibration_pool_count,  # the last rung's (clipped to a smaller reserve)
+        first=calibration_prompts,
         seed=config.get("seed", 0),
         data=data_dir_opt(),
         benchmarks=",".join(config["benchmarks"]),
@@ -40,7 +43,7 @@ rule calibration_prompts:
         "../envs/engine.yaml"
     shell:
         "python -m specpilot prompts --tokenizer {params.tokenizer} --benchmark {params.benchmarks}"
-        " --role calibration --n-prompts {params.n_prompts} --seed {params.seed}"
+        " --role calibration --n-prompts {params.n_prompts} --at-least {params.first} --seed {params.seed}"
         " {params.data} --out {params.outs} > {log} 2>&1"
 
 
@@ -48,19 +51,23 @@ rule calibration_gather:
     input:
         calibration_parts,
     output:
-        "results/prompts/{deployment}/{regime}/calibration.jsonl",
+        first="results/prompts/{deployment}/{regime}/calibration.jsonl",
+        pool="results/prompts/{deployment}/{regime}/calibration-pool.jsonl",
     log:
         "logs/prompts/{deployment}/{regime}/calibration.log",
+    params:
+        first=calibration_prompts,  # rung 0: the first of each benchmark's (a prefix: specpilot.prompts.select)
     conda:
         "../envs/report.yaml"
     shell:
-        "(cat {input} > {output}.tmp && mv {output}.tmp {output}) > {log} 2>&1"
+        "(for f in {input}; do head -n {params.first} $f; done > {output.first}.tmp && cat {input} > {output.pool}.tmp"
+        " && mv {output.first}.tmp {output.first} && mv {output.pool}.tmp {output.pool}) > {log} 2>&1"
 
 
 rule round_references:
     input:
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
     output:
@@ -80,6 +87,7 @@ rule round_references:
         max_new_tokens=rounds_tokens,
         concurrency=tune_concurrency,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
     threads: timing_threads
     resources:
@@ -94,7 +102,7 @@ rule round_references:
         " --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --repeats {params.repeats} {params.replay} --prompts {input.prompts}"
+        " --concurrency {params.concurrency} --repeats {params.repeats} {params.rungs} {params.replay} --prompts {input.prompts}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
         " --threads {threads} --out {output.ar} --out-stock {output.stock} 2>&1 | tee {log}"
 
@@ -117,7 +125,7 @@ checkpoint round_plan:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         ceilings="results/{gpu}/ceilings.json",
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
@@ -143,6 +151,7 @@ checkpoint round_plan:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         agents=ROUNDS["agents_per_round"],
@@ -162,7 +171,7 @@ checkpoint round_plan:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay}"
         " --min-gain {params.min_gain} --agents {params.agents} {params.directions} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock} --ceilings {input.ceilings}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -175,7 +184,7 @@ rule round_agent:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -202,6 +211,7 @@ rule round_agent:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         budget=ROUNDS["budget"],
@@ -221,7 +231,7 @@ rule round_agent:
         " --drafter-name {params.drafter_name} --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu}"
         " --device {params.device} --dtype {params.dtype} --block-size {params.block_size}"
         " --max-new-tokens {params.max_new_tokens} --concurrency {params.concurrency}"
-        " --tolerance {params.tolerance} --repeats {params.repeats} {params.replay} --min-gain {params.min_gain}"
+        " --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay} --min-gain {params.min_gain}"
         " --budget {params.budget} {params.llm} {params.reuse} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"
@@ -233,7 +243,7 @@ rule round_integrate:
     input:
         unpack(references_of),
         build=build_marker,
-        prompts=calibration_file,
+        prompts=calibration_pool_file,
         kernels_manifest=kernels_manifest,
         kernel_agent=kernel_agent,
         memory=memory_in,
@@ -262,6 +272,7 @@ rule round_integrate:
         concurrency=tune_concurrency,
         tolerance=forcing_tolerance,
         repeats=ROUNDS["timing_repeats"],
+        rungs=rungs_opt,
         replay=replay_opt,
         min_gain=ROUNDS["min_gain"],
         confirm_factor=ROUNDS["confirm_factor"],
@@ -279,7 +290,7 @@ rule round_integrate:
         " --target-name {params.target_name:q} --drafter {params.drafter} --drafter-name {params.drafter_name}"
         " --deployment {wildcards.deployment} --regime {wildcards.regime} --gpu {wildcards.gpu} --device {params.device} --dtype {params.dtype}"
         " --block-size {params.block_size} --max-new-tokens {params.max_new_tokens}"
-        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.replay}"
+        " --concurrency {params.concurrency} --tolerance {params.tolerance} --repeats {params.repeats} {params.rungs} {params.replay}"
         " --min-gain {params.min_gain} --confirm-factor {params.confirm_factor} {params.reuse} --prompts {input.prompts}"
         " --references-ar {input.ar} --references-stock {input.stock}"
         " --kernels-manifest {input.kernels_manifest} --kernel-agent {input.kernel_agent}"

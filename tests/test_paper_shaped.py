@@ -60,7 +60,7 @@ def paper_shaped(stand_in: Path, data: Path) -> dict:
         "forcing": paper["forcing"],
         "data_dir": str(data),
         "timing": {"repeats": 1},
-        "rounds": {"count": 1, "agents_per_round": 1, "budget": 1, "calibration_prompts": 1},
+        "rounds": {"count": 1, "agents_per_round": 1, "budget": 1, "calibration_prompts": 1, "calibration_cap": None},
     }
 
 

@@ -24,7 +24,8 @@ def rounds_workdir(path: Path, build: Path) -> Path:
     work = make_workdir(path, build)
     cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
     cfg["engines"] = ["ar", "stock", "specpilot"]
-    cfg["rounds"].update(count=2, agents_per_round=2, budget=2, calibration_prompts=1, max_new_tokens=32)
+    cfg["rounds"].update(count=2, agents_per_round=2, budget=2, calibration_prompts=1, max_new_tokens=32,
+                         calibration_cap=None)  # one measurement per trial (sequential: test_replication.py)
     (work / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return work
 

@@ -147,6 +147,18 @@ def calibration_count(regime: dict, per_benchmark: int, benchmarks: int) -> int:
     return max(int(per_benchmark), need) if regime["tune"] > 1 else int(per_benchmark)
 
 
+def calibration_rungs(regime: dict, per_benchmark: int, cap: int | None, benchmarks: int) -> list[int]:
+    """Calibration prompts per benchmark at each rung of a sequential trial
+    (:meth:`specpilot.agent.trial.Evaluator.trial`): rung 0 is :func:`calibration_count`, each next
+    rung doubles it, the last is config ``rounds.calibration_cap`` (None, or not above rung 0: one
+    rung, no sequential trials). E.g. 1 per benchmark with cap 8: ``[1, 2, 4, 8]``."""
+    first = calibration_count(regime, per_benchmark, benchmarks)
+    rungs = [first]
+    while cap is not None and rungs[-1] < cap:
+        rungs.append(min(2 * rungs[-1], int(cap)))
+    return rungs
+
+
 def table_option(regimes: dict[str, dict]) -> str:
     """``specpilot table --regimes`` value: ``name=c1+c2,...`` (each regime's cell concurrencies)."""
     return ",".join(f"{n}=" + "+".join(str(c) for c in r["cells"]) for n, r in regimes.items())

@@ -1,9 +1,10 @@
 """Agent policies: how a direction's agent picks candidates within its trial budget.
 
 - :class:`OfflinePolicy` (default): successive halving (Jamieson & Talwalkar 2016) over the
-  direction's grid: many candidates on half the calibration prompts, the better half again on
-  all of them (better by :func:`specpilot.agent.decide.rank`: candidates whose gains the
-  measurement cannot tell apart go on in grid order, not in the order noise put them).
+  direction's grid: many candidates on half of rung 0's calibration prompts (one measurement
+  each), the better half by point gain (grid order among equal gains) again as full trials:
+  sequential over the calibration rungs (:meth:`specpilot.agent.trial.Evaluator.trial`), their
+  decision by interval (:func:`specpilot.agent.decide.choose`).
 - :class:`LLMPolicy`: any OpenAI-compatible endpoint through the ``openai`` package. The model
   sees the cost report, the direction's JSON schema, memory entries and past trials, and must
   answer with JSON ``{"params": {...}, "rationale": "..."}`` whose params validate against the
@@ -23,7 +24,6 @@ from typing import Callable
 import jsonschema
 
 from .directions import Direction
-from .decide import rank
 
 log = logging.getLogger("specpilot.agent")
 
@@ -77,7 +77,12 @@ class OfflinePolicy:
         if n_half > n_full:
             first = [dict(trial(c, False), params=c, rung=0) for c in order[:n_half]]
             results += first
-            survivors = [r["params"] for r in rank(first, lambda r: order.index(r["params"]))[:n_full]]
+            # the screen promotes by point gain: at half the prompts nearly every interval overlaps
+            # the best one's, so the tie order (the grid's) would promote the grid's first points
+            # whatever they measured; the full trials' decision is by interval (decide.choose)
+            passed = [r for r in first if r["gain"] is not None]
+            survivors = [r["params"] for r in sorted(passed, key=lambda r: (-r["gain"], order.index(r["params"])))
+                         ][:n_full]
         else:
             survivors = order[:n_full]
         results += [dict(trial(c, True), params=c, rung=1) for c in survivors]

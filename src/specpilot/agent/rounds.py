@@ -26,6 +26,9 @@ fraction of the best single winner's), ``repeats`` (alternating timing repeats p
 integration confirms its choice on a fresh measurement with one more repeat (the winners' own
 trials picked them, so their timings are biased upwards) and keeps it only when that interval is
 clear of ``min_gain`` too; otherwise the base stays. Every decision records its interval.
+``calibration_rungs`` (config ``rounds.calibration_cap``): every trial that decides something is
+sequential (:meth:`specpilot.agent.trial.Evaluator.trial`): measured on more calibration prompts
+while its interval straddles ``min_gain``, each rung recorded (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _evaluator(args, references: bool = True) -> tuple[Evaluator, dict]:
                    references=(read_records(args.references_ar), read_records(args.references_stock))
                    if references else None,
                    replay=load_profile(args.replay_profile) if args.replay_profile else None,
-                   reuse_base=args.reuse_base)
+                   rungs=args.calibration_rungs, min_gain=args.min_gain, reuse_base=args.reuse_base)
     if args.reuse_base and args.base_evidence:  # the plan timed the round's base: not again here
         log.info("the round's base: %d record(s) of the plan's timing reused",
                  ev.keep(read_json(args.plan)["base_config"], Evidence.read(args.base_evidence, "base")))
@@ -124,9 +127,10 @@ def _base_config(args) -> dict:
 def references(args) -> int:
     """AR and stock records on the calibration prompts: ``repeats`` runs each, fastest kept."""
     ev, _ = _evaluator(args, references=False)
-    write_records(args.out, ev.ar)
-    write_records(args.out_stock, ev.stock)
-    print(f"references: {len(ev.ar)} calibration requests, ar and stock (block {args.block_size})")
+    write_records(args.out, ev.pool_ar)
+    write_records(args.out_stock, ev.pool_stock)
+    print(f"references: {len(ev.pool_ar)} calibration requests ({len(ev.ar)} in rung 0), ar and stock "
+          f"(block {args.block_size})")
     return 0
 
 
@@ -218,7 +222,8 @@ def transfer(ev, ctx: dict, base: dict, entries: list[dict], evidence: Evidence 
         tried.append({"entry": entry["id"], "direction": name, "params": entry["params"],
                       "from": f"{entry['deployment']}/{entry['gpu']}" + (f"/{entry['regime']}" if entry.get("regime") else ""),
                       "regime": entry.get("regime"), "passed": res["gate"]["passed"],
-                      "gain": res["gain"], "merged": together})
+                      "gain": res["gain"], "gain_lo": res["gain_lo"], "gain_hi": res["gain_hi"],
+                      "decision": res.get("decision"), "rungs": res.get("rungs"), "merged": together})
 
     if len(picks) > 1:
         merged = base
@@ -310,7 +315,7 @@ def agent(args) -> int:
 
 
 def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, confirm_factor: float,
-           evidence: Evidence | None) -> tuple[dict, dict, str]:
+           evidence: Evidence | None, trials: list[dict] | None = None) -> tuple[dict, dict, str]:
     """The round's config from its agents' winners (``(direction, best trial)``, best gain first).
 
     The winners merged (the best last, so its exclusions hold) are kept when their gain clears
@@ -318,28 +323,38 @@ def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, con
     winner alone when it clears ``min_gain``. The choice is then confirmed on a fresh measurement
     with one more repeat (``ev.repeats`` + 1): it stays only when that interval clears ``min_gain``.
 
+    Every trial but the last is sequential (:meth:`~specpilot.agent.trial.Evaluator.trial`: more
+    calibration rungs while its interval straddles ``min_gain``); the base re-measured when nothing
+    is kept decides nothing and is measured once. ``trials``: a list each trial is appended to.
+
     Returns:
         (config, its trial against ``base``, why): with nothing kept, ``base`` re-measured.
     """
+    seen = [] if trials is None else trials
+
+    def trial(config, tag, sequential=True):
+        seen.append(ev.trial(config, base, evidence, tag=tag, sequential=sequential))
+        return seen[-1]
+
     chosen, result, why = base, None, "no agent found a candidate clear of min_gain"
     if winners:
         merged = dict(base)
         for name, w in reversed(winners):
             merged = dirs.REGISTRY[name].apply(merged, w["params"])
-        res = ev.trial(merged, base, evidence, tag="merged")
+        res = trial(merged, "merged")
         if clears(res, min_gain) and res["gain"] >= confirm_factor * winners[0][1]["gain"]:
             chosen, result = merged, res
         else:
             single = dirs.REGISTRY[winners[0][0]].apply(base, winners[0][1]["params"])
             if single != merged:  # one winner: the merged config is the single one, measured already
-                res = ev.trial(single, base, evidence, tag="single")
+                res = trial(single, "single")
             if clears(res, min_gain):
                 chosen, result = single, res
         why = "the winners' config did not clear min_gain again" if result is None else why
     if result is not None:  # confirm on a fresh, longer measurement before it counts
         repeats, ev.repeats = ev.repeats, ev.repeats + 1
         try:
-            result = ev.trial(chosen, base, evidence, tag="confirmation")
+            result = trial(chosen, "confirmation")
         finally:
             ev.repeats = repeats
         if clears(result, min_gain):
@@ -348,10 +363,11 @@ def decide(ev, base: dict, winners: list[tuple[str, dict]], min_gain: float, con
             log.info("config %s not confirmed (gain %s, 95%% interval %.3f-%.3f, min_gain %.3f): the base stays",
                      chosen, result["gain"], result["gain_lo"], result["gain_hi"], min_gain)
             why = (f"not confirmed on a fresh measurement (gain interval {result['gain_lo']:.3f}-"
-                   f"{result['gain_hi']:.3f}, min_gain {min_gain})")
+                   f"{result['gain_hi']:.3f} on {result['requests']} requests, {result.get('decision')}, "
+                   f"min_gain {min_gain})")
             chosen, result = base, None
     if result is None:  # nothing validated: the base stays, re-measured for the rounds figure
-        result = ev.trial(base, base, evidence, tag="base")
+        result = trial(base, "base", sequential=False)
     return chosen, result, why
 
 
@@ -368,7 +384,8 @@ def integrate(args) -> int:
     winners.sort(key=lambda w: (-w[1]["gain"], w[0]))
     ev, ctx = _evaluator(args)
     evidence = Evidence(args.evidence)
-    chosen, result, why = decide(ev, base, winners, args.min_gain, args.confirm_factor, evidence)
+    trials: list[dict] = []
+    chosen, result, why = decide(ev, base, winners, args.min_gain, args.confirm_factor, evidence, trials)
     evidence.write()
     if not result["gate"]["passed"]:
         if chosen != base:
@@ -398,6 +415,8 @@ def integrate(args) -> int:
                           "gain_vs_base": result["gain"] if kept else 1.0,
                           "gain_lo": result["gain_lo"] if kept else None, "gain_hi": result["gain_hi"] if kept else None,
                           "min_gain": args.min_gain, "decision": why,
+                          "trials": [{"tag": (t["evidence"] or "#").rsplit("#", 1)[-1], "config": t["config"],
+                                      "decision": t.get("decision"), "rungs": t.get("rungs")} for t in trials],
                           "speedup_vs_ar": result["speedup_vs_ar"], "tau": result["tau"], "gate": result["gate"],
                           "stock_speedup_vs_ar": p["stock_speedup_vs_ar"], "kernels": ctx["kernels"],
                           "device": ctx["device"], "costmodel": analysis})
@@ -507,6 +526,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time the round's base once (the plan) and reuse its records as every trial's base")
     p.add_argument("--base-evidence", help="agent, integrate with --reuse-base: the plan's evidence file (its "
                                            "'base' records)")
+    p.add_argument("--calibration-rungs", type=comma_list, default=None,
+                   help="sequential trials: prompts per benchmark at each rung, rising (e.g. 1,2,4; the last is "
+                        "the cap; the --prompts file holds at least that many per benchmark). A trial whose gain "
+                        "interval straddles --min-gain is measured on the next rung; default: one rung of every "
+                        "prompt in the file")
     p.add_argument("--min-gain", type=float, default=1.02,
                    help="a candidate must beat its base by this factor (geomean decode time) to count as a win")
     p.add_argument("--confirm-factor", type=float, default=0.98,
@@ -540,6 +564,12 @@ def run(args) -> int:
     if args.min_gain < 1.0 or not 0.0 < args.confirm_factor <= 1.0 or args.repeats < 1:
         raise SpecpilotError(f"need --min-gain >= 1, 0 < --confirm-factor <= 1, --repeats >= 1; got "
                              f"{args.min_gain}, {args.confirm_factor}, {args.repeats}")
+    if args.calibration_rungs:
+        try:
+            args.calibration_rungs = [int(v) for v in args.calibration_rungs]
+        except ValueError:
+            raise SpecpilotError(f"--calibration-rungs must be integers (e.g. 1,2,4), got "
+                                 f"{','.join(args.calibration_rungs)}") from None
     if args.step != "kernels":  # the stock block: an integer, or the drafter's own (auto)
         args.block_size = resolve_block(args.block_size, args.drafter, "--block-size")
     return {"references": references, "plan": plan, "agent": agent, "integrate": integrate,

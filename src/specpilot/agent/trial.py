@@ -9,7 +9,9 @@ Its gain is the geometric mean over requests of base decode seconds / candidate 
 each the minimum over ``repeats`` alternating runs (robust to a busy machine; on the CPU at
 concurrency 1 alternating request by request, as the engine cells), with the interval the
 study table uses for its speedups (:func:`specpilot.aggregate.bootstrap_interval`: a seeded
-percentile bootstrap over requests and repeats).
+percentile bootstrap over requests and repeats). A trial is sequential: while that interval
+straddles ``min_gain`` it is measured on the next rung of calibration prompts, up to a cap
+(:meth:`Evaluator.trial`; config ``rounds.calibration_cap``, docs/decisions.md).
 
 What the rounds do with a trial's gain and interval: :mod:`specpilot.agent.decide`.
 """
@@ -34,6 +36,7 @@ from ..io import write_jsonl
 from ..records import Record, record_from_dict, write_records
 from ..fastpath.w12 import every_role as every_w12_role
 from ..w12 import apply_w12
+from .decide import settle
 
 
 log = logging.getLogger("specpilot.agent")
@@ -99,8 +102,12 @@ class Evaluator:
                  meta: dict, stock_block: int, tolerance: float, repeats: int = 2, reload_target=None,
                  replay_tokens: int = REEXECUTION_TOKENS,
                  references: tuple[list[Record], list[Record]] | None = None,
-                 replay: AcceptanceProfile | None = None, reuse_base: bool = False):
-        self.dep, self.prompts, self.replay = dep, prompts, replay
+                 replay: AcceptanceProfile | None = None, rungs: list[int] | None = None,
+                 min_gain: float = 1.0, reuse_base: bool = False):
+        self.dep, self.pool, self.replay = dep, prompts, replay
+        self.rung_sets = rung_prompts(prompts, rungs)
+        self.prompts = self.rung_sets[0]  # rung 0: what every trial measures first
+        self.min_gain = min_gain  # where a sequential trial stops (agent.decide.settle)
         self.reuse_base = reuse_base
         self.timed: dict[str, dict[str, Record]] = {}  # config key -> request id -> its fastest record
         self.replay_refs: dict[str, list[int]] | None = None
@@ -111,20 +118,24 @@ class Evaluator:
         self._w12_dep = None
         self.prompt_ids = {p["request_id"]: p["prompt_ids"] for p in prompts}
         if references is None:
-            self.ar = self.best_of("ar", {})
-            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
-            self.stock = self.best_of("stock", {"block_size": stock_block})
+            pool_ar = self.best_of("ar", {})
+            self.replay_refs = {r.request_id: r.output_ids for r in pool_ar}
+            pool_stock = self.best_of("stock", {"block_size": stock_block})
         else:
-            self.ar, self.stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
-            self.replay_refs = {r.request_id: r.output_ids for r in self.ar}
+            pool_ar, pool_stock = (self._matching(name, recs) for name, recs in zip(("ar", "stock"), references))
+            self.replay_refs = {r.request_id: r.output_ids for r in pool_ar}
+        # every calibration prompt's references (the gate of a later rung); ar / stock: rung 0's
+        self.pool_ar, self.pool_stock = pool_ar, pool_stock
+        first = {p["request_id"] for p in self.prompts}
+        self.ar, self.stock = ([r for r in recs if r.request_id in first] for recs in (pool_ar, pool_stock))
         stock_config = {"block_size": stock_block}  # round 1's base: stock's config, timed by the references
-        if reuse_base and self.runs_as(self.stock, stock_config):
-            self.keep(stock_config, self.stock)
+        if reuse_base and self.runs_as(self.pool_stock, stock_config):
+            self.keep(stock_config, self.pool_stock if concurrency == 1 else self.stock)
 
     def _matching(self, name: str, records: list[Record]) -> list[Record]:
         """``records`` in prompt order, checked to be one per calibration prompt and engine ``name``."""
         by_id = {r.request_id: r for r in records}
-        want = [p["request_id"] for p in self.prompts]
+        want = [p["request_id"] for p in self.pool]
         if sorted(by_id) != sorted(want) or len(records) != len(want) or any(r.engine != name for r in records):
             raise SpecpilotError(f"{name} references do not match the calibration prompts "
                                  f"({len(records)} records for {len(want)} prompts)")
@@ -188,15 +199,23 @@ class Evaluator:
             return serve(spec, self.deployment_for(config), prompts or self.prompts, self.max_new,
                          self.concurrency, meta, opts)
 
-    def best_of(self, engine: str, config: dict) -> list[Record]:
-        """Run ``repeats`` times; keep each request's fastest record (outputs are identical), in
-        prompt order, with every run's ``decode_s`` as its ``decode_s_repeats``."""
+    def best_of(self, engine: str, config: dict, pool: bool = True) -> list[Record]:
+        """Every calibration prompt's record: rung 0's run ``repeats`` times, each request's fastest
+        kept (outputs are identical), with every run's ``decode_s`` as its ``decode_s_repeats``; the
+        later rungs' prompts once (their references are what the gate compares a later rung with;
+        their AR time only enters a trial's ``speedup_vs_ar``); in the calibration file's order.
+        ``pool`` False: rung 0's prompts only."""
         runs: dict[str, list[Record]] = {}
         for _ in range(self.repeats):
             for r in self.run(engine, config):
                 runs.setdefault(r.request_id, []).append(r)
+        every = self.pool if pool else self.prompts
+        rest = [p for p in every if p["request_id"] not in runs]
+        if rest:
+            for r in self.run(engine, config, rest):
+                runs.setdefault(r.request_id, []).append(r)
         return [dataclasses.replace(min(rs, key=lambda r: r.decode_s), decode_s_repeats=[r.decode_s for r in rs])
-                for rs in (runs[p["request_id"]] for p in self.prompts)]
+                for rs in (runs[p["request_id"]] for p in every)]
 
     def runs_as(self, records: list[Record], config: dict) -> bool:
         """Whether ``records`` (e.g. the stock references) ran exactly what the specpilot engine runs
@@ -222,6 +241,10 @@ class Evaluator:
         again when asked)."""
         if not self.reuse_base:
             return 0
+        if self.concurrency > 1 and {r.request_id for r in records} != {p["request_id"] for p in self.prompts}:
+            # batched: a request's time depends on what shares its batch, so only rung 0's set, timed
+            # together, is reused (a later rung re-times its base beside the candidate)
+            return 0
         gpu = self.meta.get("gpu")
         fit = [r for r in records if r.request_id in self.prompt_ids and r.new_tokens == self.max_new
                and r.concurrency == self.concurrency and (gpu is None or r.gpu == gpu) and r.decode_s_repeats]
@@ -242,7 +265,7 @@ class Evaluator:
         if kept is not None:
             log.info("reusing the timings of %s (timed once this round)", json.dumps(config))
             return kept
-        out = self.best_of("specpilot", config)
+        out = self.best_of("specpilot", config, pool=False)
         self.keep(config, out)
         return out
 
@@ -299,7 +322,7 @@ class Evaluator:
         near-ties, each with ``kind`` ``violation`` / ``near_tie`` and its evidence.
         """
         ids = [p["request_id"] for p in (prompts or self.prompts)]
-        ar, st = {r.request_id: r for r in self.ar}, {r.request_id: r for r in self.stock}
+        ar, st = {r.request_id: r for r in self.pool_ar}, {r.request_id: r for r in self.pool_stock}
         refs = {"ar": [ar[i] for i in ids], "stock": [st[i] for i in ids]}
         serve_fn = serve_reexecution(lambda cfg: self.deployment_for(cfg.to_dict()), self.meta)
         reexecution = Reexecution(serve_fn, self.replay_tokens, self.max_new)
@@ -315,41 +338,165 @@ class Evaluator:
                 "mismatches": listed[:10]}
 
     def trial(self, config: dict, base: dict, evidence: "Evidence | Path | None" = None,
-              prompts: list[dict] | None = None, tag: str = "trial") -> dict:
-        """Gate and measure a candidate against ``base``; keep its records as evidence (``tag``'s
-        part of an :class:`Evidence` file, or a records file of their own at a path).
+              prompts: list[dict] | None = None, tag: str = "trial", sequential: bool = True) -> dict:
+        """Gate and measure a candidate against ``base``, sequentially over the calibration rungs;
+        keep its records as evidence (``tag``'s part of an :class:`Evidence` file, or a records
+        file of their own at a path).
+
+        With ``prompts`` given (a screening subset), ``sequential`` False or one rung: one
+        measurement (``decision`` ``one measurement`` for the first two). Otherwise rung 0's
+        prompts first; while the gain's interval straddles ``min_gain``
+        (:func:`specpilot.agent.decide.settle`) the next rung's prompts are measured too, until the
+        interval clears ``min_gain``, falls below it, the point gain is at most ``min_gain``
+        (futile: more requests would not lift the interval above it), or the last rung (the cap)
+        is reached: then ``decision`` is ``"undecided at the cap"`` (the trial does not clear, so it is rejected).
+        At concurrency 1 a rung measures only its new prompts and the interval pools every rung's
+        requests (requests are independent there); at a batched concurrency a rung re-measures all
+        its prompts, so every measurement runs at the regime's batch. Each rung's gate covers the
+        records it measured: one violation anywhere fails the trial.
 
         Returns ``gain`` (geomean over requests of base / candidate fastest decode time; None when
         token forcing failed), ``gain_lo``/``gain_hi`` (its 95 % bootstrap interval over requests
-        and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup
-        over AR and tau. A candidate the engine refuses to run (a :class:`SpecpilotError` naming the
-        setting, or the device running out of memory) is a rejected trial with ``gate.refused`` =
-        the reason (:func:`refused_trial`), not a failed job."""
-        try:
-            cand, base_recs = self.measure(config, base, prompts)
-        except (SpecpilotError, torch.cuda.OutOfMemoryError) as e:
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            log.warning("candidate %s refused: %s", config, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return refused_trial(config, e)
-        verdict = self.gate(cand, prompts)
-        if isinstance(evidence, Evidence):
-            ref = evidence.add(tag, cand)
-        elif evidence is not None:
-            write_records(evidence, cand)
-            ref = str(evidence)
-        else:
-            ref = None
-        by_id = {r.request_id: r for r in base_recs}
-        ar = {r.request_id: r for r in self.ar}
-        gain = geomean([by_id[r.request_id].decode_s / r.decode_s for r in cand])
-        lo, hi = bootstrap_interval([timing_pairs(base_recs, cand)])
+        and repeats, :func:`specpilot.aggregate.bootstrap_interval`), the verdict, the speedup over
+        AR and tau, ``requests``, ``rungs`` (one ``{rung, requests, gain, gain_lo, gain_hi}`` per
+        rung measured) and ``decision`` (``clears min_gain``, ``below min_gain``, ``undecided at the
+        cap``, ``futile: point gain at most min_gain``, ``failed token forcing``, ``one
+        measurement``). A candidate the engine refuses to run (a :class:`SpecpilotError` naming the setting, or the device running out of memory)
+        is a rejected trial with ``gate.refused`` = the reason (:func:`refused_trial`), not a
+        failed job."""
+        once = prompts is not None or not sequential
+        sets = [prompts or self.prompts] if once else self.rung_sets
+        pooled = self.concurrency == 1
+        cand, base_recs, verdicts, rungs, parts = [], [], [], [], []
+        decision = "one measurement" if once else None
+        for k, rung in enumerate(sets):
+            seen = {r.request_id for r in cand}
+            new = [p for p in rung if p["request_id"] not in seen] if pooled else rung
+            try:
+                c, b = self.measure(config, base, new)
+            except (SpecpilotError, torch.cuda.OutOfMemoryError) as e:
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                log.warning("candidate %s refused: %s", config,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                return refused_trial(config, e)
+            verdicts.append(self.gate(c, new))
+            cand, base_recs = (cand + c, base_recs + b) if pooled else (c, b)
+            parts.append(c)
+            by_id = {r.request_id: r for r in base_recs}
+            gain = geomean([by_id[r.request_id].decode_s / r.decode_s for r in cand])
+            lo, hi = bootstrap_interval([timing_pairs(base_recs, cand)])
+            rungs.append({"rung": k, "requests": len(cand), "gain": gain, "gain_lo": lo, "gain_hi": hi})
+            if once:
+                break
+            state = settle(lo, hi, self.min_gain, gain)
+            if not verdicts[-1]["passed"]:
+                decision = "failed token forcing"
+            elif state == "futile":
+                decision = "futile: point gain at most min_gain"
+            elif state != "straddles":
+                decision = f"{state} min_gain"
+            elif k == len(sets) - 1:
+                decision = "undecided at the cap"
+            if len(sets) > 1:
+                log.info("%s rung %d: %d requests, gain %.3f (95%% interval %.3f-%.3f, min_gain %.3f): %s", tag, k,
+                         len(cand), gain, lo, hi, self.min_gain, decision or "straddles: next rung")
+            if decision is not None:
+                break
+        verdict = merge_verdicts(verdicts)
+        ref = self._keep(evidence, tag, parts if pooled else parts[-1:], [] if pooled else parts[:-1])
+        ar = {r.request_id: r for r in self.pool_ar}
         steps = sum(r.verify_steps for r in cand)
-        return {"config": config, "gate": verdict, "gain": gain if verdict["passed"] else None,
-                "raw_gain": gain, "gain_lo": lo, "gain_hi": hi,
+        last = rungs[-1]
+        return {"config": config, "gate": verdict, "gain": last["gain"] if verdict["passed"] else None,
+                "raw_gain": last["gain"], "gain_lo": last["gain_lo"], "gain_hi": last["gain_hi"],
                 "speedup_vs_ar": geomean([ar[r.request_id].decode_s / r.decode_s for r in cand]),
                 "tau": sum(sum(r.committed_per_step) for r in cand) / max(steps, 1),
-                "requests": len(cand), "evidence": ref}
+                "requests": len(cand), "rungs": rungs, "decision": decision, "evidence": ref}
+
+    @staticmethod
+    def _keep(evidence: "Evidence | Path | None", tag: str, kept: list[list[Record]],
+              earlier: list[list[Record]]) -> str | None:
+        """Keep a trial's records: ``kept`` (the records its gain is over) under ``tag``, the
+        ``earlier`` rungs' re-measured records under ``{tag}.rung{k}``; the reference of ``tag``."""
+        if isinstance(evidence, Evidence):
+            for k, recs in enumerate(earlier):
+                evidence.add(f"{tag}.rung{k}", recs)
+            return evidence.add(tag, [r for recs in kept for r in recs])
+        if evidence is not None:
+            write_records(evidence, [r for recs in kept for r in recs])
+            return str(evidence)
+        return None
+
+
+def merge_verdicts(verdicts: list[dict]) -> dict:
+    """One gate summary (:meth:`Evaluator.gate`) of the records of several rungs: passed only when
+    every rung's passed; counts summed, the largest near-tie margin, the smallest coverage and
+    exact-match rate, the first 10 mismatches."""
+    if len(verdicts) == 1:
+        return verdicts[0]
+    out = dict(verdicts[-1])
+
+    def total(key):
+        vals = [v.get(key) for v in verdicts if v.get(key) is not None]
+        return sum(vals) if vals else None
+
+    out["passed"] = all(v["passed"] for v in verdicts)
+    for key in ("violations", "near_ties", "tokens_checked", "tokens_generated"):
+        if any(key in v for v in verdicts):
+            out[key] = total(key)
+    if any("violations_by_check" in v for v in verdicts):
+        by: dict[str, int] = {}
+        for v in verdicts:
+            for check, n in (v.get("violations_by_check") or {}).items():
+                by[check] = by.get(check, 0) + n
+        out["violations_by_check"] = by
+    margins = [v["max_near_tie_margin"] for v in verdicts if v.get("max_near_tie_margin") is not None]
+    if any("max_near_tie_margin" in v for v in verdicts):
+        out["max_near_tie_margin"] = max(margins) if margins else None
+    if any("coverage" in v for v in verdicts):
+        out["coverage"] = min(v.get("coverage", 0.0) for v in verdicts)
+    if any("exact_match" in v for v in verdicts):
+        keys = {k for v in verdicts for k in v.get("exact_match", {})}
+        out["exact_match"] = {k: min(v.get("exact_match", {}).get(k, 0.0) for v in verdicts) for k in sorted(keys)}
+    if any(v.get("replay_reproduced") for v in verdicts):
+        done = [tuple(map(int, v["replay_reproduced"].split("/"))) for v in verdicts if v.get("replay_reproduced")]
+        out["replay_reproduced"] = f"{sum(a for a, _ in done)}/{sum(b for _, b in done)}"
+    if any("mismatches" in v for v in verdicts):
+        out["mismatches"] = [m for v in verdicts for m in v.get("mismatches", [])][:10]
+    return out
+
+
+def rung_prompts(prompts: list[dict], rungs: list[int] | None) -> list[list[dict]]:
+    """The calibration prompts of each rung: rung k holds the first ``rungs[k]`` prompts of every
+    benchmark (a prompt's ``benchmark``, else its request id's part before ``/``; all of them
+    where its reserve is smaller; a rung adding none is dropped), in file order; ``None``: one rung of every prompt. A smaller calibration subset is
+    a prefix of a larger one (:func:`specpilot.prompts.select`), so rung 0 of a file written for
+    the cap is the file the rung-0 count alone would have written.
+
+    Raises:
+        SpecpilotError: rungs not rising positive integers, or a benchmark with fewer prompts than
+            rung 0.
+    """
+    if not rungs:
+        return [list(prompts)]
+    if any(not isinstance(n, int) or n < 1 for n in rungs) or any(b <= a for a, b in zip(rungs, rungs[1:])):
+        raise SpecpilotError(f"--calibration-rungs {','.join(map(str, rungs))}: need rising positive integers "
+                             f"(prompts per benchmark at each rung)")
+    by: dict[str, list[dict]] = {}
+    for p in prompts:
+        by.setdefault(p.get("benchmark") or p["request_id"].split("/")[0], []).append(p)
+    short = {b: len(ps) for b, ps in by.items() if len(ps) < rungs[0]}
+    if short:
+        raise SpecpilotError(f"--calibration-rungs {','.join(map(str, rungs))}: the calibration file holds fewer "
+                             f"prompts than rung 0 for {short} (config rounds.calibration_prompts)")
+    sets: list[list[dict]] = []
+    for n in rungs:
+        keep = {id(p) for ps in by.values() for p in ps[:n]}
+        rung = [p for p in prompts if id(p) in keep]
+        if not sets or len(rung) > len(sets[-1]):  # a rung no benchmark has more prompts for is none
+            sets.append(rung)
+    return sets
 
 
 def refused_trial(config: dict, error: BaseException) -> dict:
@@ -360,4 +507,4 @@ def refused_trial(config: dict, error: BaseException) -> dict:
             "violations_by_check": {}, "near_ties": None, "max_near_tie_margin": None, "tokens_checked": 0,
             "tokens_generated": 0, "coverage": 0.0, "exact_match": {}, "replay_reproduced": None, "mismatches": []}
     return {"config": config, "gate": gate, "gain": None, "raw_gain": None, "gain_lo": None, "gain_hi": None,
-            "speedup_vs_ar": None, "tau": None, "requests": 0, "evidence": None}
+            "speedup_vs_ar": None, "tau": None, "requests": 0, "rungs": [], "decision": "refused", "evidence": None}

@@ -7,7 +7,7 @@ import argparse
 from ..io import comma_list, one_out_each
 from .files import write_prompt_file
 from .sources import BENCHMARKS, DATA_DIR_ENV, check_data_id
-from .subsets import ROLES
+from .subsets import ROLES, calibration_pool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, default="eval",
                         help="eval: evaluation rows; calibration: the rows reserved for the agent rounds (a train "
                              "split where the benchmark has one), disjoint from every evaluation row")
+    parser.add_argument("--at-least", type=int, default=None,
+                        help="calibration: --n-prompts is a cap (the rounds' last rung): a benchmark whose reserve "
+                             "holds fewer writes all of it, refusing only when it holds fewer than this (rung 0)")
     parser.add_argument("--n-eval", default=None, help="ignored (calibration no longer depends on the eval count)")
     parser.add_argument("--data-dir", default=None, help=f"local benchmark folder (default ${DATA_DIR_ENV}, else "
                         "shared/data/benchmarks beside the repository, else the HF Hub)")
@@ -40,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     pairs = one_out_each(args.out, args.benchmark, "benchmark(s)")
     data_dir = check_data_id(args.data_dir, args.data_id)
     for benchmark, out in pairs:
+        n = args.n_prompts
+        if args.at_least is not None and args.role == "calibration":
+            n = max(args.at_least, min(int(n), len(calibration_pool(benchmark, data_dir))))
         rows = write_prompt_file(
-            benchmark, args.tokenizer, out, args.n_prompts, seed=args.seed, role=args.role,
+            benchmark, args.tokenizer, out, n, seed=args.seed, role=args.role,
             data_dir=data_dir, max_prompt_tokens=args.max_prompt_tokens, n_eval=args.n_eval,
         )
         print(f"wrote {len(rows)} {benchmark} prompts to {out}")
