@@ -1,6 +1,6 @@
 # specpilot: a reproducible speculative-decoding study (AR, stock block drafters, agent-tuned
-# engine). README.md describes the data flow, the result paths and the record fields;
-# config/README.md every config key. One rules/*.smk file per stage, every input and output declared.
+# engine). docs/results.md describes the result paths and the table, docs/rounds.md the rounds;
+# docs/config.md every config key. One rules/*.smk file per stage, every input and output declared.
 #
 #   snakemake --cores all                         the embedded default (tiny deployment, CPU)
 #   snakemake results/h100/table.csv              one GPU's table

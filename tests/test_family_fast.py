@@ -26,12 +26,15 @@ from specpilot.models.target import Transformer
 from test_target_state import build, hybrid_config, muse_config
 
 V = 96
-POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16)  # the Triton kernels tile by powers of two
+# the Triton kernels tile by powers of two; one layer of each kind (the family step's per-layer code
+# is the same for every layer of a kind, and the interpreter's cost grows with the layers)
+POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16, num_hidden_layers=2)
 def hybrid():
-    return hybrid_config(**POW2, layer_types=["linear_attention", "linear_attention", "full_attention",
-                                              "linear_attention"], linear_key_head_dim=16, linear_value_head_dim=16)
+    return hybrid_config(**POW2, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                         linear_value_head_dim=16)
 def muse():
-    return muse_config(**POW2, sliding_window=8)
+    return muse_config(**POW2, layer_types=["sliding_attention", "full_attention"], layer_rope=[True, False],
+                       sliding_window=8)
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 

@@ -10,9 +10,10 @@ global NoPE) target verify a token tree in the family step, not in the eager for
 - A 127-node static tree over a ring sized for it (window 16, reserve 128) matches eager.
 - The 27B hybrid's head grouping (6 query heads per KV head: a node's rows may cross an attention
   row tile): every checked node's logits are still its path's decode.
-- (slow) The engine end to end through the family step: a 127-node static tree at c3 and a spine
-  tree of branch 4 x depth 16 at c1 equal AR, and token forcing through the family step's teacher
-  pass finds every margin exactly 0.
+- (slow) The engine end to end through the family step: a 47-node static tree at c3 (its 96
+  attention rows straddle the interpreter's 64-row tile) and a spine tree of branch 4 x depth 16 at
+  c1 (81 nodes: the serving engine sizes the ring past its 64-slot floor) equal AR, and token
+  forcing through the family step's teacher pass finds every margin exactly 0.
 """
 
 from __future__ import annotations
@@ -186,18 +187,20 @@ from specpilot.engine.config import EngineSpec
 from specpilot.engine.serve import ServeOptions, serve
 from specpilot.forcing import force
 
+NEW = 16
 m = build(muse(16))
 dep = Deployment(m, None, None, fast_runner(m, 1, 8).backend)  # the family step, uncaptured
-rows = [{"request_id": f"r/{i}", "benchmark": "r", "prompt_ids": [(7 * j + 3 * i + 1) % V for j in range(130 + 5 * i)]}
+# prompts of 85-95 tokens (two 64-token prefill pieces) + 16 new: past every ring below (80, 97 slots)
+rows = [{"request_id": f"r/{i}", "benchmark": "r", "prompt_ids": [(7 * j + 3 * i + 1) % V for j in range(85 + 5 * i)]}
         for i in range(3)]
 prompts = {r["request_id"]: r["prompt_ids"] for r in rows}
 meta = {"deployment": "t", "target": "t", "drafter": "replay", "gpu": "cpu"}
-ar = serve(EngineSpec("ar"), dep, rows, 24, 3, meta, ServeOptions(progress=False, warmup=False))
+ar = serve(EngineSpec("ar"), dep, rows, NEW, 3, meta, ServeOptions(progress=False, warmup=False))
 refs = {r.request_id: r.output_ids for r in ar}
 opts = ServeOptions(progress=False, warmup=False, replay=load_profile("study_stock"), references=refs)
 out = {}
-for name, c, conf in (("t127", 3, {"tree_nodes": 127}), ("spine4x16", 1, {"tree_branch": 4, "tree_depth": 16})):
-    recs = serve(EngineSpec("stock", 16, conf), dep, rows, 24, c, meta, opts)
+for name, c, conf in (("t47", 3, {"tree_nodes": 47}), ("spine4x16", 1, {"tree_branch": 4, "tree_depth": 16})):
+    recs = serve(EngineSpec("stock", 16, conf), dep, rows, NEW, c, meta, opts)
     v = force(recs, {"ar": ar}, prompts, dep.backend, 1e-4, teacher_forced_path="triton")
     out[name] = {"equal": sum(r.output_ids == refs[r.request_id] for r in recs),
                  "steps": sum(len(r.committed_per_step) for r in recs), "passed": v["passed"],
@@ -209,16 +212,19 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.slow
 def test_family_trees_serve_equal_ar_and_force_interpreted(tmp_path):
-    """The engine through the family step (interpreter: 10-15 min on 2 shared cores): prompts of 130-140
-    tokens + 24 new, window 16, a 127-node static tree (ring reserve 128) at c3 and a spine tree
-    of branch 4 x depth 16 at c1: every output equals AR and every margin is exactly 0."""
+    """The engine through the family step under the interpreter: prompts of 85-95 tokens + 16 new,
+    window 16, a 47-node static tree at c3 (one program per node; 2 x 48 attention rows cross the
+    64-row tile; ring reserve 64) and a spine tree of branch 4 x depth 16 at c1 (ring reserve 81):
+    every output equals AR and every margin is exactly 0. (A 127-node static tree over a ring sized
+    for it is checked against eager in the family step by the first test of this file.)"""
     from triton_interp import run_interpreted
 
     res = run_interpreted(tmp_path / "serve.py", SERVE, REPO, timeout=3000)
-    for name, R in (("t127", 16 + 128), ("spine4x16", 16 + 81)):
+    for name, R in (("t47", 16 + 64), ("spine4x16", 16 + 81)):
         r = res[name]
         assert r["equal"] == 3 and r["path"] == "triton-family" and r["R"] == R, res
-        assert r["passed"] and r["violations"] == 0 and r["near_ties"] == 0 and r["steps"] < 3 * 23 / 2, res
+        # more than 2 tokens a step on average: the trees accept drafts
+        assert r["passed"] and r["violations"] == 0 and r["near_ties"] == 0 and r["steps"] < 3 * 15 / 2, res
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the family step's trees run on CUDA here")

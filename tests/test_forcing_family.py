@@ -26,10 +26,12 @@ from specpilot.records import Record
 from test_target_state import build, hybrid_config, muse_config
 
 V, WIDTH, NEW = 96, 6, 16
-POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16)
-cfgs = {"hybrid": hybrid_config(**POW2, layer_types=["linear_attention", "linear_attention", "full_attention",
-                                                     "linear_attention"], linear_key_head_dim=16, linear_value_head_dim=16),
-        "muse": muse_config(**POW2, sliding_window=8)}
+# one layer of each kind (the family step's per-layer code is the same for every layer of a kind)
+POW2 = dict(vocab_size=V, hidden_size=64, head_dim=16, num_hidden_layers=2)
+cfgs = {"hybrid": hybrid_config(**POW2, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                                linear_value_head_dim=16),
+        "muse": muse_config(**POW2, layer_types=["sliding_attention", "full_attention"], layer_rope=[True, False],
+                            sliding_window=8)}
 prompts = [[(5 * i + 3) % V for i in range(66)], [(7 * i + 1) % V for i in range(60)]]  # past window + 64: wraps
 
 

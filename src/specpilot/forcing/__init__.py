@@ -48,7 +48,7 @@ rejected by exactly the rule the table reports.
    are reported but not judged: part 1 judges every token.
 
 ``passed`` = no violation of any part and coverage 100 % for every request (:mod:`.verdict`). The
-verdict's fields are listed in README.md ("Token forcing"). The command line: :mod:`.cli`.
+verdict's fields are listed in docs/forcing.md. The command line: :mod:`.cli`.
 """
 
 from .cli import add_arguments, forcing_kernel_configs, run

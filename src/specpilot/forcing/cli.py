@@ -2,7 +2,7 @@
 
 The target is loaded once; several candidates (``--candidate stock,specpilot``) are checked in
 order, each against the ``--reference`` files and the candidates before it. The verdict's fields
-are listed in README.md ("Token forcing").
+are listed in docs/forcing.md.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def _reexecute(candidate: list[Record], references: dict[str, list[Record]], tar
 def _verdict(candidate_name: str, candidate: list[Record], checks: dict[str, _RequestCheck], violations: list[dict],
              near_ties: list[dict], tolerance: float, dtype: str, path: str, reexecution: dict,
              ref_reports: dict, tf_seconds: float) -> dict:
-    """The verdict dict of :func:`force` (fields in README.md, "Token forcing")."""
+    """The verdict dict of :func:`force` (fields in docs/forcing.md)."""
     per_request = [{"request_id": rid, "tokens_generated": rc.generated, "tokens_checked": rc.checked,
                     "coverage": rc.checked / rc.generated if rc.generated else 0.0,
                     "violations": rc.violations, "near_ties": rc.near_ties} for rid, rc in checks.items()]
@@ -204,7 +204,7 @@ def force(candidate: list[Record], references: dict[str, list[Record]], prompts:
         kernel_configs: the Triton path's FastTarget matmul configs, when the engine ran with
             others than the target's step graphs hold (``run --kernel-configs``).
     Returns:
-        the verdict dict (fields in README.md, "Token forcing"); ``passed`` is True only with no
+        the verdict dict (fields in docs/forcing.md); ``passed`` is True only with no
         violation and 100 % coverage of every request.
     Raises:
         SpecpilotError: no target, an empty candidate, a request id twice, a negative tolerance,
