@@ -476,13 +476,25 @@ def test_text_stream_incremental_equals_whole_decode(tiny_deployment, prompts):
         assert out + ts.flush() == tok.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.slow  # a server, AR, the client, forcing and serve-vs-run's three servers: over a minute on 2 cores
+@pytest.mark.slow  # AR, serve-vs-run's four servers and run, a server by name, the client, forcing: ~2-3 min on 2 cores
 def test_gpu_serve_script_dry_run(tmp_path):
-    """``DRY=1 python scripts/gpu_serve.py``: its plumbing on the CPU, every figure line printed."""
+    """``DRY=1 python scripts/gpu_serve.py``: its plumbing on the CPU, every figure line printed: the
+    77bc289 stand-in configs written as a run's per-regime layout, found / stock served at c1 and
+    c2 with intervals, served / run, the engine found by name (regime batched, named at start-up),
+    the client's figures, every served record equal to AR, forcing."""
     env = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), PYTHONPATH=str(REPO / "src"))
+    env.pop("STUDY", None)
     proc = subprocess.run([sys.executable, "scripts/gpu_serve.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "served records equal to AR token for token: 8/8" in out and "token forcing on served records: pass" in out
-    assert "served stock c2:" in out and "serve-vs-run: served/run c1" in out and "rc=" not in out
+    assert "rc=" not in out and "SKIPPED" not in out, out
+    label = "configs as found by the 77bc289 study (not re-run)"
+    for c in ("c1", "c2"):
+        assert f"found engine served / stock served {c} ({label}):" in out, out
+        assert f"bench client, found engine served by name (regime batched) {c}:" in out, out
+    assert "served / specpilot run c1" in out and "regime batched and its config named at start-up" in out, out
+    assert "served records equal to AR token for token: 24/24" in out, out
+    assert "token forcing on the found engine's served records (by name c2): pass" in out, out
+    layout = tmp_path / "out" / "study" / "results" / "cpu" / "qwen3-8b"
+    assert json.loads((layout / "batched" / "specpilot.json").read_text())["engine_config"]["overlap"] is True

@@ -57,12 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-config-high", help="the found engine's config at --concurrency-high (its regime's; "
                    "default --engine-config)")
     p.add_argument("--kernels-manifest", help="results/{gpu}/kernels/manifest.json (as the workflow cell)")
-    p.add_argument("--kernel-agent", help="results/{gpu}/kernels/{deployment}/kernel-agent.json")
+    p.add_argument("--kernel-agent", help="results/{gpu}/kernels/{deployment}/{regime}/kernel-agent.json (c1's regime)")
+    p.add_argument("--kernel-agent-high", help="the kernel agent of --concurrency-high's regime (default --kernel-agent)")
     p.add_argument("--prompts", help="prompt file (results/prompts/{deployment}/{benchmark}.jsonl)")
     p.add_argument("--limit", type=int, help="the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency-high", type=int, default=4, help="the second served concurrency (default 4)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per phase (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the c1 phase (default 3)")
+    p.add_argument("--rounds-high", type=int, help="alternating rounds of the high phase (default --rounds)")
     p.add_argument("--record-dir", help="folder: each server records its requests in DIR/{server}/ (for token forcing)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads of run and the servers (default 1, as the workflow's timed CPU cells; 0: torch's "
@@ -89,16 +91,17 @@ def _run_cell(args, prompts: Path, out: Path, threads: int) -> dict:
             "tokens": sum(x.new_tokens for x in recs)}
 
 
-def _servers(args, rows: list[dict], tmp: Path, which: list[tuple[str, str, int, str | None]]) -> dict[str, tuple]:
-    """Start ``which`` (name, engine, slots, engine config) servers, each with ``specpilot run``'s
-    KV-cache size; name -> (process, base url)."""
+def _servers(args, rows: list[dict], tmp: Path, which: list[tuple[str, str, int, str | None]],
+             agent: str | None) -> dict[str, tuple]:
+    """Start ``which`` (name, engine, slots, engine config) servers with the kernel agent
+    ``agent``, each with ``specpilot run``'s KV-cache size; name -> (process, base url)."""
     longest = max(len(r["prompt_ids"]) for r in rows)
     out = {}
     try:
         for name, engine, slots, config in which:
             files = EngineFiles(deployment="bench", target=args.target, drafter=args.drafter,
                                 drafter_name=args.drafter_name, engine_config=config,
-                                kernels_manifest=args.kernels_manifest, kernel_agent=args.kernel_agent)
+                                kernels_manifest=args.kernels_manifest, kernel_agent=agent)
             spec = run_cli.engine_specs(run_args(files, engine, "cpu", args.threads, "off"))[0]
             max_seq = kv_slots_needed(longest, args.max_new_tokens, spec.verify_width, slots > 1)
             argv = ["--target", args.target, "--drafter", args.drafter, "--drafter-name", args.drafter_name,
@@ -106,7 +109,7 @@ def _servers(args, rows: list[dict], tmp: Path, which: list[tuple[str, str, int,
                     "--threads", str(args.threads), "--model-name", "bench"]
             if engine == "specpilot":
                 argv += ["--engine-config", config]
-            for flag, v in (("--kernels-manifest", args.kernels_manifest), ("--kernel-agent", args.kernel_agent)):
+            for flag, v in (("--kernels-manifest", args.kernels_manifest), ("--kernel-agent", agent)):
                 if v:
                     argv += [flag, v]
             if args.record_dir:
@@ -127,11 +130,11 @@ def _stop(servers: dict) -> None:
 
 
 def _phase(bench: Run, args, rows: list[dict], prompts: Path, servers: dict, tmp: Path, key: str,
-           order: list[str], slots: int) -> None:
-    """``--rounds`` rounds of ``order`` (``run`` = ``specpilot run`` at c1, else a server's name),
+           order: list[str], slots: int, n_rounds: int) -> None:
+    """``n_rounds`` rounds of ``order`` (``run`` = ``specpilot run`` at c1, else a server's name),
     rotated each round so that each side goes first in turn; every measurement kept under ``key``."""
     rounds = bench.R.setdefault(key, [])
-    for k in range(args.rounds):
+    for k in range(n_rounds):
         got = {}
         for what in order[k % len(order):] + order[:k % len(order)]:
             if what == "run":
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             (tmp / "engine.json").write_text('{"block_size": 3}')
             args.target, args.drafter, args.engine_config = str(dep / "target"), str(dep / "drafter-dflash"), \
                 str(tmp / "engine.json")
-            args.max_new_tokens, args.rounds, args.threads = 8, 1, 1
+            args.max_new_tokens, args.rounds, args.rounds_high, args.threads = 8, 1, 1, 1
         else:
             if not (args.target and args.drafter and args.engine_config and args.prompts):
                 raise SpecpilotError("give --target, --drafter, --engine-config and --prompts")
@@ -205,16 +208,18 @@ def run(args: argparse.Namespace) -> int:
         write_jsonl(prompts, rows)
         bench.R.update(max_new_tokens=args.max_new_tokens, requests=len(rows), threads=args.threads,
                        engine_config=args.engine_config, engine_config_high=config_high)
-        for key, which, order, slots in (
+        agent_high = args.kernel_agent_high or args.kernel_agent
+        for key, which, order, slots, agent, n in (
                 ("rounds", [("c1", "specpilot", 1, args.engine_config), ("stock-c1", "stock", 1, None)],
-                 ["run", "c1", "stock-c1"], 1),
+                 ["run", "c1", "stock-c1"], 1, args.kernel_agent, args.rounds),
                 ("rounds_high", [(high, "specpilot", args.concurrency_high, config_high),
                                  (f"stock-{high}", "stock", args.concurrency_high, None)],
-                 [high, f"stock-{high}"], args.concurrency_high)):
-            servers = bench.phase(f"servers_{key}", lambda which=which: _servers(args, rows, tmp, which), keep=False) or {}
+                 [high, f"stock-{high}"], args.concurrency_high, agent_high, args.rounds_high or args.rounds)):
+            servers = bench.phase(f"servers_{key}", lambda which=which, agent=agent:
+                                  _servers(args, rows, tmp, which, agent), keep=False) or {}
             if servers:
-                bench.phase(f"{key}_run", lambda key=key, order=order, slots=slots:
-                            _phase(bench, args, rows, prompts, servers, tmp, key, order, slots), keep=False)
+                bench.phase(f"{key}_run", lambda key=key, order=order, slots=slots, n=n:
+                            _phase(bench, args, rows, prompts, servers, tmp, key, order, slots, n), keep=False)
             _stop(servers)
         s = bench.phase("summary", lambda: summary(bench.R["rounds"], high, bench.R.get("rounds_high"))) \
             if bench.R.get("rounds") else None
