@@ -31,7 +31,8 @@ from specpilot.engine.serve import continuous_engine
 from specpilot.errors import SpecpilotError
 from specpilot.prompts import BENCHMARKS, load_tokenizer, write_prompt_file
 from specpilot.records import read_records
-from specpilot.server.engine import EngineFiles, ServedEngine, best_deployment, deployment_files
+from specpilot.server.engine import EngineFiles, ServedEngine
+from specpilot.server.lookup import best_deployment, deployment_files
 from specpilot.server.text import TextStream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -373,7 +374,7 @@ def test_deployment_files_by_name_per_regime(tmp_path):
     it, else the nearest tune, said), its engine config and kernel agent; best over that regime's
     rows; explicit paths replace the found ones before anything is checked; a missing file is named."""
     from specpilot.server.cli import engine_files
-    from specpilot.server.engine import run_regimes, serving_regime
+    from specpilot.server.lookup import run_regimes, serving_regime
 
     res = _run_layout(tmp_path)
     cfg = str(tmp_path / "config.yaml")

@@ -16,18 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from specpilot.bench.client import free_port
+from specpilot.bench.client import free_port, start_server
+from specpilot.errors import SpecpilotError
 from specpilot.prompts import load_tokenizer
 from specpilot.records import read_records
+from specpilot.server.lookup import run_regimes, serving_regime
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = "gsm8k"
@@ -54,30 +52,20 @@ def readme_server(tmp_path_factory):
     results = REPO / _flag(argv, "--results")
     if not (results / "table.csv").is_file():
         pytest.skip(f"no finished workflow run in {results} (run `snakemake --cores all` first; CI always has one)")
-    port = free_port()
-    argv[argv.index("--port") + 1] = str(port)
-    log_path = tmp_path_factory.mktemp("readme-serve") / "server.log"
-    log = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", *argv], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
-    base, deadline = f"http://127.0.0.1:{port}", time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"README's serving command did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.3)
-    yield {"argv": argv, "results": results, "log": log_path,
+    _flag(argv, "--port")
+    k = argv.index("--port")
+    argv = argv[:k] + argv[k + 2:]  # start_server adds a free port
+    log = tmp_path_factory.mktemp("readme-serve") / "server.log"
+    try:
+        proc = start_server(argv, port := free_port(), log, timeout_s=120, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    except SpecpilotError as e:
+        pytest.fail(f"README's serving command did not start: {e}")
+    base = f"http://127.0.0.1:{port}"
+    yield {"argv": argv, "results": results, "log": log,
            "client": OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=120)}
     proc.terminate()
     proc.wait(timeout=30)
-    log.close()
 
 
 def test_readme_serving_command_serves_the_run_as_ar(readme_server):
@@ -86,11 +74,12 @@ def test_readme_serving_command_serves_the_run_as_ar(readme_server):
     client, results = readme_server["client"], readme_server["results"]
     model = client.models.list().data[0].id
     startup = readme_server["log"].read_text()
-    config = results / model / "single" / "specpilot.json"  # the embedded default: one regime, single
-    assert config.is_file()
-    assert f"regime 'single', engine config {Path(_flag(readme_server['argv'], '--results')) / model / 'single'}" \
-           f"/specpilot.json" in startup, startup
-    assert "serving regime 'single', tuned at c1, the nearest tune" in startup, startup  # c4 is no cell of the run
+    regime, note = serving_regime(run_regimes(results)[0], int(_flag(readme_server["argv"], "--max-concurrency")))
+    assert regime == "single"  # the embedded default: one regime, tuned at c1 (README's c4: the nearest tune)
+    config = Path(_flag(readme_server["argv"], "--results")) / model / regime / "specpilot.json"
+    assert (REPO / config).is_file()
+    assert f"regime '{regime}', engine config {config};" in startup, startup
+    assert note is None or note in startup, startup
     ar = read_records(results / model / BENCH / "ar-c1.jsonl")
     prompts = {json.loads(x)["request_id"]: json.loads(x)
                for x in (REPO / "results" / "prompts" / model / f"{BENCH}.jsonl").read_text().splitlines()}

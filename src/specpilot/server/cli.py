@@ -5,7 +5,7 @@ Which engine serves which concurrency: a run tunes each deployment per serving r
 (``--deployment NAME|best --results results/{gpu}``) the server loads the engine of the regime
 that serves ``--max-concurrency`` (the regime whose cells include it; else the one whose tune is
 nearest, said at start-up), with that regime's kernel sub-agent choice; the run's regimes are read
-from what it left in ``results`` (:func:`~specpilot.server.engine.run_regimes`). Explicit paths
+from what it left in ``results`` (:func:`~specpilot.server.lookup.run_regimes`). Explicit paths
 (``--engine-config``, ``--kernel-agent``, ...) replace the found ones before any file is checked.
 ``--engine stock`` or ``ar`` serve the baselines of the same deployment (to measure the found
 engine against). The start-up lines name the regime and the engine config file. docs/serving.md.
@@ -19,8 +19,9 @@ import uvicorn
 
 from ..errors import SpecpilotError
 from .app import create_app
-from .engine import (EngineFiles, RecordWriter, ServedEngine, best_deployment, check_files, deployment_files,
-                     run_regimes, run_root, serving_regime)
+from .engine import RecordWriter, ServedEngine
+from .lookup import (EngineFiles, best_deployment, check_files, deployment_files, run_regimes, run_root,
+                     serving_regime)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
