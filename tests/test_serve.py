@@ -499,3 +499,13 @@ def test_gpu_serve_script_dry_run(tmp_path):
     assert "token forcing on the found engine's served records (by name c2): pass" in out, out
     layout = tmp_path / "out" / "study" / "results" / "cpu" / "qwen3-8b"
     assert json.loads((layout / "batched" / "specpilot.json").read_text())["engine_config"]["overlap"] is True
+    r = json.loads((tmp_path / "out" / "serve_vs_run.json").read_text())  # serve-vs-run's JSON (its dry run's path)
+    assert r["errors"] == []
+    (rnd,), (rnd_high,) = r["rounds"], r["rounds_high"]
+    assert rnd["run"]["tokens"] == 4 * 8 and rnd["c1"]["requests"] == rnd["stock-c1"]["requests"] == 4
+    assert rnd_high["c2"]["requests"] == rnd_high["stock-c2"]["requests"] == 4
+    s = r["summary"]
+    for c in ("", "_c2"):
+        assert s[f"specpilot_over_stock_served{c}_lo"] <= s[f"specpilot_over_stock_served{c}"] <= \
+            s[f"specpilot_over_stock_served{c}_hi"]
+    assert s["served_over_run_c1"] > 0 and r["engine_config_high"].endswith("batched/specpilot.json")
