@@ -26,7 +26,8 @@ finds the engine by name, as a user does after a run.
    --record`` (by name: regime batched) and ``specpilot bench client`` at c1 and c16: throughput,
    TTFT, ITL p50/p99;
 4. every served record (all servers) equal to AR for its prompt, token for token;
-5. ``specpilot force`` on the found engine's served records (c16 by name, then serve-vs-run's c1).
+5. ``specpilot force`` on the found engine's served records (c16 by name, then serve-vs-run's c1 and
+   c16, as time allows: a skipped one says so).
 
 One line per figure at the end; raw results under $OUT (default results/gpu_serve).
 CPU plumbing check: ``DRY=1 python scripts/gpu_serve.py`` (tiny shape, a few tokens, CPU).
@@ -217,7 +218,8 @@ def main() -> int:
             parts.append(f"{folder.name} {k}/{len(rs)}")
         LINES.append(f"served records equal to AR token for token: {same}/{total} ({', '.join(parts)})")
     # 5. token forcing on the found engine's served records
-    for folder, config, what in ((rec, batched, f"by name c{C}"), (svr_rec / "c1", single, "serve-vs-run c1")):
+    for folder, config, what in ((rec, batched, f"by name c{C}"), (svr_rec / "c1", single, "serve-vs-run c1"),
+                                 (svr_rec / f"c{C}", batched, f"serve-vs-run c{C}")):
         if DRY and folder != rec:  # the same plumbing twice: once on the CPU
             continue
         if not (folder / "records.jsonl").is_file():
