@@ -87,7 +87,7 @@ def engine_files(args) -> tuple[EngineFiles, list[str]]:
         name = args.deployment
         if name == "best":
             name = best_deployment(args.results, regime, args.max_concurrency)
-            notes.append(f"best: {name!r}, the highest specpilot speedup in regime {regime!r}'s rows of "
+            notes.append(f"best: {name!r}, the highest specpilot speedup in the rows of regime {regime!r} of "
                          f"{args.results}/table.csv")
         files = deployment_files(name, args.results, args.config, regime)
         where = str(run_root(args.results))
