@@ -31,7 +31,8 @@ from specpilot.engine.serve import continuous_engine
 from specpilot.errors import SpecpilotError
 from specpilot.prompts import BENCHMARKS, load_tokenizer, write_prompt_file
 from specpilot.records import read_records
-from specpilot.server.engine import EngineFiles, ServedEngine, best_deployment, deployment_files
+from specpilot.server.engine import EngineFiles, ServedEngine
+from specpilot.server.lookup import best_deployment, deployment_files
 from specpilot.server.text import TextStream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,6 +262,60 @@ def test_bad_requests(server, body, status, param):
     _ok(server)
 
 
+# Bodies whose text cannot be decoded (issue 59): (path, raw body, the field the 400 names)
+_C, _CHAT = "/v1/completions", "/v1/chat/completions"
+BAD_TEXT = [
+    (_C, b'{"model": "tiny", "prompt": "caf\xe9 \xff\xfe", "max_tokens": 2}', "prompt"),  # Latin-1, not UTF-8
+    (_C, b'{"model": "tiny", "prompt": "\xed\xa0\x80", "max_tokens": 2}', "prompt"),  # an encoded surrogate (CESU-8)
+    (_C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate escape
+    (_C, b'{"model": "tiny", "prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    (_C, b'{"model": "tiny", "prompt": ["x\\ud83d"], "max_tokens": 2}', "prompt.0"),  # half of a pair
+    (_C, b'{"model": "tiny", "prompt": "a\x00b", "max_tokens": 2}', "prompt"),  # a raw NUL
+    (_C, b'{"model": "tiny", "prompt": "a\x1bb", "max_tokens": 2}', "prompt"),  # a raw control character
+    (_C, b'{"model": "tiny", "prompt": "Hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop.0"),
+    (_C, b'{"model": "ti\\udc80ny", "prompt": "Hi", "max_tokens": 2}', "model"),
+    (_C, b'\xff\xfe{\x00}\x00', "body"),  # UTF-16 with its BOM
+    (_CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+     "messages.0.content"),
+    (_CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\xc3("}]}], '
+            b'"max_tokens": 2}', "messages.0.content.0.text"),
+    (_CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+            b'"chat_template_kwargs": {"enable_thinking": "\\ud800"}}', "chat_template_kwargs.enable_thinking"),
+    (_CHAT, b'{"model": "tiny", "messages": [{"role": "user\x07", "content": "Hi"}], "max_tokens": 2}',
+     "messages.0.role"),
+]
+
+
+def test_undecodable_text_is_a_4xx_naming_the_field(server):
+    """Every body whose text cannot be decoded (not UTF-8, lone surrogates, raw control
+    characters, UTF-16): a 400 with OpenAI's error object naming the field, never a 500; escaped
+    NUL and control characters are text and served; the server keeps serving after each."""
+    for path, raw, param in BAD_TEXT:
+        code, reply = _post(server["base"], path, raw)
+        assert code == 400 and reply["error"]["param"] == param, (raw, code, reply)
+    for text in (r"a\u0000b", r"\u0007\u001b[31m"):  # escaped: valid text, the tokenizer takes it
+        code, reply = _post(server["base"], _C, b'{"model": "tiny", "prompt": "' + text.encode() + b'", "max_tokens": 3}')
+        assert code == 200 and reply["usage"]["completion_tokens"] == 3, reply
+    _ok(server)
+
+
+def test_text_the_tokenizer_refuses_is_a_400():
+    """A tokenizer that refuses a text (e.g. a control character its normalizer rejects): a 400
+    naming the field, with its message; text it takes gives its ids."""
+    from specpilot.server.protocol import ApiError, encode_text
+
+    class Strict:
+        def __call__(self, text, add_special_tokens=False):
+            if any(ord(c) < 0x20 for c in text):
+                raise ValueError("control character")
+            return {"input_ids": [ord(c) for c in text]}
+
+    with pytest.raises(ApiError) as e:
+        encode_text(Strict(), "a\x01", "messages")
+    assert e.value.status == 400 and e.value.param == "messages" and "control character" in e.value.message
+    assert encode_text(Strict(), "ab", "prompt") == [97, 98]
+
+
 class _ByteTokenizer:
     """One token per UTF-8 byte (the tiny tokenizer's shape), to test character splitting."""
 
@@ -281,33 +336,88 @@ def test_text_stream_whole_characters_and_stop_inside_a_step():
     assert "".join(plain.feed([i])[0] for i in ids) + plain.flush() == "aé|b"
 
 
-def test_deployment_files_by_name(tmp_path):
-    """Name-based lookup: a tiny deployment's shared build, its engine config and kernels from the
-    run's results folder; a missing file is named."""
+def _run_layout(tmp_path) -> Path:
+    """A finished run's per-regime layout (rules/common.smk): two regimes, single (c1) and batched
+    (tuned at c16, cells 16 and 20), the engine config and kernel agent of each."""
     (tmp_path / "config.yaml").write_text("deployments:\n  tiny-dflash2: {target: tiny, drafter: dflash2, "
                                           "weight_format: fp32, block_size: auto}\n")
     res = tmp_path / "run" / "results" / "cpu"
-    for p in ("run/resources/deployments/tiny/target", "run/resources/deployments/tiny/drafter-dflash2",
-              "run/results/cpu/kernels/tiny-dflash2"):
+    for p in ("run/resources/deployments/tiny/target", "run/resources/deployments/tiny/drafter-dflash2"):
         (tmp_path / p).mkdir(parents=True)
+    (res / "kernels").mkdir(parents=True)
     (res / "kernels" / "manifest.json").write_text("{}")
-    (res / "kernels" / "tiny-dflash2" / "kernel-agent.json").write_text("{}")
-    with pytest.raises(SpecpilotError, match="specpilot.json not found"):
-        deployment_files("tiny-dflash2", res, tmp_path / "config.yaml")
-    (res / "tiny-dflash2").mkdir()
-    (res / "tiny-dflash2" / "specpilot.json").write_text("{}")
-    f = deployment_files("tiny-dflash2", res, tmp_path / "config.yaml")
+    for regime, tune in (("single", 1), ("batched", 16)):
+        (res / "kernels" / "tiny-dflash2" / regime).mkdir(parents=True)
+        (res / "kernels" / "tiny-dflash2" / regime / "kernel-agent.json").write_text("{}")
+        (res / "tiny-dflash2" / regime).mkdir(parents=True)
+        (res / "tiny-dflash2" / regime / "specpilot.json").write_text(json.dumps(
+            {"block_size": 8, "regime": regime, "tuned_concurrency": tune}))
+    (res / "table.csv").write_text(
+        "deployment,benchmark,regime,concurrency,specpilot_speedup\n"
+        "tiny,gsm8k,single,1,9.0\ntiny,geomean,single,1,2.5\ntiny-dflash2,geomean,single,1,2.75\n"
+        "tiny-dspark,geomean,single,1,\ntiny,geomean,batched,16,1.0\ntiny-dflash2,geomean,batched,16,1.5\n"
+        "tiny,geomean,batched,20,3.0\ntiny-dflash2,geomean,batched,20,1.2\nall,geomean,single,1,2.6\n")
+    return res
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from specpilot.server.cli import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_deployment_files_by_name_per_regime(tmp_path):
+    """Name-based lookup in the per-regime layout: the regime serving --max-concurrency (a cell of
+    it, else the nearest tune, said), its engine config and kernel agent; best over that regime's
+    rows; explicit paths replace the found ones before anything is checked; a missing file is named."""
+    from specpilot.server.cli import engine_files
+    from specpilot.server.lookup import run_regimes, serving_regime
+
+    res = _run_layout(tmp_path)
+    cfg = str(tmp_path / "config.yaml")
+    regimes, source = run_regimes(res, cfg)
+    assert regimes == {"single": {"tune": 1, "cells": [1]}, "batched": {"tune": 16, "cells": [16, 20]}}
+    assert "table.csv" in source
+    assert serving_regime(regimes, 20) == ("batched", None)
+    assert serving_regime(regimes, 1) == ("single", None)
+    name, note = serving_regime(regimes, 4)
+    assert name == "single" and "nearest tune" in note and "c1" in note
+    assert serving_regime(regimes, 12)[0] == "batched"
+    f = deployment_files("tiny-dflash2", res, cfg, "batched")
     assert f.target.endswith("deployments/tiny/target") and f.drafter.endswith("tiny/drafter-dflash2")
-    assert f.dtype == "fp32" and f.drafter_name == "dflash2" and f.engine_config.endswith("tiny-dflash2/specpilot.json")
+    assert f.dtype == "fp32" and f.drafter_name == "dflash2" and f.regime == "batched"
+    assert f.engine_config == str(res / "tiny-dflash2" / "batched" / "specpilot.json")
+    assert f.kernel_agent == str(res / "kernels" / "tiny-dflash2" / "batched" / "kernel-agent.json")
     with pytest.raises(SpecpilotError, match="'tiny-b' is not in"):
-        deployment_files("tiny-b", res, tmp_path / "config.yaml")
+        deployment_files("tiny-b", res, cfg)
+    assert best_deployment(res, "single", 1) == "tiny-dflash2"  # a cell row, an empty value and 'all' do not count
+    assert best_deployment(res, "batched", 16) == "tiny-dflash2"
+    assert best_deployment(res, "batched", 20) == "tiny"
+    assert best_deployment(res, "batched", 24) == "tiny-dflash2"  # not a cell: the regime's smallest concurrency
+    files, notes = engine_files(_serve_args("--deployment", "best", "--results", str(res), "--config", cfg,
+                                            "--max-concurrency", "16"))
+    assert files.deployment == "tiny-dflash2" and files.regime == "batched"
+    assert any("best: 'tiny-dflash2'" in n for n in notes)
+    (res / "tiny-dflash2" / "batched" / "specpilot.json").unlink()
+    with pytest.raises(SpecpilotError, match="batched/specpilot.json not found"):
+        engine_files(_serve_args("--deployment", "tiny-dflash2", "--results", str(res), "--config", cfg,
+                                 "--max-concurrency", "20"))
+    own = tmp_path / "mine.json"
+    own.write_text("{}")
+    files, notes = engine_files(_serve_args("--deployment", "tiny-dflash2", "--results", str(res), "--config", cfg,
+                                            "--max-concurrency", "20", "--engine-config", str(own)))
+    assert files.engine_config == str(own) and any("replaces regime 'batched'" in n for n in notes)
+    files, _ = engine_files(_serve_args("--deployment", "tiny-dflash2", "--results", str(res), "--config", cfg,
+                                        "--max-concurrency", "20", "--engine", "stock"))  # stock needs no engine config
+    assert files.regime == "batched"
+    (res / "table.csv").unlink()  # a run not finished to its table: the config's regimes (single only here)
+    regimes, source = run_regimes(res, cfg)
+    assert regimes == {"single": {"tune": 1, "cells": [1]}} and source.startswith("config")
     with pytest.raises(SpecpilotError, match="table.csv not found"):
         best_deployment(res)
-    (res / "table.csv").write_text(
-        "deployment,benchmark,concurrency,specpilot_speedup\n"
-        "tiny,gsm8k,1,9.0\ntiny,geomean,1,2.5\ntiny-dflash2,geomean,1,2.75\ntiny-dspark,geomean,1,\n"
-        "tiny,geomean,4,3.0\nall,geomean,1,2.6\n")
-    assert best_deployment(res) == "tiny-dflash2"  # a cell row, c4, an empty value and 'all' do not count
 
 
 def test_force_passes_on_every_served_record(server, tiny_deployment, tmp_path):
@@ -367,13 +477,35 @@ def test_text_stream_incremental_equals_whole_decode(tiny_deployment, prompts):
         assert out + ts.flush() == tok.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.slow  # a server, AR, the client, forcing and serve-vs-run's three servers: over a minute on 2 cores
+@pytest.mark.slow  # AR, serve-vs-run's four servers and run, a server by name, the client, forcing: ~2-3 min on 2 cores
 def test_gpu_serve_script_dry_run(tmp_path):
-    """``DRY=1 python scripts/gpu_serve.py``: its plumbing on the CPU, every figure line printed."""
+    """``DRY=1 python scripts/gpu_serve.py``: its plumbing on the CPU, every figure line printed: the
+    77bc289 stand-in configs written as a run's per-regime layout, found / stock served at c1 and
+    c2 with intervals, served / run, the engine found by name (regime batched, named at start-up),
+    the client's figures, every served record equal to AR, forcing."""
     env = dict(os.environ, DRY="1", OUT=str(tmp_path / "out"), PYTHONPATH=str(REPO / "src"))
+    env.pop("STUDY", None)
     proc = subprocess.run([sys.executable, "scripts/gpu_serve.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "served records equal to AR token for token: 8/8" in out and "token forcing on served records: pass" in out
-    assert "served stock c2:" in out and "serve-vs-run: served/run c1" in out and "rc=" not in out
+    assert "rc=" not in out and "SKIPPED" not in out, out
+    label = "configs as found by the 77bc289 study (not re-run)"
+    for c in ("c1", "c2"):
+        assert f"found engine served / stock served {c} ({label}):" in out, out
+        assert f"bench client, found engine served by name (regime batched) {c}:" in out, out
+    assert "served / specpilot run c1" in out and "regime batched and its config named at start-up" in out, out
+    assert "served records equal to AR token for token: 24/24" in out, out
+    assert "token forcing on the found engine's served records (by name c2): pass" in out, out
+    layout = tmp_path / "out" / "study" / "results" / "cpu" / "qwen3-8b"
+    assert json.loads((layout / "batched" / "specpilot.json").read_text())["engine_config"]["overlap"] is True
+    r = json.loads((tmp_path / "out" / "serve_vs_run.json").read_text())  # serve-vs-run's JSON (its dry run's path)
+    assert r["errors"] == []
+    (rnd,), (rnd_high,) = r["rounds"], r["rounds_high"]
+    assert rnd["run"]["tokens"] == 4 * 8 and rnd["c1"]["requests"] == rnd["stock-c1"]["requests"] == 4
+    assert rnd_high["c2"]["requests"] == rnd_high["stock-c2"]["requests"] == 4
+    s = r["summary"]
+    for c in ("", "_c2"):
+        assert s[f"specpilot_over_stock_served{c}_lo"] <= s[f"specpilot_over_stock_served{c}"] <= \
+            s[f"specpilot_over_stock_served{c}_hi"]
+    assert s["served_over_run_c1"] > 0 and r["engine_config_high"].endswith("batched/specpilot.json")

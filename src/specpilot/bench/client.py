@@ -130,14 +130,16 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def start_server(argv: list[str], port: int, log: Path, timeout_s: float = 300) -> subprocess.Popen:
-    """Start ``specpilot serve ARGV --port PORT`` and wait for ``/health``; its output goes to ``log``.
+def start_server(argv: list[str], port: int, log: Path, timeout_s: float = 300, cwd: str | Path | None = None,
+                 env: dict | None = None) -> subprocess.Popen:
+    """Start ``specpilot serve ARGV --port PORT`` (in ``cwd``, with ``env``; default this process's)
+    and wait for ``/health``; its output goes to ``log``.
 
     Raises:
         SpecpilotError: the server exits or is not healthy within ``timeout_s`` (its log's end quoted)."""
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", *argv, "--port", str(port)],
-                            stdout=out, stderr=subprocess.STDOUT)
+                            stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         try:

@@ -10,7 +10,8 @@ engine's :class:`~specpilot.engine.online.OnlineScheduler`, and its text is prod
 commits tokens (:class:`~specpilot.server.text.TextStream`, in the engine thread, so that a stop
 string ends the request at the step that completed it). A client that disconnects cancels its
 request (its slot is refilled); a full queue answers 429. Every refusal is OpenAI's error object
-naming the field (:mod:`specpilot.server.protocol`).
+naming the field (:mod:`specpilot.server.protocol`); a body whose text cannot be decoded is refused
+before it is parsed (:class:`TextCheckedRoute`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,33 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.online import QueueFull, Submission
 from ..errors import SpecpilotError
 from ..prompts import CHAT_TEMPLATE_KWARGS, format_prompt
 from .engine import RecordWriter, ServedEngine
-from .protocol import ApiError, ChatBody, CompletionBody, check_sampling, message_text, stop_strings, token_budget
+from .protocol import (ApiError, ChatBody, CompletionBody, check_body_text, check_sampling, encode_text, message_text,
+                       stop_strings, token_budget)
 from .text import TextStream
+
+
+class TextCheckedRoute(APIRoute):
+    """A POST route whose raw body is checked as text (:func:`check_body_text`: UTF-8, no lone
+    surrogates, no unescaped control characters) before FastAPI parses it, so that such a body is a
+    400 naming the field instead of the parser's unnamed error or a tokenizer's exception (FastAPI's
+    custom route class; the body read here is the one the route parses)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            if request.method == "POST":
+                check_body_text(await request.body())
+            return await handler(request)
+
+        return checked
 
 
 class Job:
@@ -133,7 +154,10 @@ class _Server:
             text = format_prompt(self.engine.tokenizer, messages, kwargs)
         except SpecpilotError as e:
             raise ApiError(400, str(e), "messages") from None
-        return [int(t) for t in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        except Exception as e:  # noqa: BLE001 -- the template failing on this request's messages or arguments
+            field = "messages" if body.chat_template_kwargs is None else "chat_template_kwargs"
+            raise ApiError(400, f"the chat template failed on this request ({type(e).__name__}: {e})", field) from None
+        return encode_text(self.engine.tokenizer, text, "messages")
 
     def completion_prompt(self, body: CompletionBody) -> list[int]:
         """The prompt's token ids: text tokenized, or ids checked against the vocabulary (ApiError naming ``prompt``)."""
@@ -143,7 +167,7 @@ class _Server:
                 raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = self.engine.tokenizer(p, add_special_tokens=False)["input_ids"]
+            ids = encode_text(self.engine.tokenizer, p, "prompt")
         else:
             vocab = int(self.engine.dep.target.config.vocab_size)
             if any(not 0 <= t < vocab for t in p):
@@ -258,11 +282,17 @@ async def _respond(request: Request, server: _Server, job: Job, i: int, body, pr
 def create_app(engine: ServedEngine, model: str, writer: RecordWriter | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``model`` (module docstring)."""
     app = FastAPI(title="specpilot serve")
+    app.router.route_class = TextCheckedRoute
     server = _Server(engine, model, writer)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # FastAPI's own (e.g. a body it cannot parse)
+        param = "body" if e.status_code == 400 else None
+        return JSONResponse(ApiError(e.status_code, str(e.detail), param).body(), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):

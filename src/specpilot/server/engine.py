@@ -1,7 +1,7 @@
 """The engine ``specpilot serve`` serves: one deployment's engine loaded as ``specpilot run`` loads it.
 
-:func:`deployment_files` finds a deployment's files in a finished workflow run by name (the one
-function that knows the workflow's layout); :class:`ServedEngine` loads them through the same
+:mod:`specpilot.server.lookup` finds a deployment's files in a finished workflow run by name and
+serving regime; :class:`ServedEngine` loads them through the same
 functions as ``specpilot run`` (:func:`specpilot.engine.cli.engine_specs`: the engine config and
 block; :func:`specpilot.kernels_build.use_kernel_outputs`: the kernel manifest and the kernel
 sub-agent's choice; :func:`specpilot.engine.cli.load_deployments`: target, drafter, dtype, weight
@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
-import yaml
 
 from ..engine import cli as run_cli
 from ..engine.online import OnlineScheduler
@@ -32,77 +29,9 @@ from ..io import read_jsonl, write_jsonl
 from ..kernels_build import use_kernel_outputs
 from ..prompts import load_tokenizer
 from ..records import Record, read_records, write_records
+from .lookup import EngineFiles
 
 DEFAULT_MAX_SEQ = 4096  # KV-cache slots per request when --max-seq is not given (capped at the target's positions)
-
-
-@dataclass
-class EngineFiles:
-    """What loads one deployment's engine (the flags ``specpilot run`` gets in a workflow cell)."""
-
-    deployment: str
-    target: str
-    drafter: str | None = None
-    drafter_name: str = "dflash"
-    target_name: str | None = None
-    engine_config: str | None = None
-    kernels_manifest: str | None = None
-    kernel_agent: str | None = None
-    block_size: str = "auto"
-    weight_format: str | None = None
-    dtype: str = "auto"
-
-
-def deployment_files(name: str, results: str | Path, config: str | Path = "config/config.yaml") -> EngineFiles:
-    """A deployment's files in a finished workflow run, by name: ``config`` (the run's config)
-    gives its target, drafter, block and weight format; the checkpoints are under
-    ``resources/deployments/`` of the run's folder (the parent of ``results/``), the tiny
-    deployments sharing one build (``tiny``, ``tiny-hybrid``, ``tiny-muse``); the engine config is
-    ``{results}/{name}/specpilot.json`` (the rounds' one per deployment: the concurrency the
-    rounds tuned for, the study's smallest), the kernels ``{results}/kernels/manifest.json`` and
-    ``{results}/kernels/{name}/kernel-agent.json``.
-
-    Raises:
-        SpecpilotError: the config lacks the deployment, or one of those files is missing (named).
-    """
-    results = Path(results)
-    cfg = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
-    deps = (cfg or {}).get("deployments") or {}
-    if name not in deps:
-        raise SpecpilotError(f"deployment {name!r} is not in {config} (deployments: {', '.join(deps) or 'none'})")
-    d = deps[name]
-    root = results.resolve().parent.parent
-    kind = d.get("tiny_kind", "dense")
-    folder = ("tiny" if kind == "dense" else f"tiny-{kind}") if d["target"] == "tiny" else name
-    base = root / "resources" / "deployments" / folder
-    files = EngineFiles(deployment=name, target=str(base / "target"), drafter=str(base / f"drafter-{d['drafter']}"),
-                        drafter_name=d["drafter"], target_name=d["target"],
-                        engine_config=str(results / name / "specpilot.json"),
-                        kernels_manifest=str(results / "kernels" / "manifest.json"),
-                        kernel_agent=str(results / "kernels" / name / "kernel-agent.json"),
-                        block_size=str(d.get("block_size", "auto")),
-                        weight_format="w12" if d.get("weight_format") == "w12" else None,
-                        dtype="fp32" if d.get("weight_format") == "fp32" else "bf16")
-    for what in ("target", "drafter", "engine_config", "kernels_manifest", "kernel_agent"):
-        if not Path(getattr(files, what)).exists():
-            raise SpecpilotError(f"deployment {name!r}: {getattr(files, what)} not found (is the workflow run in "
-                                 f"{root} finished?)")
-    return files
-
-
-def best_deployment(results: str | Path) -> str:
-    """The deployment of a finished run with the highest ``specpilot_speedup`` over AR in its
-    table (``{results}/table.csv``: the per-deployment ``geomean`` rows at the smallest
-    concurrency). Raises SpecpilotError when the table is missing or has no such value."""
-    path = Path(results) / "table.csv"
-    if not path.is_file():
-        raise SpecpilotError(f"{path} not found: --deployment best needs a finished workflow run's table")
-    t = pd.read_csv(path)
-    t = t[(t["benchmark"] == "geomean") & (t["deployment"] != "all") & t["specpilot_speedup"].notna()]
-    t = t[t["concurrency"] == t["concurrency"].min()] if len(t) else t
-    if not len(t):
-        raise SpecpilotError(f"{path} has no deployment with a specpilot speedup (forcing failed or not run)")
-    return str(t.loc[t["specpilot_speedup"].idxmax(), "deployment"])
 
 
 def run_args(files: EngineFiles, engine: str, device: str, threads: int, graphs: str) -> argparse.Namespace:
