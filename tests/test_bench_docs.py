@@ -69,8 +69,9 @@ def test_documents_name_existing_paths(doc):
 
 
 FENCE = re.compile(r"(?ms)^```[^\n]*\n(.*?)^```")
-# a command in a code block: at the start of a line or after a shell separator
-BLOCK_CMD = re.compile(r"(?:^|&&|;|\||\(|python -m)\s*specpilot\s+([^\n#;&|]*)", re.M)
+# a command in a code block: at the start of a line or after a shell separator; a line such as
+# "specpilot serve: ..." is a command's output (its log prefix), not a command
+BLOCK_CMD = re.compile(r"(?:^|&&|;|\||\(|python -m)\s*specpilot\s+(?![\w-]+:)([^\n#;&|]*)", re.M)
 
 
 def shown_commands(text: str) -> list[str]:
