@@ -7,7 +7,8 @@ ancestors. Each node's output must be bit-equal to a one-token decode at its pos
 ancestors at the slots of their depths, its own key next): the same keys in the same tiles and
 order. Checked here on the kernel itself (no model), full attention and a sliding-window ring, at
 block starts where start's chunk has prefix tiles below start's tile (the PREFIX state continued
-by TAIL), where it has none, and where the deepest path crosses into the next chunk.
+by TAIL), where it has none, and where the deepest path crosses into the next chunk. And the
+tree's inputs built in one launch (:func:`specpilot.kernels.tree.tree_walk`) equal the torch build.
 """
 
 from __future__ import annotations
@@ -76,15 +77,37 @@ for window, ring, starts in ((0, 0, (250, 150, 321)), (100, 160, (250, 321))):
             res["nodes"] += 1
             if not torch.equal(out[t], ref[0]):
                 res["differing"].append([window, st, t, float((out[t] - ref[0]).abs().max())])
+# the tree inputs in one launch (kernels.tree.tree_walk) against the torch build, on lattice-like
+# trees of 40 and 255 nodes (2 rows) and a chain
+from specpilot.engine.verify import tree_paths
+from specpilot.kernels.tree import tree_walk
+from specpilot.models.layers import tree_ancestors
+res["walk_equal"] = []
+for T2, maxd in ((40, 9), (255, 11), (20, 19)):
+    rows = []
+    for _ in range(2):
+        pr, dp = [-1], [0]
+        for i in range(1, T2):
+            cands = [j for j in range(i) if dp[j] < maxd] if T2 != 20 else [i - 1]
+            p = cands[int(torch.randint(0, len(cands), (1,), generator=g))]
+            pr.append(p); dp.append(dp[p] + 1)
+        rows.append(pr)
+    parents = torch.tensor(rows)
+    a_ref, d_ref = tree_ancestors(parents, maxd)
+    anc, d64, d32, pth = tree_walk(parents, maxd)
+    res["walk_equal"].append([T2, bool(torch.equal(anc, a_ref)), bool(torch.equal(d64, d_ref)),
+                              bool(torch.equal(d32, d_ref.int())), bool(torch.equal(pth, tree_paths(a_ref)))])
 print("RESULT " + json.dumps(res))
 """
 
 
 @needs_triton
 def test_split_tree_attention_nodes_equal_their_decodes_interpreted(tmp_path):
-    """Every checked node of a 40-node tree (split launches) bit-equal to a decode at its position."""
+    """Every checked node of a 40-node tree (split launches) bit-equal to a decode at its position;
+    the one-launch tree inputs equal the torch build (ancestors, depths, paths)."""
     from triton_interp import run_interpreted
 
     res = run_interpreted(tmp_path / "check.py", CHECK, REPO)
     assert res["split"] and res["max_depth"] >= 6 and res["nodes"] >= 5 * 6, res
     assert res["differing"] == [], res
+    assert res["walk_equal"] == [[40] + [True] * 4, [255] + [True] * 4, [20] + [True] * 4], res

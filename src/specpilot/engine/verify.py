@@ -20,6 +20,7 @@ DFlash ``dflash_generate`` (linear verification); DDTree / JetSpec for the ances
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -406,6 +407,13 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     if max_depth is not None and max_depth > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth up to {max_depth}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config block_size)")
+    if max_depth is not None and (parents.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        from ..kernels.tree import tree_walk  # Triton: only where the Triton step runs
+
+        # one launch instead of ~25 (issue 63); the acceptance reads the same ancestors (_ancestors)
+        anc, depth64, depth, paths_t = tree_walk(parents, max_depth)
+        _TREE_CACHE[0], _TREE_CACHE[1] = parents, (anc, depth64)
+        return torch.zeros(parents.shape, dtype=torch.int64, device=parents.device), depth, paths_t
     anc, depth = _ancestors(parents, max_depth)
     if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "
