@@ -31,22 +31,13 @@ def load_old(path: str):
 
 
 def graph_ms(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Median ms of one CUDA-graph replay of ``fn``."""
+    from specpilot.tuning import timing
+
+    g = timing.capture_graph(fn)
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(timing.event_times(g.replay, iters)[0]) * 1e3
 
 
 def main() -> int:
