@@ -56,16 +56,16 @@ def tree_walk(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torc
 
     ``parents`` int64 [B, T] on the device (or the CPU under ``TRITON_INTERPRET=1``): the block
     index of each node's parent (< its own index), -1 for the root. ``max_depth``: a bound of the
-    depth (1 .. 64): the walk takes that many steps, so a deeper node sees only its nearest
+    depth (0 .. 64): the walk takes that many steps, so a deeper node sees only its nearest
     ``max_depth`` ancestors (the bound is the caller's, as for
     :func:`specpilot.models.layers.tree_ancestors`). The same values as that function and
     :func:`specpilot.engine.verify.tree_paths` (``tests/test_tree_attention_split.py``).
 
     Raises:
-        ValueError: ``max_depth`` outside 1 .. 64.
+        ValueError: ``max_depth`` outside 0 .. 64.
     """
-    if not 1 <= max_depth <= PATH_DEPTH:
-        raise ValueError(f"tree_walk: max_depth must be 1 .. {PATH_DEPTH}, got {max_depth}")
+    if not 0 <= max_depth <= PATH_DEPTH:
+        raise ValueError(f"tree_walk: max_depth must be 0 .. {PATH_DEPTH}, got {max_depth}")
     B, T = parents.shape
     dev = parents.device
     anc = torch.empty(B, T, T, dtype=torch.int8, device=dev)
