@@ -8,8 +8,9 @@ unless ``--checked-cublas off``; ``--kernel-configs`` times a table of your own 
 ``--part widths`` (1 and 2 below) and ``--part trees`` (3 and 4); both by default:
 
 1. step times (median of CUDA-graph replays, context ~512) for each batch x block of ``--shapes``
-   (default 1x1 1x16 1x32 1x64 16x1 16x16 20x1 20x16 24x1 24x16), as multiples of the AR step at the
-   same batch, and the AR steps' MBU (weights + KV read / step / copy bandwidth);
+   (default 1x1 1x16 1x32 1x64 16x1 16x16 20x1 20x16 24x1 24x16; any T: each step runs once first
+   and its tokens and logits are checked to be B x T, ``timed_shape``), as multiples of the AR step
+   at the same batch, and the AR steps' MBU (weights + KV read / step / copy bandwidth);
 2. batch invariance, bit for bit (``torch.equal`` on logits): a batch's first rows against the
    same rows in smaller batches (T = 16 and 1); a 64-token verify against shorter verifies and 64
    one-token decodes; rows of the 256- and 384-row steps against the row alone (its cache moved
@@ -32,6 +33,7 @@ import json
 
 import torch
 
+from ..errors import SpecpilotError
 from ..tuning import timing
 from . import _engine as E
 from . import verify_trees
@@ -60,7 +62,8 @@ class Widths:
         self.dev = run.device
         self.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
         self.Bmax = max(b for b, _ in self.shapes)
-        self.S = args.context + 512
+        self.Tmax = max(t for _, t in self.shapes)
+        self.S = args.context + max(512, self.Tmax)  # the invariance checks reach context + 304
         self.V = model.config.vocab_size
 
     def tables(self) -> dict[str, tuple[dict | None, bool]]:
@@ -79,17 +82,17 @@ class Widths:
         m.setup_cache(self.Bmax, self.S)
         for buf in (m.cache.k, m.cache.v):
             buf.normal_(generator=g)
-        self.tok = torch.randint(0, self.V, (self.Bmax, 64), generator=g, device=self.dev)
-        res = {"step_ms": {}, "x_ar": {}, "mbu": {}, "invariance": {}, "selection": {}}
+        # as wide as the widest step timed (the invariance checks read 64 columns)
+        self.tok = torch.randint(0, self.V, (self.Bmax, max(64, self.Tmax)), generator=g, device=self.dev)
+        res = {"step_ms": {}, "x_ar": {}, "mbu": {}, "invariance": {}, "selection": {}, "timed_shape": {}}
         for name, (cfg, chk) in self.tables().items():
             fast = E.fastpath()[0].FastTarget(m, cfg, checked_cublas=chk)
             res["invariance"][name] = self.invariance(fast)
             timing.log(f"invariance {name}: {json.dumps(res['invariance'][name])}")
             ms = res["step_ms"][name] = {}
+            shp = res["timed_shape"][name] = {}
             for B, T in self.shapes:
-                start = torch.full((B,), self.a.context, device=self.dev, dtype=torch.long)
-                tb = self.tok[:B, :T].contiguous()
-                ms[f"{B}x{T}"] = self.run.graph_s(lambda: fast.forward(tb, start, rows=slice(0, B))) * 1e3
+                ms[f"{B}x{T}"], shp[f"{B}x{T}"] = self.step_ms(fast, B, T)
             res["x_ar"][name] = {k: v / ms[f"{k.split('x')[0]}x1"] for k, v in ms.items() if f"{k.split('x')[0]}x1" in ms}
             res["mbu"][name] = {k: (E.weight_bytes_per_step(m, int(k[:-2])) + E.kv_bytes_per_step(m, int(k[:-2]),
                                     self.a.context)) / (v / 1e3) / self.bw for k, v in ms.items() if k.endswith("x1")}
@@ -98,6 +101,22 @@ class Widths:
             self.run.R["widths"] = res
             self.run.save()
         return res
+
+    def step_ms(self, fast, B: int, T: int) -> tuple[float, list[int]]:
+        """(median ms of one CUDA-graph replay of a B x T step at start = ``--context``, [rows, tokens]
+        of the logits it produced): the step runs once first and its tokens and logits are checked
+        to be B x T (an issue-63 bug timed 64-token steps under the names 1x128 and 1x256).
+
+        Raises:
+            SpecpilotError: the step did not run (or return) B x T tokens.
+        """
+        start = torch.full((B,), self.a.context, device=self.dev, dtype=torch.long)
+        tb = self.tok[:B, :T].contiguous()
+        shape = list(fast.forward(tb, start, rows=slice(0, B))[0].shape[:2])
+        if list(tb.shape) != [B, T] or shape != [B, T]:
+            raise SpecpilotError(f"--shapes {B}x{T}: the step ran {list(tb.shape)} tokens into {shape} logits rows, "
+                                 f"not {B} x {T}")
+        return self.run.graph_s(lambda: fast.forward(tb, start, rows=slice(0, B))) * 1e3, shape
 
     def invariance(self, fast) -> dict:
         """The bit-exact checks of one step variant (dry run: a reduced set of the same checks)."""
@@ -149,6 +168,8 @@ def table(R: dict) -> list[str]:
     L = []
     w = R.get("widths", {})
     for name, ms in w.get("step_ms", {}).items():
+        shp = w.get("timed_shape", {}).get(name, {})  # each step's logits were checked to be its B x T
+        ms = {k: v for k, v in ms.items() if shp.get(k) == [int(x) for x in k.split("x")]}
         L.append(f"{name}: step ms (x AR at the same batch): " + "  ".join(
             f"{k} {fmt(v)} ({fmt(w['x_ar'][name].get(k), '{:.2f}')}x)" for k, v in ms.items()))
         L.append("  AR MBU: " + ", ".join(f"{k} {fmt(v * 100, '{:.1f}')}%" for k, v in w["mbu"].get(name, {}).items()))

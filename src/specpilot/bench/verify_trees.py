@@ -12,7 +12,7 @@ Each is captured as a CUDA graph, as the runner captures it, and timed over ``--
 ``--rounds`` rounds (shapes interleaved, so drift shows as spread).
 
 Issue 54: each lattice tree against the chain of its rows (63 / 127 / 255 nodes against 64 / 128
-/ 256 tokens, bar 1.05x, ``x_chain``), what the tree adds outside the captured step (its inputs
+/ 256 tokens, ``x_chain``; issue 63's bars 1.02x / 1.03x / 1.06x), what the tree adds outside the captured step (its inputs
 built from its parents, its acceptance against the chain's; ``host_side_ms``) and, on the GPU,
 device time per kernel of each tree and its chain (``--kernels``, after the timings). Each step
 keeps every tensor its graph reads (:class:`Step`): a CUDA graph holds addresses, not references.
@@ -49,8 +49,9 @@ DRY_SHAPES = (("chain4", 4, 0, 0), ("tree8_s4", 4, 2, 2), ("lattice20", 12, -1, 
 BARS = {"tree32_s16": 1.10, "tree64_s16": 1.25, "tree64_s32": 1.25,  # issue 16's bar per tree size
         "lattice127": 1.25, "lattice255": 1.60}  # issue 47's
 LATTICE_PROFILE = "tiny_dflash2_lattice"
-# issue 54: a tree of N nodes verified within 5 % of a chain of the same rows (N + 1 with the root)
-VS_CHAIN = {"lattice63": ("chain64", 1.05), "lattice127": ("chain128", 1.05), "lattice255": ("chain256", 1.05),
+# a tree of N nodes verified against a chain of the same rows (N + 1 with the root): issue 63's bars
+# (issue 54's were 1.05x each)
+VS_CHAIN = {"lattice63": ("chain64", 1.02), "lattice127": ("chain128", 1.03), "lattice255": ("chain256", 1.06),
             "lattice20": ("chain4", None)}
 
 
@@ -267,7 +268,7 @@ def table(T: dict) -> list[str]:
         L.append(f"  {name:<13} {nodes:>5} {fmt(v['ms']):>7} {fmt(T['x_ar'][name]):>6}  {verdict}")
     for name, x in T.get("x_chain", {}).items():
         chain, bar = VS_CHAIN[name]
-        verdict = f"  (issue 54 bar <= {bar:.2f}: {'met' if x <= bar else 'MISSED'})" if bar else ""
+        verdict = f"  (issue 63 bar <= {bar:.2f}: {'met' if x <= bar else 'MISSED'})" if bar else ""
         L.append(f"  {name} / {chain}: {fmt(x)}{verdict}")
     for name, h in T.get("host_side_ms", {}).items():
         L.append(f"  {name} outside the step (eager ms): " + ", ".join(f"{k} {fmt(v, '{:.4f}')}" for k, v in h.items()))

@@ -391,7 +391,8 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     (:func:`specpilot.models.layers.tree_ancestors`). ``max_depth``: a bound of the depth (a tree
     that changes every step, e.g. a lattice tree): built with no host synchronization, always in
     the path form. In the path form the bits are not built (a zero placeholder: the path form
-    never reads them).
+    never reads them). On CUDA such a tree's inputs come from one Triton launch
+    (:func:`specpilot.kernels.tree.tree_walk`), not ~25 eager ones.
 
     Raises:
         SpecpilotError: T > :data:`~specpilot.fastpath.tables.TREE_FAST_NODES`, or a tree deeper
@@ -406,6 +407,15 @@ def tree_inputs(parents: torch.Tensor, max_depth: int | None = None, paths: bool
     if max_depth is not None and max_depth > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth up to {max_depth}: the Triton step verifies trees of at most "
                              f"{PATH_DEPTH} levels below the root (engine config block_size)")
+    if max_depth is not None and parents.is_cuda:
+        from ..kernels.tree import tree_walk  # Triton: only where the Triton step runs
+
+        # one launch instead of ~25 (issue 63; the same values: tests/test_tree_attention_split.py,
+        # under the interpreter, where the torch build below is faster); the acceptance reads the
+        # same ancestors (_ancestors)
+        anc, depth64, depth, paths_t = tree_walk(parents, max_depth)
+        _TREE_CACHE[0], _TREE_CACHE[1] = parents, (anc, depth64)
+        return torch.zeros(parents.shape, dtype=torch.int64, device=parents.device), depth, paths_t
     anc, depth = _ancestors(parents, max_depth)
     if T > PATH_DEPTH and max_depth is None and int(depth.max()) > PATH_DEPTH:
         raise SpecpilotError(f"a token tree of depth {int(depth.max())}: the Triton step verifies trees of at most "

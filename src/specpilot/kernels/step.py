@@ -391,11 +391,19 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     depth[t]) is the block slot start + path[t, d] of t's ancestor at depth d, so a tree node sums
     its prefix and its ancestors in exactly the tiles a one-token decode at position start +
     depth[t] sums them in (whatever the node order of the tree; ``anc_ptr`` unused).
-    A wide tree's prefix is read once per row tile, not once per node, in two launches (issue 47):
-    PREFIX (chain rows): only the chunks wholly below ``start``, whose keys every node sees, in
-    row tiles (the sums a decode makes there: each row's bits do not depend on its tile); the
-    other chunks are written empty. TAIL (with PATH): the chunk holding ``start`` and the next one
-    (program axis 2 counts from start // CHUNK; a tree is at most 64 deep), per node, as above."""
+    A wide tree's prefix is read once per row tile, not once per node, in two launches (issues 47,
+    63): PREFIX (chain rows): every key tile (BS keys) wholly below the tile holding ``start``,
+    whose keys every node sees, in row tiles of many nodes' rows (the sums a decode makes there:
+    each row's bits do not depend on its tile); the state (max, sum, out) of each chunk is written,
+    empty for the chunks past start's tile. With WINDOWED each row masks the keys outside the
+    window of its node (position start + depth[t]; ``depth_ptr`` read per row). TAIL (with PATH):
+    the chunk holding ``start`` and the next one (program axis 2 counts from start // CHUNK; a tree
+    is at most 64 deep), per node: it loads the PREFIX state of its chunk and goes on from start's
+    tile with the same recurrence, over the virtual slots up to start + depth[t] only (the tiles
+    past them would be all masked: a tile whose keys are all masked leaves the state unchanged,
+    bit for bit). So a node's sums run over the same tiles in the same order as a decode's at its
+    position; only the tile holding start (prefix keys and the node's ancestors) and those of its
+    deeper ancestors are read per node."""
     bh = tl.program_id(0)
     rt = tl.program_id(1)
     c = tl.program_id(2)
@@ -423,18 +431,34 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
     q = tl.load(q_ptr + ((b * T + t).to(tl.int64) * HQ + h)[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None], other=0.0)
     last = start + t  # last visible slot of each row: the prefix and the block's chain up to itself
+    if PREFIX and WINDOWED:  # a tree node sits at position start + depth[t]: its window ends there
+        last = start + tl.load(depth_ptr + b * T + t, mask=rmask, other=0).to(tl.int32)
     if TREE:  # bit j of anc[b, t]: block node j is t itself or an ancestor of t
         anc = tl.load(anc_ptr + b * T + t, mask=rmask, other=0)
     kbase = kc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
     vbase = vc_ptr + b.to(tl.int64) * stride_cb + kh * stride_ch
-    m_i = tl.full((BR_,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BR_,), dtype=tl.float32)
-    acc = tl.zeros((BR_, D), dtype=tl.float32)
+    ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
+    if TAIL:  # the chunk after the last one of the cache does not exist
+        rmask = rmask & (c < n_chunks)
+        # the PREFIX launch's state after the chunk's key tiles below start's tile (empty if none):
+        # this program goes on from there with the same online-softmax recurrence (fp32, exact)
+        m_i = tl.load(m_ws + ws, mask=rmask, other=float("-inf"))
+        l_i = tl.load(l_ws + ws, mask=rmask, other=0.0)
+        acc = tl.load(o_ws + ws[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    else:
+        m_i = tl.full((BR_,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BR_,), dtype=tl.float32)
+        acc = tl.zeros((BR_, D), dtype=tl.float32)
     ones = tl.full((BS, 16), 1.0, dtype=vc_ptr.dtype.element_ty)
     s_lo = c * CHUNK
-    s_hi = tl.minimum(s_lo + CHUNK, start + T)
-    if PREFIX:  # a chunk holding start (or beyond) is the TAIL launch's: written empty here
-        s_hi = tl.where(s_lo + CHUNK <= start, s_hi, s_lo)
+    if PATH:  # the virtual slots past start + depth[t] hold no ancestor: their tiles would be all masked
+        s_hi = tl.minimum(s_lo + CHUNK, start + dep)
+    else:
+        s_hi = tl.minimum(s_lo + CHUNK, start + T)
+    if PREFIX:  # the key tiles wholly below start's tile (every node sees them); the rest is TAIL's
+        s_hi = tl.minimum(s_lo + CHUNK, (start // BS) * BS)
+    if TAIL:
+        s_lo = tl.maximum(s_lo, (start // BS) * BS)
     if WINDOWED:  # skip the key tiles below the first row's window; tiles stay BS-aligned (as in a
         # decode of any row), so every row sums its keys in the same tiles whatever the block
         s_lo = tl.maximum(s_lo, (tl.maximum(start - WIN + 1, 0) // BS) * BS)
@@ -492,9 +516,6 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, start_ptr, anc_ptr, o_ws, m_ws, 
             pv = tl.dot(pb, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    ws = (bh * n_chunks + c).to(tl.int64) * R_pad + r
-    if TAIL:  # the chunk after the last one of the cache does not exist
-        rmask = rmask & (c < n_chunks)
     tl.store(o_ws + ws[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
     tl.store(m_ws + ws, m_i, mask=rmask)
     tl.store(l_ws + ws, l_i, mask=rmask)
@@ -625,13 +646,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         grid = (B * n_kv, T, ws.n_chunks)
     else:
         grid, rows = (B * n_kv, ws.row_tiles, ws.n_chunks), ws.br
-    split = path is not None and window == 0 and T > PREFIX_ONCE_NODES  # the prefix once per row tile
+    split = path is not None and T > PREFIX_ONCE_NODES  # the prefix once per row tile
     args = (q, k_cache, v_cache, start, anc_bits if anc_bits is not None else start, ws.o, ws.m, ws.l, T, n_heads,
             n_kv, G, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ws.n_chunks, ws.r_pad, scale, window,
             max(ring, 1), path if path is not None else start, depth if depth is not None else start)
     if split:
         _attn_partial_kernel[(B * n_kv, ws.row_tiles, ws.n_chunks)](
-            *args, CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=False, WINDOWED=False, INTERP=INTERPRET,
+            *args, CHUNK=ws.chunk, BS=64, BR_=ws.br, D=head_dim, TREE=False, WINDOWED=window > 0, INTERP=INTERPRET,
             PATH=False, PREFIX=True, num_warps=4, num_stages=2)
         grid = (B * n_kv, T, 2)
     _attn_partial_kernel[grid](
