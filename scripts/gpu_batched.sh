@@ -23,13 +23,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu_batched}; mkdir -p "$OUT"
 # every stage under one deadline (DEADLINE seconds from the start): a stage gets at most the time
 # left and is skipped, saying so, when less than its need is left
-T0=$(date +%s); DEADLINE=${DEADLINE:-530}
-guard() {  # guard NEED_S CMD...: run CMD within the time left, or skip it
-    local need=$1 l; shift
-    l=$(( DEADLINE - ($(date +%s) - T0) ))
-    if [ "$l" -lt "$need" ]; then echo "SKIPPED ($l s left, needs $need): $*" | cut -c1-200; return; fi
-    timeout "$l" "$@"; local rc=$?; [ $rc -ne 0 ] && echo "rc=$rc: $*" | cut -c1-200; return 0
-}
+DEADLINE_DEFAULT=530; . "$(dirname "$0")/deadline.sh"
 if [ "${DRY:-0}" = 1 ]; then
     SHAPES=${SHAPES:-tiny tiny-hybrid tiny-muse}; BATCHED="--dry-run"; REQ=4; NEW=12; PLEN=16; C=2
 else

@@ -34,13 +34,7 @@ OUT=${OUT:-results/gpu_trees}; mkdir -p "$OUT"
 CALL=${CALL:-1}
 # every stage under one deadline (DEADLINE seconds from the start, default 560): a stage gets at
 # most the time left and is skipped, saying so, when less than its need is left
-T0=$(date +%s); DEADLINE=${DEADLINE:-560}
-guard() {  # guard NEED_S CMD...: run CMD within the time left, or skip it
-    local need=$1 l; shift
-    l=$(( DEADLINE - ($(date +%s) - T0) ))
-    if [ "$l" -lt "$need" ]; then echo "SKIPPED ($l s left, needs $need): $*" | cut -c1-200; return; fi
-    timeout "$l" "$@"; local rc=$?; [ $rc -ne 0 ] && echo "rc=$rc: $*" | cut -c1-200; return 0
-}
+DEADLINE_DEFAULT=560; . "$(dirname "$0")/deadline.sh"
 if [ "${DRY:-0}" = 1 ]; then
     S8=tiny; S27=tiny-hybrid; VERIFY="--dry-run"; WIDTHS="--dry-run"; REQ=2; REQ1=2; NEW=24; PLEN=16; C16=2
     HOST="--dry-run"
