@@ -22,6 +22,8 @@ from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 
+from .io import atomic_write_text
+
 _BLOCK = re.compile(r"^Error in rule (?P<rule>\S+):\n(?P<body>(?:    .*\n?)+)", re.M)
 _LOG = re.compile(r"^    log: (?P<logs>.*?)(?: \(check log file\(s\) for error details\))?$", re.M)
 _STAMP = re.compile(r"^\[(?P<when>\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
@@ -170,8 +172,6 @@ def merge_gpu_seconds(path: str | Path, rows: list[dict]) -> list[dict]:
     :data:`GPU_SECONDS_FIELDS`), one row per (job, taken_at): a hold already there is replaced by
     the newer reading (a stopped job read again keeps its one row). Written atomically; returns every
     row of the file, in the order taken."""
-    from .io import atomic_write_text
-
     p = Path(path)
     have: dict[tuple[str, str], dict] = {}
     if p.is_file():

@@ -39,6 +39,7 @@ import torch
 from ..fastpath.tables import DEFAULT_TUNE_ROWS, LINEAR_ROLES
 from ..io import read_json, write_json
 from ..models.config import TargetConfig, read_config
+from ..models.dflash import DrafterConfig
 from ..tuning.timing import mean_s
 from ..tuning.w12 import tune_w12_choice
 from ..w12 import pack
@@ -125,10 +126,8 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
     if not w12_fast:
         res["w12_choice_reason"] = "w12 fast-path section not run"
     else:
-        def w12_section():
-            return tune_w12_choice(cfg, tuple(w12_widths))
-
-        _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning", w12_section)
+        _section(res, "w12_choice", "w12_choice_reason", "w12 choice tuning",
+                 lambda: tune_w12_choice(cfg, tuple(w12_widths)))
     write_json(out, res)
     return res
 
@@ -136,7 +135,6 @@ def tune(target_dir: str, gpu: str, ceilings_path: str, out: str | Path, rows: t
 def _drafter(drafter_dir: str, cfg: TargetConfig, res: dict, rows: tuple[int, ...], roles, max_configs: int,
              min_gain: float, bw: float) -> dict:
     """The draft step's tables (see :func:`tune`; :func:`specpilot.tuning.matmul.tune_drafter_configs`)."""
-    from ..models.dflash import DrafterConfig
     from ..tuning.matmul import tune_drafter_configs
 
     dcfg = DrafterConfig.from_hf_dict(read_config(drafter_dir))

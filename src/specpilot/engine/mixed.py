@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from ..errors import SpecpilotError
-from ..tuning.timing import PhaseTimer
-from .verify import Step, decide
+from ..tuning.timing import PhaseTimer, clock
+from .verify import Step, advance, decide, step
 
 
 @dataclass
@@ -130,3 +130,100 @@ def commit_pieces(runner, drafter, pieces: list[tuple[int, list[int]]], outs: li
         drafter.observe(feats, runner.length, counts_t, committed)
         runner.commit(counts_t)
         c0 += w
+
+
+class MixedPrefill:
+    """The :class:`~specpilot.engine.scheduler.Scheduler`'s mixed prefill steps (its base class):
+    with ``mixed_prefill`` on, a freed slot's newcomer rides in chunks in the next decode steps (one
+    ragged forward of the running rows' verify blocks and the chunks, within the token budget) and
+    decodes from the step after its last chunk. A request's ``prefill_stall_s`` is then what the mixed
+    steps it decoded through took beyond a decode step (:func:`prefill_cost`), its ``prefill_s`` its
+    chunks' part of that in the steps that carried them, and ``mixed_steps`` counts the steps of its
+    decode that carried a chunk. Eager path only (:meth:`TargetRunner.mix_refusal`). Uses the
+    scheduler's state (``runner``, ``drafter``, ``mixed``, ``_filling``, ``_decode_times``) and
+    its ``_record`` / ``_admit``."""
+
+    def _check_mixed(self) -> None:
+        """Refuse a ``mixed_prefill`` this scheduler cannot run (one message naming the setting)."""
+        why = self.runner.mix_refusal()
+        if why is not None:
+            raise SpecpilotError(f"mixed_prefill: {why}")
+        for name, on in (("prefill_chunk", self.chunk is not None), ("prefill_beside", self.prefill_beside),
+                         ("overlap", self.overlap)):
+            if on:
+                raise SpecpilotError(f"mixed_prefill cannot be combined with {name}: the mixed step chunks prompts "
+                                     f"by its token budget inside the decode steps")
+        check_budget(self.mixed, self.runner.batch, self.verify_width)
+
+    def _fill(self, freed: list[int], now: float, queue, length: list[int]) -> None:
+        """Mixed prefill: give each freed slot the next queued request to fill in the coming mixed
+        steps (its cache row emptied: ``runner.rollback`` to length 0)."""
+        new = False
+        for b in freed:
+            if not queue:
+                break
+            self._filling[b] = Fill(queue.popleft(), 0, now)
+            length[b] = 0
+            new = True
+        if new:
+            self.runner.rollback(torch.tensor(length, dtype=torch.long))
+
+    def _iteration_mixed(self, queue, slot: list, length: list[int], last: torch.Tensor, requests, out,
+                         t0: float) -> torch.Tensor:
+        """One mixed step (:mod:`specpilot.engine.mixed`): every running row's verify block and the
+        filling slots' next prompt chunks (within the token budget) in one forward (with no slot to
+        fill, the plain step of :meth:`_iteration`); the decode rows
+        committed as in :meth:`_iteration`, then the chunks; a newcomer whose prompt is complete is
+        admitted with its first token, the slots freed get the next queued requests."""
+        runner, drafter, dev = self.runner, self.drafter, self.runner.device
+        rows = [b for b, i in enumerate(slot) if i is not None]
+        prompts = {b: requests[f.request].prompt_ids for b, f in self._filling.items()}
+        pieces = plan_pieces(self._filling, prompts, self.mixed - len(rows) * self.verify_width)
+        ta = clock(dev)
+        if pieces:
+            st, outs = mixed_step(runner, drafter, last, rows, pieces, self.accept, self.profile)
+        else:  # nothing to fill: the plain batched step (a uniform block runs faster than ragged rows)
+            st, outs = step(runner, drafter, last, self.accept, self.profile), []
+        if rows:
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(st.proposal, st.paths)
+        running = [slot[b] for b in rows]
+        counts, committed, freed = self._record(st, slot, requests, out, st.t_end - t0)
+        last = advance(runner, drafter, st, counts, committed)
+        for b in range(runner.batch):
+            length[b] += counts[b]
+        commit_pieces(runner, drafter, pieces, outs)
+        tb = clock(dev)
+        if rows and not pieces:
+            self._decode_times.append(tb - ta)
+        if pieces:
+            self.prefill_steps += 0 if rows else 1
+            self.mixed_steps += 1 if rows else 0
+            chunk = sum(len(t) for _, t in pieces)
+            extra = prefill_cost(tb - ta, self._decode_times, chunk, len(rows) * st.proposal.tokens.shape[1])
+            for i in running:  # what this row's step took beyond a decode step: the chunks' cost
+                out[i].prefill_stall_s += extra
+                if self.profile:  # counted once: as stall, not also as verify time (the cost model adds them)
+                    out[i].verify_s -= min(extra, st.t_end - st.t_verify)
+                out[i].mixed_steps = (out[i].mixed_steps or 0) + 1
+            done = []
+            for (b, toks), (lg, _) in zip(pieces, outs):
+                f = self._filling[b]
+                f.pos += len(toks)
+                f.prefill_s += extra * len(toks) / chunk
+                length[b] += len(toks)
+                if f.pos == len(prompts[b]):
+                    done.append((b, int(lg[-1].argmax(-1))))
+            if done:
+                last = last.clone()
+            for b, tok in done:
+                f = self._filling.pop(b)
+                last[b] = tok
+                slot[b] = f.request
+                if self._admit(b, f.request, tok, f.arrival, f.prefill_s, tb - t0, requests, out):
+                    slot[b] = None
+                    freed.append(b)
+        self._fill(freed, tb - t0, queue, length)
+        return last
+

@@ -30,14 +30,8 @@ that is the same ``prefill_row`` calls (same chunks) a refill makes, so every pr
 run takes one batch-invariant path: a request's outputs do not depend on the concurrency or on
 whether it arrived first or as a refill (AR at c1 equals AR at c16 token for token).
 
-With engine config ``mixed_prefill`` (a token budget, :mod:`specpilot.engine.mixed`) a freed slot's
-newcomer is not prefilled in a step of its own: its prompt rides in chunks in the next decode
-steps (one ragged forward of the running rows' verify blocks and the chunks, at most the budget's
-tokens), and it decodes from the step after its last chunk. A request's ``prefill_stall_s`` is
-then what the mixed steps it decoded through took beyond a decode step
-(:func:`~specpilot.engine.mixed.prefill_cost`), its ``prefill_s`` its chunks' part of that in the
-steps that carried them, and ``mixed_steps`` counts the steps of its
-decode that carried a chunk. Eager path only (:meth:`TargetRunner.mix_refusal`).
+With engine config ``mixed_prefill`` a freed slot's newcomer is prefilled in chunks inside the
+next decode steps instead of a step of its own (:mod:`specpilot.engine.mixed`).
 
 AR runs through the same loop with :class:`ARProposer` (a proposal of width 1: no drafts, the
 bonus token is the AR token). Outputs equal AR token for token at every concurrency (tests).
@@ -52,9 +46,7 @@ continuous batching costs a running request).
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,7 +57,8 @@ from ..drafters.proposal import chain
 from ..errors import SpecpilotError
 from ..tuning.timing import clock
 from .loop import RowResult, take_tokens
-from .mixed import Fill, check_budget, commit_pieces, mixed_step, plan_pieces, prefill_cost
+from .beside import PrefillBeside, _Beside
+from .mixed import Fill, MixedPrefill
 from .overlap import OverlapStepper
 from .runner import TargetRunner
 from .verify import accept_greedy, advance, step
@@ -92,17 +85,6 @@ class RequestResult(RowResult):
     finish_s: float = 0.0
     prefill_stall_s: float = 0.0  # seconds of neighbours' prefill steps while this request decoded
     mixed_steps: int | None = None  # decode steps that carried a newcomer's prompt chunk (None: mixed_prefill off)
-
-
-@dataclass
-class _Beside:
-    """A newcomer's prefill in flight beside the decode steps (:meth:`Scheduler._launch_beside`)."""
-
-    request: int
-    event: object  # torch.cuda.Event recorded after the prefill (None on the CPU: done)
-    first: torch.Tensor  # [1] its first token, copied to (pinned) host memory by the prefill stream
-    arrival: float  # seconds from the run's start when its slot freed
-    delay: int = 0  # tests: polls to wait before admission on the CPU
 
 
 class ARProposer(Proposer):
@@ -140,7 +122,7 @@ def slots_needed(requests: list[Request], verify_width: int, batched: bool = Tru
     return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) - 2 + verify_width + (1 if batched else 0)
 
 
-class Scheduler:
+class Scheduler(MixedPrefill, PrefillBeside):
     """Closed-loop continuous batching over ``runner.batch`` slots (see the module docstring).
 
     Args:
@@ -205,18 +187,6 @@ class Scheduler:
         if self.mixed:
             self._check_mixed()
 
-    def _check_mixed(self) -> None:
-        """Refuse a ``mixed_prefill`` this scheduler cannot run (one message naming the setting)."""
-        why = self.runner.mix_refusal()
-        if why is not None:
-            raise SpecpilotError(f"mixed_prefill: {why}")
-        for name, on in (("prefill_chunk", self.chunk is not None), ("prefill_beside", self.prefill_beside),
-                         ("overlap", self.overlap)):
-            if on:
-                raise SpecpilotError(f"mixed_prefill cannot be combined with {name}: the mixed step chunks prompts "
-                                     f"by its token budget inside the decode steps")
-        check_budget(self.mixed, self.runner.batch, self.verify_width)
-
     @property
     def verify_width(self) -> int:
         """The proposer's tokens per verify forward."""
@@ -226,22 +196,6 @@ class Scheduler:
         """Newcomers prefill in their own rows (:meth:`TargetRunner.prefill_row`) when the runner
         and the proposer can (the Triton step on a GPU); else one block over every row."""
         return self.runner.can_prefill_rows and self.drafter.can_observe_row()
-
-    def can_prefill_beside(self) -> bool:
-        """True when a refill can run beside the decode steps: newcomers prefill into their own rows
-        (:meth:`_rows_prefill`), the target is dense (a parked row's verify writes only KV slots
-        past its prompt, which the prefill does not touch; recurrent state or a sliding-window ring
-        would be shared), and there is more than one slot."""
-        r = self.runner
-        return self._rows_prefill() and r.model.config.is_dense and r.batch > 1
-
-    def _use_beside(self) -> bool:
-        if not self.prefill_beside:
-            return False
-        if not self.can_prefill_beside():
-            raise SpecpilotError("prefill_beside needs row prefill on the Triton fast path (a dense target, a "
-                                 "drafter that takes one row's context) and more than one slot")
-        return True
 
     def _check(self, requests: list[Request]) -> None:
         if not requests:
@@ -361,78 +315,6 @@ class Scheduler:
             return last
         return self._refill(freed, now, queue, slot, length, last, requests, out, t0)
 
-    def _fill(self, freed: list[int], now: float, queue, length: list[int]) -> None:
-        """Mixed prefill: give each freed slot the next queued request to fill in the coming mixed
-        steps (its cache row emptied: ``runner.rollback`` to length 0)."""
-        new = False
-        for b in freed:
-            if not queue:
-                break
-            self._filling[b] = Fill(queue.popleft(), 0, now)
-            length[b] = 0
-            new = True
-        if new:
-            self.runner.rollback(torch.tensor(length, dtype=torch.long))
-
-    def _iteration_mixed(self, queue, slot: list, length: list[int], last: torch.Tensor, requests, out,
-                         t0: float) -> torch.Tensor:
-        """One mixed step (:mod:`specpilot.engine.mixed`): every running row's verify block and the
-        filling slots' next prompt chunks (within the token budget) in one forward (with no slot to
-        fill, the plain step of :meth:`_iteration`); the decode rows
-        committed as in :meth:`_iteration`, then the chunks; a newcomer whose prompt is complete is
-        admitted with its first token, the slots freed get the next queued requests."""
-        runner, drafter, dev = self.runner, self.drafter, self.runner.device
-        rows = [b for b, i in enumerate(slot) if i is not None]
-        prompts = {b: requests[f.request].prompt_ids for b, f in self._filling.items()}
-        pieces = plan_pieces(self._filling, prompts, self.mixed - len(rows) * self.verify_width)
-        ta = clock(dev)
-        if pieces:
-            st, outs = mixed_step(runner, drafter, last, rows, pieces, self.accept, self.profile)
-        else:  # nothing to fill: the plain batched step (a uniform block runs faster than ragged rows)
-            st, outs = step(runner, drafter, last, self.accept, self.profile), []
-        if rows:
-            self.steps += 1
-            if self.on_step is not None:
-                self.on_step(st.proposal, st.paths)
-        running = [slot[b] for b in rows]
-        counts, committed, freed = self._record(st, slot, requests, out, st.t_end - t0)
-        last = advance(runner, drafter, st, counts, committed)
-        for b in range(runner.batch):
-            length[b] += counts[b]
-        commit_pieces(runner, drafter, pieces, outs)
-        tb = clock(dev)
-        if rows and not pieces:
-            self._decode_times.append(tb - ta)
-        if pieces:
-            self.prefill_steps += 0 if rows else 1
-            self.mixed_steps += 1 if rows else 0
-            chunk = sum(len(t) for _, t in pieces)
-            extra = prefill_cost(tb - ta, self._decode_times, chunk, len(rows) * st.proposal.tokens.shape[1])
-            for i in running:  # what this row's step took beyond a decode step: the chunks' cost
-                out[i].prefill_stall_s += extra
-                if self.profile:  # counted once: as stall, not also as verify time (the cost model adds them)
-                    out[i].verify_s -= min(extra, st.t_end - st.t_verify)
-                out[i].mixed_steps = (out[i].mixed_steps or 0) + 1
-            done = []
-            for (b, toks), (lg, _) in zip(pieces, outs):
-                f = self._filling[b]
-                f.pos += len(toks)
-                f.prefill_s += extra * len(toks) / chunk
-                length[b] += len(toks)
-                if f.pos == len(prompts[b]):
-                    done.append((b, int(lg[-1].argmax(-1))))
-            if done:
-                last = last.clone()
-            for b, tok in done:
-                f = self._filling.pop(b)
-                last[b] = tok
-                slot[b] = f.request
-                if self._admit(b, f.request, tok, f.arrival, f.prefill_s, tb - t0, requests, out):
-                    slot[b] = None
-                    freed.append(b)
-        self._fill(freed, tb - t0, queue, length)
-        return last
-
     def _record(self, st, slot: list, requests: list[Request], out: list[RequestResult], now: float):
         """Commit one step's tokens to each running request (budgets, EOS); returns (counts kept per
         row, tokens kept per row, the slots whose request finished)."""
@@ -537,85 +419,6 @@ class Scheduler:
             self.drafter.observe_row(b, feats, s0)
             self.prefill_steps += 1
         return logits
-
-    def _launch_beside(self, freed: list[int], now: float, queue: deque, slot: list, length: list[int],
-                       requests: list[Request], out: list[RequestResult]) -> None:
-        """Start the prefill of a queued request in each freed slot, beside the decode steps.
-
-        The slot is parked first: its committed length is set to the newcomer's prompt length, so
-        the decode steps that run meanwhile (which verify every row; a parked row commits nothing)
-        write the row's KV cache and draft cache only at slots >= the prompt's, while the prefill
-        writes the prompt's slots 0 .. P-1 and the drafter's context of them (``observe_row``); the
-        parked row's own logits are garbage and never read. On CUDA the prefill is queued on a
-        second stream (after everything queued so far on the main one) and an event marks its end;
-        :meth:`_poll` admits the request once the event has passed. The prefill makes the same
-        ``prefill_row`` calls (same chunks) as a blocking refill, so a request's tokens do not
-        depend on which of the two served it. ``arrival_s`` = ``now`` (when the slot freed).
-        """
-        runner, dev = self.runner, self.runner.device
-        cuda = dev.type == "cuda"
-        for b in freed:
-            if not queue:
-                return
-            i = queue.popleft()
-            p = requests[i].prompt_ids
-            runner.park_row(b, len(p))
-            length[b] = len(p)
-            side = None
-            if cuda:
-                if self._side is None:
-                    self._side = torch.cuda.Stream(device=dev)
-                side = self._side
-                side.wait_stream(torch.cuda.current_stream(dev))
-            first = torch.empty(1, dtype=torch.long, pin_memory=cuda)
-            with torch.inference_mode(), (torch.cuda.stream(side) if cuda else _nullcontext()):
-                logits = self._prefill_row(b, p, set_length=False)
-                first.copy_(logits.argmax(-1).reshape(1), non_blocking=cuda)
-                ev = None
-                if cuda:
-                    ev = torch.cuda.Event()
-                    ev.record(side)
-            self._pending[b] = _Beside(i, ev, first, now, self._beside_delay)
-
-    def _poll(self, queue: deque, slot: list, length: list[int], last: torch.Tensor, requests: list[Request],
-              out: list[RequestResult], t0: float) -> tuple[torch.Tensor, list[int]]:
-        """Admit every pending newcomer whose prefill has finished (waiting for the first one when
-        no request is running, so an empty batch does not spin); a newcomer done at once (a
-        one-token budget, EOS) frees its slot for the next in the queue. Returns the anchors with
-        the admitted rows' first tokens, and the slots admitted."""
-        dev = self.runner.device
-        running = any(s is not None for s in slot)
-        if not running:  # nothing to decode meanwhile: wait for the earliest launched prefill
-            b0 = min(self._pending, key=lambda b: self._pending[b].arrival)
-            p0 = self._pending[b0]
-            if p0.event is not None:
-                p0.event.synchronize()
-            p0.delay = 0
-        admitted = []
-        for b, p in list(self._pending.items()):
-            if p.event is not None and not p.event.query():
-                continue
-            if p.delay > 0:
-                p.delay -= 1
-                continue
-            admitted.append(b)
-        if not admitted:
-            return last, admitted
-        last = last.clone()
-        now = time.perf_counter() - t0  # no device synchronization: the events have passed
-        again = []
-        for b in admitted:
-            p = self._pending.pop(b)
-            if p.event is not None:
-                torch.cuda.current_stream(dev).wait_event(p.event)
-            tok = int(p.first[0])
-            last[b] = tok
-            slot[b] = p.request
-            if self._admit(b, p.request, tok, p.arrival, now - p.arrival, now, requests, out):
-                slot[b] = None  # done at once (a budget of one token, or EOS): the slot frees again
-                again.append(b)
-        self._launch_beside(again, now, queue, slot, length, requests, out)
-        return last, admitted
 
     def _eos(self, req: Request) -> int | None:
         """The token that ends ``req`` (None: it decodes its whole budget)."""

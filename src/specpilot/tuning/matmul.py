@@ -49,6 +49,7 @@ from ..fastpath.support import dense_support
 from ..fastpath.tables import DEFAULT_CONFIGS, DEFAULT_TUNE_ROWS, LINEAR_ROLES, TUNE_ROWS, LinearConfig, role_layout, row_tile
 from ..models.config import TargetConfig
 from ..models.qwen3 import Transformer
+from ..models.target import Transformer as FamilyTransformer
 from .timing import graph_us, rel_err
 
 FP32_REL_TOL = 2e-2  # relative L2 error against the fp32 reference a config may have at most
@@ -82,7 +83,6 @@ def family_role_shapes(cfg) -> dict[str, tuple[int, int]]:
     ``out_proj``, ``gate_up`` / ``down`` the MLP's, ``lm_head``. Shapes read from the model built
     on the meta device (no memory), fused as the family step fuses it."""
     from ..fastpath.family import fuse_family_weights  # the family step (Triton: imported when asked)
-    from ..models.target import Transformer as FamilyTransformer
 
     with torch.device("meta"):
         model = FamilyTransformer(cfg)
