@@ -375,3 +375,46 @@ def test_sequential_trials_with_the_replay_drafter(tmp_path, monkeypatch):
     r = ev.trial({"block_size": 6}, {"block_size": 8})
     assert r["gate"]["passed"] and [x["requests"] for x in r["rungs"]] == [1, 2] and r["requests"] == 2
     assert r["decision"] == "undecided at the cap" and r["gate"]["tokens_checked"] > 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_the_base_timed_once_across_rungs(monkeypatch, concurrency):
+    """``rounds.reuse_base`` with sequential trials: round 1's base is stock's config, timed by the
+    references over the whole pool. At c1 (rungs pool their requests) no rung re-times the base; in
+    a batched regime only rung 0's set, timed together, is reused and a later rung times its base
+    beside the candidate on the rung's own set (a request's time depends on what shares its batch)."""
+    import dataclasses
+    import json as _json
+
+    import specpilot.agent.trial as trial_mod
+
+    monkeypatch.setattr(Evaluator, "runs_as", lambda self, records, config: True)  # no model to compare with
+    monkeypatch.setattr(trial_mod, "settle", lambda *a: "straddles")  # every rung, to the cap
+    runs = []
+
+    class Reusing(SyntheticTiming):
+        def __init__(self):
+            self.gain, self.rng, self.noise = block_gain({10: 1.1}), random.Random(0), 0.05
+            prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
+            self.base_s = {p["request_id"]: 0.5 for p in prompts}
+            self.effect = {p["request_id"]: 1.0 for p in prompts}
+            refs = [[dataclasses.replace(record(p["request_id"], e, s * self.base_s[p["request_id"]]),
+                                         concurrency=concurrency, decode_s_repeats=[s * 0.5])
+                     for p in prompts] for e, s in (("ar", 2.0), ("stock", 1.0))]
+            Evaluator.__init__(self, None, prompts, 3, concurrency, {}, 8, 1e-3, repeats=1, references=tuple(refs),
+                               rungs=[1, 2, 4], min_gain=MIN_GAIN, reuse_base=True)
+
+        def run(self, engine, config, prompts=None):
+            ids = [p["request_id"] for p in (prompts or self.prompts)]
+            runs.append((_json.dumps(config, sort_keys=True), ids))
+            return [dataclasses.replace(r, concurrency=concurrency) for r in super().run(engine, config, prompts)]
+
+    ev = Reusing()
+    r = ev.trial({"block_size": 10}, {"block_size": 8})
+    assert [x["requests"] for x in r["rungs"]] == [2, 4, 8] and r["decision"] == "undecided at the cap"
+    base_runs = [ids for cfg, ids in runs if cfg == '{"block_size": 8}']
+    cand_runs = [ids for cfg, ids in runs if cfg == '{"block_size": 10}']
+    if concurrency == 1:  # every rung's base from the references: the candidate alone runs
+        assert base_runs == [] and sorted(i for ids in cand_runs for i in ids) == sorted(ev.prompt_ids)
+    else:  # rung 0 reused; rungs 1 and 2 re-time the base on their whole set
+        assert [len(ids) for ids in base_runs] == [4, 8] and [len(ids) for ids in cand_runs] == [2, 4, 8]
