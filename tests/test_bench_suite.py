@@ -59,10 +59,17 @@ def test_list_names_every_benchmark_once():
     assert bad.returncode == 2 and "unknown benchmark 'nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+# benchmarks whose dry run is checked by another file's test (the script that drives them): the name
+# of that test, which must exist there
+ELSEWHERE = {"serve-vs-run": ("test_serve.py", "def test_gpu_serve_script_dry_run(")}
+
+
 def test_every_benchmark_has_a_test():
     tested = {n.removeprefix("test_").removesuffix("_dry_run").replace("_", "-") for n in globals()
               if n.startswith("test_") and n.endswith("_dry_run")}
-    assert tested == set(BENCHMARKS)
+    for name, (path, test) in ELSEWHERE.items():
+        assert test in (REPO / "tests" / path).read_text(), f"{name}: {path} has no {test}"
+    assert tested | set(ELSEWHERE) == set(BENCHMARKS) and not tested & set(ELSEWHERE)
 
 
 @needs_triton

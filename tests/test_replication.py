@@ -10,6 +10,7 @@ embedded default, and each trial's rungs are recorded in the agent and integrati
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,7 +19,14 @@ import yaml
 
 from test_workflow_rerun import RUN_TIMEOUT, make_workdir, snakemake_cmd
 
-pytestmark = pytest.mark.slow
+# A comparison of two timed runs (targets live in benchmarks, not in timed unit tests): under CI's two
+# test workers the other worker's interpreted tests share the 2 cores, and on 2026-12-07 one such CI
+# run kept {"verify_path": "fused"} in the first run and stopped it as futile on its 2-request rung
+# 0 (gain 0.90 [0.57, 1.42]) in the second. It runs on an idle machine with SPECPILOT_REPLICATION=1;
+# the embedded default twice on the same machine is the replication record (BENCHMARKS.md).
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.environ.get("SPECPILOT_REPLICATION"),
+                                 reason="two timed runs compared: set SPECPILOT_REPLICATION=1 on an idle machine")]
 
 TARGET = "results/cpu/tiny/single/specpilot.json"
 

@@ -68,8 +68,12 @@ def test_coerce_keeps_strings_where_strings_belong():
 
 def test_top_level_max_new_tokens_reaches_the_rounds():
     cfg = snakemake_config("max_new_tokens=48")
+    del cfg["rounds"]["max_new_tokens"]  # a config whose rounds set no token count of their own
     check_config(cfg, SCHEMA_PATH)
     assert cfg["rounds"]["max_new_tokens"] == 48
+    cfg = snakemake_config("max_new_tokens=48")  # the embedded default's rounds set their own (64)
+    check_config(cfg, SCHEMA_PATH)
+    assert cfg["rounds"]["max_new_tokens"] == DEFAULT["rounds"]["max_new_tokens"] != 48
     cfg = snakemake_config("max_new_tokens=48", "rounds={max_new_tokens: 20}")
     check_config(cfg, SCHEMA_PATH)
     assert cfg["rounds"]["max_new_tokens"] == 20
@@ -96,14 +100,16 @@ def test_workflow_typo_message_is_short_and_names_the_key():
 
 
 def test_workflow_nested_override_and_max_new_tokens_reach_the_jobs():
-    r = snakemake("-n", "-p", "--config", "rounds={count: 1, budget: 3}", "max_new_tokens=16", "stop_at_eos=true")
+    r = snakemake("-n", "-p", "--config", "rounds={count: 1, budget: 3, max_new_tokens: 24}", "max_new_tokens=16",
+                  "stop_at_eos=true")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "round plan --round 1 " in out and "round plan --round 2 " not in out
     plans = [line for line in out.splitlines() if "specpilot round plan " in line]
-    # the nested override arrived typed (count 1: no round 2 above) and max_new_tokens reaches the
-    # rounds (agent jobs appear only after the plan checkpoint ran, so the plan's line is checked)
-    assert plans and all("--max-new-tokens 16 " in line and "--tolerance 0.001 " in line for line in plans)
+    # the nested override arrived typed (count 1: no round 2 above) and the rounds' own token count
+    # reaches the rounds, the top-level one the cells (agent jobs appear only after the plan
+    # checkpoint ran, so the plan's line is checked)
+    assert plans and all("--max-new-tokens 24 " in line and "--tolerance 0.001 " in line for line in plans)
     runs = [line for line in out.splitlines() if "python -m specpilot run " in line]
     assert runs and all("--stop-at-eos" in line and "--max-new-tokens 16" in line for line in runs)
     r = snakemake("-n", "-p")
