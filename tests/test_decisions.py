@@ -298,6 +298,16 @@ def test_settle_and_rungs():
         rung_prompts(prompts, [2, 2])
 
 
+def flat_pool(ev: SyntheticTiming, gain: float) -> list[dict]:
+    """Set up ``ev``'s synthetic timing for 2 benchmarks x 4 prompts, every request 0.5 s at the base,
+    block 10 ``gain`` times faster (no request-to-request spread); returns the prompts."""
+    ev.gain, ev.rng, ev.noise = block_gain({10: gain}), random.Random(0), 0.05
+    prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
+    ev.base_s = {p["request_id"]: 0.5 for p in prompts}
+    ev.effect = {p["request_id"]: 1.0 for p in prompts}
+    return prompts
+
+
 def test_references_cover_every_rung_and_a_later_rung_is_gated_against_its_own():
     """The round references: rung 0's prompts timed ``repeats`` times, the later rungs' once; a
     trial's later rung passes the gate against those references (its own request ids)."""
@@ -305,10 +315,7 @@ def test_references_cover_every_rung_and_a_later_rung_is_gated_against_its_own()
 
     class Counting(SyntheticTiming):
         def __init__(self):
-            self.gain, self.rng, self.noise = block_gain({10: 1.0}), random.Random(0), 0.05
-            prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
-            self.base_s = {p["request_id"]: 0.5 for p in prompts}
-            self.effect = {p["request_id"]: 1.0 for p in prompts}
+            prompts = flat_pool(self, 1.0)
             Evaluator.__init__(self, None, prompts, 3, 1, {}, 8, 1e-3, repeats=2, rungs=[1, 2, 4], min_gain=MIN_GAIN)
 
         def run(self, engine, config, prompts=None):
@@ -394,10 +401,7 @@ def test_the_base_timed_once_across_rungs(monkeypatch, concurrency):
 
     class Reusing(SyntheticTiming):
         def __init__(self):
-            self.gain, self.rng, self.noise = block_gain({10: 1.1}), random.Random(0), 0.05
-            prompts = [{"request_id": f"b{b}/{j:04d}", "prompt_ids": [1, 2, 3, 4]} for b in range(2) for j in range(4)]
-            self.base_s = {p["request_id"]: 0.5 for p in prompts}
-            self.effect = {p["request_id"]: 1.0 for p in prompts}
+            prompts = flat_pool(self, 1.1)
             refs = [[dataclasses.replace(record(p["request_id"], e, s * self.base_s[p["request_id"]]),
                                          concurrency=concurrency, decode_s_repeats=[s * 0.5])
                      for p in prompts] for e, s in (("ar", 2.0), ("stock", 1.0))]
